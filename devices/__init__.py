@@ -1,0 +1,1 @@
+"""Device workers: one thread per rank, its stream, state, graphs and collectives."""

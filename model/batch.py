@@ -1,0 +1,112 @@
+"""Device-side inputs of one forward: packed prefill chunks, or one decode token per row.
+
+Built from plain Python lists (what the scheduler hands the workers) by `PrefillBatch.build` and
+`DecodeBatch.build`; the tensors are what the ops read, the host lists what the reference ops loop over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    """One request's slice of prompt: tokens at positions start .. start+len, state in `slot`, KV in `pages`."""
+
+    token_ids: list[int]
+    start: int
+    slot: int
+    pages: list[int]
+
+
+@dataclass
+class PrefillBatch:
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    cu_seqlens: torch.Tensor  # [R+1] int32
+    slots: torch.Tensor  # [R] long
+    context_lens: torch.Tensor  # [R] long: tokens cached before this chunk
+    page_table: torch.Tensor  # [R, P] int32
+    slot_mapping: torch.Tensor  # [T] long: flat KV index of each token
+    last_token: torch.Tensor  # [R] long: index of each request's last token in the packed batch
+    fresh_slots: torch.Tensor  # [F] long: slots of requests starting at token 0 (state reset first)
+
+    @classmethod
+    def build(cls, chunks: list[PrefillChunk], page_size: int, trash_page: int, device) -> "PrefillBatch":
+        ids, positions, slot_mapping, cu, last = [], [], [], [0], []
+        width = max(len(c.pages) for c in chunks)
+        table = []
+        for c in chunks:
+            n = len(c.token_ids)
+            if n == 0:
+                raise ValueError("a prefill chunk needs at least one token")
+            if (c.start + n + page_size - 1) // page_size > len(c.pages):
+                raise ValueError(f"chunk of {n} tokens at {c.start} needs more than its {len(c.pages)} pages")
+            ids.extend(c.token_ids)
+            pos = range(c.start, c.start + n)
+            positions.extend(pos)
+            slot_mapping.extend(c.pages[p // page_size] * page_size + p % page_size for p in pos)
+            cu.append(cu[-1] + n)
+            last.append(cu[-1] - 1)
+            table.append(c.pages + [trash_page] * (width - len(c.pages)))
+
+        def t(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            input_ids=t(ids),
+            positions=t(positions),
+            cu_seqlens=t(cu, torch.int32),
+            slots=t([c.slot for c in chunks]),
+            context_lens=t([c.start for c in chunks]),
+            page_table=t(table, torch.int32),
+            slot_mapping=t(slot_mapping),
+            last_token=t(last),
+            fresh_slots=t([c.slot for c in chunks if c.start == 0]),
+        )
+
+
+@dataclass
+class DecodeBatch:
+    input_ids: torch.Tensor  # [N] long
+    positions: torch.Tensor  # [N] long: position of the new token
+    slots: torch.Tensor  # [N] long, -1 for padding rows
+    page_table: torch.Tensor  # [N, P] int32
+    seq_lens: torch.Tensor  # [N] long: tokens cached after this step (position + 1)
+    slot_mapping: torch.Tensor  # [N] long
+
+    @classmethod
+    def build(
+        cls,
+        token_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        pages: list[list[int]],
+        page_size: int,
+        trash_page: int,
+        device,
+        width: int | None = None,
+    ) -> "DecodeBatch":
+        width = width or max(len(p) for p in pages)
+        table, mapping = [], []
+        for pos, row_pages in zip(positions, pages):
+            if pos // page_size >= len(row_pages):
+                raise ValueError(f"decode position {pos} has no page (only {len(row_pages)} pages)")
+            if len(row_pages) > width:
+                raise ValueError(f"a row holds {len(row_pages)} pages, more than the table width {width}")
+            table.append(row_pages + [trash_page] * (width - len(row_pages)))
+            mapping.append(row_pages[pos // page_size] * page_size + pos % page_size)
+
+        def t(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            input_ids=t(token_ids),
+            positions=t(positions),
+            slots=t(slots),
+            page_table=t(table, torch.int32),
+            seq_lens=t([p + 1 for p in positions]),
+            slot_mapping=t(mapping),
+        )

@@ -1,0 +1,159 @@
+"""One tensor-parallel rank's Qwen3.5 forward, built from the ops in `kernels/` (torch references or Triton).
+
+Prefill runs packed variable-length chunks; decode runs one token for each of N rows as one batched forward.
+Under tensor parallelism the three row-parallel projections (GDN out_proj, attention o_proj, MLP down_proj)
+are followed by `all_reduce`, an in-place sum over ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference as reference_ops
+
+from .batch import DecodeBatch, PrefillBatch
+from .config import ModelConfig
+from .sharding import LocalSizes
+from .state import ModelState
+
+
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class Qwen35Shard:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        tp: int = 1,
+        ops=reference_ops,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.cfg, self.w, self.ops, self.tp = cfg, weights, ops, tp
+        self.local = LocalSizes.of(cfg, tp)
+        self.all_reduce = all_reduce or _no_reduce
+        embed = weights["embed_tokens.weight"]
+        self.dtype, self.device = embed.dtype, embed.device
+        self.cos, self.sin = reference_ops.rope_tables(
+            cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, device=self.device
+        )
+        self.scale = cfg.head_dim**-0.5
+        # Layer index -> its index among the layers of its kind (row of the state pools).
+        self.state_index = {}
+        for kind_layers in (cfg.gdn_layers, cfg.attention_layers):
+            for j, i in enumerate(kind_layers):
+                self.state_index[i] = j
+
+    # Layers ----------------------------------------------------------------------------------------------------------
+    def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        w = self.w
+        h = F.silu(x @ w[p + "mlp.gate_proj.weight"].t()) * (x @ w[p + "mlp.up_proj.weight"].t())
+        return self.all_reduce(h @ w[p + "mlp.down_proj.weight"].t())
+
+    def _gdn_inputs(self, x: torch.Tensor, p: str):
+        w = self.w
+        mixed = x @ w[p + "in_proj_qkv.weight"].t()
+        z = x @ w[p + "in_proj_z.weight"].t()
+        b = x @ w[p + "in_proj_b.weight"].t()
+        a = x @ w[p + "in_proj_a.weight"].t()
+        return mixed, z, a, b
+
+    def _gdn_output(self, o: torch.Tensor, z: torch.Tensor, p: str) -> torch.Tensor:
+        T = o.shape[0]
+        dv = self.cfg.linear_value_head_dim
+        normed = self.ops.gated_rms_norm(o, z.reshape(T, -1, dv), self.w[p + "norm.weight"], self.cfg.rms_norm_eps)
+        return self.all_reduce(normed.reshape(T, -1) @ self.w[p + "out_proj.weight"].t())
+
+    def _gdn_prefill(self, x, p, state: ModelState, batch: PrefillBatch, j: int):
+        cfg, w = self.cfg, self.w
+        mixed, z, a, b = self._gdn_inputs(x, p)
+        mixed = self.ops.conv1d_prefill(mixed, w[p + "conv1d.weight"], state.conv[j], batch.cu_seqlens, batch.slots)
+        o = self.ops.gdn_prefill(
+            mixed, a, b, w[p + "A_log"], w[p + "dt_bias"], state.ssm[j], batch.cu_seqlens, batch.slots,
+            self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+        )
+        return self._gdn_output(o, z, p)
+
+    def _gdn_decode(self, x, p, state: ModelState, batch: DecodeBatch, j: int):
+        cfg, w = self.cfg, self.w
+        mixed, z, a, b = self._gdn_inputs(x, p)
+        mixed = self.ops.conv1d_decode(mixed, w[p + "conv1d.weight"], state.conv[j], batch.slots)
+        o = self.ops.gdn_decode(
+            mixed, a, b, w[p + "A_log"], w[p + "dt_bias"], state.ssm[j], batch.slots,
+            self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+        )
+        return self._gdn_output(o, z, p)
+
+    def _attn_inputs(self, x, p, state: ModelState, j: int, positions, slot_mapping):
+        cfg, w, ops = self.cfg, self.w, self.ops
+        T, D = x.shape[0], cfg.head_dim
+        qg = (x @ w[p + "q_proj.weight"].t()).reshape(T, self.local.num_heads, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:]
+        k = (x @ w[p + "k_proj.weight"].t()).reshape(T, self.local.num_kv_heads, D)
+        v = (x @ w[p + "v_proj.weight"].t()).reshape(T, self.local.num_kv_heads, D)
+        q = ops.rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
+        k = ops.rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
+        q = ops.rope_and_cache(
+            q, k, v, positions, self.cos, self.sin, state.k_cache[j], state.v_cache[j], slot_mapping
+        )
+        return q, gate
+
+    def _attn_output(self, o: torch.Tensor, gate: torch.Tensor, p: str) -> torch.Tensor:
+        T = o.shape[0]
+        o = (o * torch.sigmoid(gate.float()).to(o.dtype)).reshape(T, -1)
+        return self.all_reduce(o @ self.w[p + "o_proj.weight"].t())
+
+    def _attn_prefill(self, x, p, state: ModelState, batch: PrefillBatch, j: int):
+        q, gate = self._attn_inputs(x, p, state, j, batch.positions, batch.slot_mapping)
+        o = self.ops.prefill_attention(
+            q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.cu_seqlens, batch.context_lens, self.scale
+        )
+        return self._attn_output(o, gate, p)
+
+    def _attn_decode(self, x, p, state: ModelState, batch: DecodeBatch, j: int):
+        q, gate = self._attn_inputs(x, p, state, j, batch.positions, batch.slot_mapping)
+        o = self.ops.decode_attention(
+            q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.seq_lens, self.scale
+        )
+        return self._attn_output(o, gate, p)
+
+    # Whole model --------------------------------------------------------------------------------------------------
+    def _run(self, input_ids, state, batch, prefill: bool) -> torch.Tensor:
+        cfg, w, ops = self.cfg, self.w, self.ops
+        x = w["embed_tokens.weight"][input_ids]
+        residual = None
+        for i, kind in enumerate(cfg.layer_types):
+            p = f"layers.{i}."
+            h, residual = ops.add_rms_norm(x, residual, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            j = self.state_index[i]
+            if kind == "full_attention":
+                mix = self._attn_prefill if prefill else self._attn_decode
+                x = mix(h, p + "self_attn.", state, batch, j)
+            else:
+                mix = self._gdn_prefill if prefill else self._gdn_decode
+                x = mix(h, p + "linear_attn.", state, batch, j)
+            h, residual = ops.add_rms_norm(x, residual, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            x = self._mlp(h, p)
+        hidden, _ = ops.add_rms_norm(x, residual, w["norm.weight"], cfg.rms_norm_eps)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden @ self.w["lm_head.weight"].t()).float()
+
+    @torch.inference_mode()
+    def prefill(self, state: ModelState, batch: PrefillBatch, all_logits: bool = False) -> torch.Tensor:
+        """Run packed chunks; logits [R, V] at each request's last token (or [T, V] for every token)."""
+        if batch.fresh_slots.numel():
+            state.reset_slots(batch.fresh_slots)
+        hidden = self._run(batch.input_ids, state, batch, prefill=True)
+        return self.logits(hidden if all_logits else hidden[batch.last_token])
+
+    @torch.inference_mode()
+    def decode(self, state: ModelState, batch: DecodeBatch) -> torch.Tensor:
+        """One token for each row; logits [N, V]."""
+        return self.logits(self._run(batch.input_ids, state, batch, prefill=False))

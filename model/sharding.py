@@ -1,0 +1,91 @@
+"""Per-rank shard plans (DESIGN §3): which slices of each checkpoint tensor a tensor-parallel rank holds.
+
+A plan is a dimension plus a list of [start, stop) ranges along it; the rank's tensor is the concatenation of
+those slices, read straight from the memory-mapped checkpoint. Replicated tensors have no plan (None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+
+    def size(self) -> int:
+        return sum(stop - start for start, stop in self.ranges)
+
+
+def _part(total: int, rank: int, tp: int, unit: int = 1) -> tuple[int, int]:
+    """The rank's contiguous share of `total` items of `unit` elements each."""
+    per = total // tp
+    return rank * per * unit, (rank + 1) * per * unit
+
+
+@dataclass(frozen=True)
+class LocalSizes:
+    """Head and channel counts one rank holds."""
+
+    num_heads: int
+    num_kv_heads: int
+    gdn_key_heads: int
+    gdn_value_heads: int
+    intermediate: int
+    gdn_conv_dim: int
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, tp: int) -> "LocalSizes":
+        cfg.check_tp(tp)
+        hk, hv = cfg.linear_num_key_heads // tp, cfg.linear_num_value_heads // tp
+        return cls(
+            num_heads=cfg.num_attention_heads // tp,
+            num_kv_heads=cfg.num_key_value_heads // tp,
+            gdn_key_heads=hk,
+            gdn_value_heads=hv,
+            intermediate=cfg.intermediate_size // tp,
+            gdn_conv_dim=2 * hk * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim,
+        )
+
+
+def gdn_channel_ranges(cfg: ModelConfig, rank: int, tp: int) -> tuple[tuple[int, int], ...]:
+    """The rank's channels of the [q | k | v] segments of `in_proj_qkv` and `conv1d`, in that order."""
+    kd, vd = cfg.gdn_key_dim, cfg.gdn_value_dim
+    q = _part(cfg.linear_num_key_heads, rank, tp, cfg.linear_key_head_dim)
+    k = _part(cfg.linear_num_key_heads, rank, tp, cfg.linear_key_head_dim)
+    v = _part(cfg.linear_num_value_heads, rank, tp, cfg.linear_value_head_dim)
+    return (q, (kd + k[0], kd + k[1]), (2 * kd + v[0], 2 * kd + v[1]))
+
+
+def shard_plan(name: str, cfg: ModelConfig, rank: int, tp: int) -> ShardPlan | None:
+    """The plan for a text-model tensor named without the `model.language_model.` prefix."""
+    if tp == 1:
+        return None
+    leaf = name.split(".layers.", 1)[-1]
+    parts = leaf.split(".")
+    module = ".".join(parts[1:-1]) if parts[0].isdigit() else ""
+    if module == "linear_attn.in_proj_qkv" or module == "linear_attn.conv1d":
+        return ShardPlan(0, gdn_channel_ranges(cfg, rank, tp))
+    if module in ("linear_attn.in_proj_z",):
+        return ShardPlan(0, (_part(cfg.linear_num_value_heads, rank, tp, cfg.linear_value_head_dim),))
+    if module in ("linear_attn.in_proj_b", "linear_attn.in_proj_a") or leaf.endswith(
+        ("linear_attn.dt_bias", "linear_attn.A_log")
+    ):
+        return ShardPlan(0, (_part(cfg.linear_num_value_heads, rank, tp),))
+    if module == "linear_attn.out_proj":
+        return ShardPlan(1, (_part(cfg.linear_num_value_heads, rank, tp, cfg.linear_value_head_dim),))
+    if module == "self_attn.q_proj":
+        # Each head's rows are [query(D) | gate(D)]: a head shard keeps the two together.
+        return ShardPlan(0, (_part(cfg.num_attention_heads, rank, tp, 2 * cfg.head_dim),))
+    if module in ("self_attn.k_proj", "self_attn.v_proj"):
+        return ShardPlan(0, (_part(cfg.num_key_value_heads, rank, tp, cfg.head_dim),))
+    if module == "self_attn.o_proj":
+        return ShardPlan(1, (_part(cfg.num_attention_heads, rank, tp, cfg.head_dim),))
+    if module in ("mlp.gate_proj", "mlp.up_proj"):
+        return ShardPlan(0, (_part(cfg.intermediate_size, rank, tp),))
+    if module == "mlp.down_proj":
+        return ShardPlan(1, (_part(cfg.intermediate_size, rank, tp),))
+    return None  # norms, embedding, lm_head, q_norm/k_norm, the GDN norm: replicated

@@ -1,0 +1,81 @@
+"""Per-rank model state: GDN conv and recurrent state per slot, paged KV for the full-attention layers.
+
+Every pool has one extra trailing entry (the trash slot / trash page) that padding rows read and write, so a
+padded CUDA-graph row never touches state a request owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .sharding import LocalSizes
+
+PAGE_SIZE = 16  # tokens per KV page
+
+
+@dataclass(frozen=True)
+class StateSizes:
+    """Bytes one rank spends per request slot and per KV page (the inputs of the capacity math)."""
+
+    conv_bytes_per_slot: int
+    ssm_bytes_per_slot: int
+    kv_bytes_per_page: int
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.conv_bytes_per_slot + self.ssm_bytes_per_slot
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, tp: int, dtype: torch.dtype, page_size: int = PAGE_SIZE) -> "StateSizes":
+        local = LocalSizes.of(cfg, tp)
+        elem = torch.tensor([], dtype=dtype).element_size()
+        n_gdn, n_attn = len(cfg.gdn_layers), len(cfg.attention_layers)
+        conv = n_gdn * (cfg.linear_conv_kernel_dim - 1) * local.gdn_conv_dim * elem
+        ssm = n_gdn * local.gdn_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        kv = n_attn * 2 * page_size * local.num_kv_heads * cfg.head_dim * elem
+        return cls(conv, ssm, kv)
+
+
+class ModelState:
+    """Fixed-address state of one rank: `num_slots` request slots and `num_pages` KV pages (+1 trash each)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: int,
+        num_slots: int,
+        num_pages: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        page_size: int = PAGE_SIZE,
+    ) -> None:
+        local = LocalSizes.of(cfg, tp)
+        self.num_slots, self.num_pages, self.page_size = num_slots, num_pages, page_size
+        self.trash_slot, self.trash_page = num_slots, num_pages
+        n_gdn, n_attn = len(cfg.gdn_layers), len(cfg.attention_layers)
+        self.conv = torch.zeros(
+            n_gdn, num_slots + 1, cfg.linear_conv_kernel_dim - 1, local.gdn_conv_dim, dtype=dtype, device=device
+        )
+        self.ssm = torch.zeros(
+            n_gdn, num_slots + 1, local.gdn_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+            dtype=torch.float32, device=device,
+        )
+        kv_shape = (n_attn, num_pages + 1, page_size, local.num_kv_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
+
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        """Zero the GDN state of these slots (a request starting from its first token)."""
+        self.conv[:, slots] = 0
+        self.ssm[:, slots] = 0
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy one slot's GDN state to another, device to device."""
+        self.conv[:, dst].copy_(self.conv[:, src])
+        self.ssm[:, dst].copy_(self.ssm[:, src])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm, self.k_cache, self.v_cache))

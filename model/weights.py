@@ -1,0 +1,199 @@
+"""Checkpoint reading: single-file or sharded safetensors, memory-mapped, one tensor (slice) at a time.
+
+Each rank reads only its own slices (model/sharding.py) straight from the mapped file, casts them and moves them
+to the target device, so host memory never holds more than one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from .config import ModelConfig
+from .sharding import shard_plan
+
+log = logging.getLogger(__name__)
+
+# Prefixes under which checkpoints store the text model; the first one that matches is stripped.
+_TEXT_PREFIXES = ("model.language_model.", "model.")
+# Tensors of other towers that the text runtime ignores (kept in mind for MTP speculative decoding later).
+_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+
+
+class WeightError(ValueError):
+    """A checkpoint whose tensors do not match its config; the message names the tensor."""
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every text-model tensor, by its canonical name (no prefix), with its full unsharded shape."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, H), "norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, H)
+        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, H)
+        shapes[p + "mlp.down_proj.weight"] = (H, cfg.intermediate_size)
+        if kind == "full_attention":
+            a = p + "self_attn."
+            shapes[a + "q_proj.weight"] = (cfg.num_attention_heads * D * 2, H)
+            shapes[a + "k_proj.weight"] = (cfg.num_key_value_heads * D, H)
+            shapes[a + "v_proj.weight"] = (cfg.num_key_value_heads * D, H)
+            shapes[a + "o_proj.weight"] = (H, cfg.num_attention_heads * D)
+            shapes[a + "q_norm.weight"] = (D,)
+            shapes[a + "k_norm.weight"] = (D,)
+        else:
+            g = p + "linear_attn."
+            hv = cfg.linear_num_value_heads
+            shapes[g + "in_proj_qkv.weight"] = (cfg.gdn_conv_dim, H)
+            shapes[g + "in_proj_z.weight"] = (cfg.gdn_value_dim, H)
+            shapes[g + "in_proj_b.weight"] = (hv, H)
+            shapes[g + "in_proj_a.weight"] = (hv, H)
+            shapes[g + "conv1d.weight"] = (cfg.gdn_conv_dim, 1, cfg.linear_conv_kernel_dim)
+            shapes[g + "dt_bias"] = (hv,)
+            shapes[g + "A_log"] = (hv,)
+            shapes[g + "norm.weight"] = (cfg.linear_value_head_dim,)
+            shapes[g + "out_proj.weight"] = (H, cfg.gdn_value_dim)
+    return shapes
+
+
+def canonical_name(stored: str) -> str | None:
+    """The text-model name of a stored tensor, or None for tensors of other towers."""
+    if stored.startswith(_SKIPPED_PREFIXES):
+        return None
+    for prefix in _TEXT_PREFIXES:
+        if stored.startswith(prefix):
+            return stored[len(prefix) :]
+    return stored  # lm_head.weight, or a checkpoint saved without any prefix
+
+
+def checkpoint_files(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """The safetensors files of a checkpoint: those its index names, or every *.safetensors file."""
+    index = os.path.join(checkpoint_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise WeightError(f"{index} has no 'weight_map' object")
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.isfile(os.path.join(checkpoint_dir, name)):
+                raise WeightError(f"{index} names {name}, which is missing from {checkpoint_dir}")
+    else:
+        files = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise WeightError(f"no .safetensors files in {checkpoint_dir}")
+    return [os.path.join(checkpoint_dir, f) for f in files]
+
+
+def _locate(files: list[str]) -> dict[str, tuple[str, str]]:
+    """canonical name -> (file, stored name) for every text tensor in the checkpoint."""
+    found: dict[str, tuple[str, str]] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for stored in f.keys():
+                name = canonical_name(stored)
+                if name is None:
+                    continue
+                if name in found:
+                    raise WeightError(f"tensor {name!r} is stored twice ({found[name][1]} and {stored})")
+                found[name] = (path, stored)
+    return found
+
+
+def _read(handle, stored: str, plan) -> torch.Tensor:
+    if plan is None:
+        return handle.get_tensor(stored)
+    view = handle.get_slice(stored)
+    pieces = []
+    for start, stop in plan.ranges:
+        index = [slice(None)] * len(view.get_shape())
+        index[plan.dim] = slice(start, stop)
+        pieces.append(view[tuple(index)])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=plan.dim)
+
+
+def iter_rank_tensors(
+    checkpoint_dir: str | os.PathLike, cfg: ModelConfig, rank: int = 0, tp: int = 1, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (canonical name, this rank's slice on the CPU) for every tensor the model needs, checked first."""
+    cfg.check_tp(tp)
+    shapes = expected_shapes(cfg)
+    located = _locate(checkpoint_files(checkpoint_dir))
+    missing = [n for n in shapes if n not in located]
+    if missing:
+        raise WeightError(f"checkpoint {checkpoint_dir} is missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    unknown = sorted(n for n in located if n not in shapes and n != "lm_head.weight")
+    if unknown:
+        log.warning("ignoring %d tensors the config does not use, e.g. %s", len(unknown), unknown[0])
+    if cfg.tie_word_embeddings and "lm_head.weight" in located:
+        log.info("tie_word_embeddings is set: ignoring the stored lm_head.weight")
+
+    handles: dict[str, object] = {}
+    sizes = {}
+    for name in shapes:
+        path, stored = located[name]
+        if path not in handles:
+            handles[path] = safe_open(path, framework="pt")
+        view = handles[path].get_slice(stored)
+        shape = tuple(view.get_shape())
+        if shape != shapes[name]:
+            raise WeightError(f"tensor {name!r} has shape {list(shape)}; the config implies {list(shapes[name])}")
+        plan = shard_plan(name, cfg, rank, tp)
+        numel = 1
+        for d in shape:
+            numel *= d
+        sizes[name] = (numel // shape[plan.dim] * plan.size() if plan else numel) * _DTYPE_BYTES.get(view.get_dtype(), 4)
+
+    bar = tqdm(
+        total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"loading weights (rank {rank}/{tp})",
+        disable=not progress, leave=False,
+    )
+    try:
+        for name in shapes:
+            path, stored = located[name]
+            tensor = _read(handles[path], stored, shard_plan(name, cfg, rank, tp))
+            bar.update(sizes[name])
+            yield name, tensor
+    finally:
+        bar.close()
+        handles.clear()
+
+
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "F8_E4M3": 1}
+
+# Small per-head parameters the math consumes in fp32 whatever the model dtype.
+_FP32_TENSORS = ("linear_attn.A_log", "linear_attn.dt_bias")
+
+
+def load_rank_weights(
+    checkpoint_dir: str | os.PathLike,
+    cfg: ModelConfig,
+    *,
+    rank: int = 0,
+    tp: int = 1,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """This rank's weights by canonical name, on `device`, in `dtype` (A_log and dt_bias stay fp32)."""
+    weights: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_rank_tensors(checkpoint_dir, cfg, rank, tp, progress):
+        target = torch.float32 if name.endswith(_FP32_TENSORS) else dtype
+        if name.endswith("conv1d.weight"):
+            tensor = tensor.squeeze(1)  # [C, 1, K] depthwise -> [C, K]
+        weights[name] = tensor.to(device=device, dtype=target).contiguous()
+    if cfg.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["embed_tokens.weight"]
+    total = sum(t.numel() * t.element_size() for n, t in weights.items() if n != "lm_head.weight" or not cfg.tie_word_embeddings)
+    log.info("rank %d/%d holds %.1f MiB of weights on %s", rank, tp, total / 2**20, device)
+    return weights

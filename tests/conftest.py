@@ -1,0 +1,32 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    from tools.make_checkpoint import write_checkpoint
+
+    return write_checkpoint(str(tmp_path_factory.mktemp("tiny")), "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_tp_ckpt(tmp_path_factory):
+    from tools.make_checkpoint import write_checkpoint
+
+    return write_checkpoint(str(tmp_path_factory.mktemp("tiny_tp")), "tiny-tp", sharded=3)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,84 @@
+"""Shared test helpers: tiny checkpoints, the HF reference model, our model on the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from model.batch import DecodeBatch, PrefillBatch, PrefillChunk
+from model.config import load_model_config
+from model.forward import Qwen35Shard
+from model.state import PAGE_SIZE, ModelState
+from model.weights import load_rank_weights
+
+
+def hf_model(checkpoint_dir: str, dtype=torch.float32):
+    """transformers' Qwen3_5ForCausalLM with the checkpoint's text weights (the oracle)."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from model.weights import canonical_name, checkpoint_files
+
+    with open(f"{checkpoint_dir}/config.json") as f:
+        raw = json.load(f)
+    text = dict(raw.get("text_config", raw))
+    text.pop("model_type", None)
+    text["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    config = Qwen3_5TextConfig(**text)
+    config._attn_implementation = "eager"
+    model = Qwen3_5ForCausalLM(config).to(dtype).eval()
+    state = {}
+    for path in checkpoint_files(checkpoint_dir):
+        for stored, tensor in load_file(path).items():
+            name = canonical_name(stored)
+            if name is None:
+                continue
+            state[name if name == "lm_head.weight" else "model." + name] = tensor.to(dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    assert not missing and not unexpected, (missing, unexpected)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
+class CpuRunner:
+    """Our model on one rank with a state pool and a trivial page allocator, for tests."""
+
+    def __init__(self, checkpoint_dir: str, dtype=torch.float32, num_slots: int = 16, num_pages: int = 256, tp=1,
+                 rank=0, all_reduce=None):
+        self.cfg = load_model_config(checkpoint_dir)
+        weights = load_rank_weights(checkpoint_dir, self.cfg, rank=rank, tp=tp, dtype=dtype, progress=False)
+        self.model = Qwen35Shard(self.cfg, weights, tp=tp, all_reduce=all_reduce)
+        self.state = ModelState(self.cfg, tp, num_slots, num_pages, dtype)
+        self.next_page = 0
+        self.pages: dict[int, list[int]] = {}
+
+    def _ensure_pages(self, slot: int, length: int) -> list[int]:
+        pages = self.pages.setdefault(slot, [])
+        while len(pages) * PAGE_SIZE < length:
+            pages.append(self.next_page)
+            self.next_page += 1
+        return pages
+
+    def prefill(self, prompts: dict[int, list[int]], starts: dict[int, int] | None = None, all_logits=False):
+        """prompts: slot -> token ids (a chunk starting at starts[slot], default 0)."""
+        starts = starts or {}
+        chunks = []
+        for slot, ids in prompts.items():
+            start = starts.get(slot, 0)
+            chunks.append(PrefillChunk(list(ids), start, slot, self._ensure_pages(slot, start + len(ids))))
+        batch = PrefillBatch.build(chunks, PAGE_SIZE, self.state.trash_page, "cpu")
+        return self.model.prefill(self.state, batch, all_logits=all_logits)
+
+    def decode(self, tokens: dict[int, int], positions: dict[int, int]):
+        slots = list(tokens)
+        pages = [self._ensure_pages(s, positions[s] + 1) for s in slots]
+        batch = DecodeBatch.build([tokens[s] for s in slots], [positions[s] for s in slots], slots, pages,
+                                  PAGE_SIZE, self.state.trash_page, "cpu")
+        return self.model.decode(self.state, batch)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()

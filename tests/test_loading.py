@@ -1,0 +1,126 @@
+"""Checkpoint layouts, config parsing and the errors that name what is wrong."""
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import CpuRunner, rel_err
+from safetensors.torch import load_file, save_file
+
+from model.config import ConfigError, ModelConfig, load_model_config
+from model.weights import WeightError, load_rank_weights
+from tools.make_checkpoint import write_checkpoint
+
+
+@pytest.mark.parametrize(
+    "layout,sharded,tied", [("wrapper", 1, False), ("wrapper", 3, True), ("plain", 1, True), ("plain", 4, False)]
+)
+def test_layouts_load_to_the_same_model(tmp_path, layout, sharded, tied):
+    reference = write_checkpoint(str(tmp_path / "ref"), "tiny", tied=tied, seed=3)
+    other = write_checkpoint(str(tmp_path / "other"), "tiny", layout=layout, sharded=sharded, tied=tied, seed=3)
+    if sharded > 1:
+        assert os.path.isfile(os.path.join(other, "model.safetensors.index.json"))
+    cfg_a, cfg_b = load_model_config(reference), load_model_config(other)
+    assert cfg_a == cfg_b
+    a = load_rank_weights(reference, cfg_a, progress=False)
+    b = load_rank_weights(other, cfg_b, progress=False)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert ("lm_head.weight" in load_file(os.path.join(reference, "model.safetensors"))) == (not tied)
+    ids = list(range(3, 40))
+    # Same weights; only BLAS blocking (tensor alignment) may differ.
+    assert rel_err(CpuRunner(other).prefill({0: ids}), CpuRunner(reference).prefill({0: ids})) <= 1e-6
+
+
+def test_config_fields_are_parsed(tiny_ckpt):
+    cfg = load_model_config(tiny_ckpt)
+    assert cfg.layer_types[3] == "full_attention" and cfg.layer_types[0] == "linear_attention"
+    assert cfg.rope_theta == 1e7 and cfg.rotary_dim == cfg.head_dim // 4
+    gen = json.load(open(os.path.join(tiny_ckpt, "generation_config.json")))
+    assert cfg.generation.eos_token_ids == tuple(gen["eos_token_id"])
+    assert cfg.generation.temperature == gen["temperature"] and cfg.generation.top_k == gen["top_k"]
+
+
+def test_full_attention_interval_is_used_without_layer_types(tiny_ckpt):
+    raw = json.load(open(os.path.join(tiny_ckpt, "config.json")))
+    text = dict(raw["text_config"])
+    del text["layer_types"]
+    text["full_attention_interval"] = 2
+    cfg = ModelConfig.from_dict(text)
+    assert cfg.attention_layers == (1, 3, 5, 7)
+
+
+def _with_tensor(ckpt, tmp_path, edit):
+    out = tmp_path / "edited"
+    os.makedirs(out)
+    for f in os.listdir(ckpt):
+        if f != "model.safetensors":
+            os.symlink(os.path.join(ckpt, f), out / f)
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"))
+    return str(out)
+
+
+def test_missing_tensor_is_named(tiny_ckpt, tmp_path):
+    name = "model.language_model.layers.2.linear_attn.A_log"
+    bad = _with_tensor(tiny_ckpt, tmp_path, lambda t: t.pop(name))
+    with pytest.raises(WeightError, match="layers.2.linear_attn.A_log"):
+        load_rank_weights(bad, load_model_config(bad), progress=False)
+
+
+def test_misshaped_tensor_is_named(tiny_ckpt, tmp_path):
+    name = "model.language_model.layers.3.self_attn.k_proj.weight"
+
+    def edit(t):
+        t[name] = t[name][:-1]
+
+    bad = _with_tensor(tiny_ckpt, tmp_path, edit)
+    with pytest.raises(WeightError, match=r"layers.3.self_attn.k_proj.weight.*shape"):
+        load_rank_weights(bad, load_model_config(bad), progress=False)
+
+
+def test_untied_checkpoint_without_lm_head_is_refused(tiny_ckpt, tmp_path):
+    bad = _with_tensor(tiny_ckpt, tmp_path, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(WeightError, match="lm_head.weight"):
+        load_rank_weights(bad, load_model_config(bad), progress=False)
+
+
+@pytest.mark.parametrize(
+    "edit,field",
+    [
+        (lambda c: c.update(model_type="llama"), "model_type"),
+        (lambda c: c["text_config"].pop("hidden_size"), "hidden_size"),
+        (lambda c: c["text_config"].update(num_key_value_heads=3), "num_key_value_heads"),
+        (lambda c: c["text_config"].update(linear_num_value_heads=3), "linear_num_value_heads"),
+        (lambda c: c["text_config"].update(layer_types=["linear_attention"] * 3), "layer_types"),
+        (lambda c: c["text_config"].update(head_dim=-4), "head_dim"),
+        (lambda c: c["text_config"]["layer_types"].__setitem__(0, "sliding"), "layer_types"),
+        (lambda c: c["text_config"]["rope_parameters"].update(rope_type="yarn"), "rope_type"),
+        (lambda c: c["text_config"]["rope_parameters"].update(partial_rotary_factor=1.5), "partial_rotary_factor"),
+        (lambda c: c.pop("text_config"), "text_config"),
+    ],
+)
+def test_bad_config_is_refused_naming_the_field(tiny_ckpt, edit, field):
+    raw = json.load(open(os.path.join(tiny_ckpt, "config.json")))
+    edit(raw)
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("tp,field", [(3, "num_attention_heads"), (8, "num_attention_heads"), (0, "tp")])
+def test_tp_that_does_not_divide_is_refused(tiny_tp_ckpt, tp, field):
+    cfg = load_model_config(tiny_tp_ckpt)
+    with pytest.raises(ConfigError, match=field):
+        cfg.check_tp(tp)
+
+
+def test_published_geometries_parse():
+    from tools.make_checkpoint import SIZES, text_config
+
+    for size in ("0.8b", "4b", "9b", "27b"):
+        cfg = ModelConfig.from_dict(text_config(size, 248320))
+        assert cfg.vocab_size == 248320 and cfg.rotary_dim == 64 and len(cfg.attention_layers) * 4 == len(cfg.layer_types)
+        assert cfg.linear_num_value_heads == SIZES[size]["linear_num_value_heads"]
