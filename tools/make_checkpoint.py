@@ -23,6 +23,8 @@ from safetensors.torch import save_file
 log = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+# As in Qwen's tokenizer, the reasoning markers are added tokens that stay in decoded text.
+PLAIN_ADDED = {"<think>", "</think>"}
 
 # Published dense geometries (DESIGN §2) and small test ones.
 SIZES: dict[str, dict] = {
@@ -67,7 +69,7 @@ CHAT_TEMPLATE = """{%- for message in messages -%}
 
 def train_tokenizer(vocab_size: int = 512):
     """A byte-level BPE on the shipped corpus; the special tokens take the ids right after the learned ones."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     text = resources.files("tools").joinpath("data/corpus.txt").read_text(encoding="utf-8")
     tok = Tokenizer(models.BPE())
@@ -79,7 +81,7 @@ def train_tokenizer(vocab_size: int = 512):
         show_progress=False,
     )
     tok.train_from_iterator(text.splitlines(), trainer)
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens([AddedToken(t, special=t not in PLAIN_ADDED, normalized=False) for t in SPECIAL_TOKENS])
     return tok
 
 

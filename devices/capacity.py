@@ -1,0 +1,79 @@
+"""Capacity math (DESIGN §5): how many decode rows and KV pages fit in the memory left after the weights.
+
+A pure function of byte counts, tested on the CPU. The CUDA-graph reserve depends on the largest captured
+bucket, which depends on the batch that fits: start from the bucket of the requested batch, fit the batch in
+what the reserve leaves, and step down to the fitted batch's (smaller) bucket until the bucket stops changing;
+the batch is then clamped to the bucket whose reserve was subtracted, so the later allocation never exceeds it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class CapacityRefused(ValueError):
+    """Not even one request of full context length fits; the message carries the numbers."""
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    max_batch: int  # decode rows (dense slots)
+    prefill_slots: int
+    num_pages: int  # KV pages (excluding the trash page)
+    largest_bucket: int  # buckets up to this one are captured
+    graph_reserve_bytes: int
+    state_bytes: int  # slots + pages, as allocated
+
+
+def plan_capacity(
+    *,
+    free_bytes: int,
+    bytes_per_slot: int,
+    bytes_per_page: int,
+    page_size: int,
+    max_model_len: int,
+    requested_batch: int,
+    prefill_slots: int,
+    prefill_scratch_bytes: int,
+    buckets: list[int],
+    graph_reserve: Callable[[int], int],
+) -> CapacityPlan:
+    """Fit the largest batch <= requested_batch such that every row can hold a full-length context."""
+    buckets = sorted(buckets)
+    budget = free_bytes - prefill_scratch_bytes
+    pages_per_request = -(-max_model_len // page_size)
+    # Each decode row needs its slot and a full context of pages; prefill slots need state but share those pages.
+    per_row = bytes_per_slot + pages_per_request * bytes_per_page
+    fixed = (prefill_slots + 2) * bytes_per_slot + bytes_per_page  # +2: trash slot and spare; +1 trash page
+
+    def fit(reserve: int) -> int:
+        return max(0, min(requested_batch, (budget - reserve - fixed) // per_row))
+
+    index = min(bisect.bisect_left(buckets, requested_batch), len(buckets) - 1)
+    while True:
+        reserve = graph_reserve(buckets[index])
+        batch = fit(reserve)
+        if batch == 0:
+            if index == 0:
+                raise CapacityRefused(
+                    f"not even one request fits: {free_bytes / 2**20:.0f} MiB free, minus "
+                    f"{prefill_scratch_bytes / 2**20:.0f} MiB prefill scratch and {reserve / 2**20:.0f} MiB graph "
+                    f"reserve (bucket {buckets[0]}), leaves less than one row "
+                    f"({per_row / 2**20:.1f} MiB: state {bytes_per_slot / 2**20:.1f} MiB + {pages_per_request} KV "
+                    f"pages for max_model_len {max_model_len}); lower max_model_len or free memory"
+                )
+            index -= 1
+            continue
+        fitted = min(bisect.bisect_left(buckets, batch), len(buckets) - 1)
+        if fitted >= index:
+            batch = min(batch, buckets[index])
+            break
+        index = fitted
+    # Everything left after the rows' slots goes to KV pages (so long and short requests share them).
+    slots_bytes = (batch + prefill_slots + 1) * bytes_per_slot
+    num_pages = (budget - reserve - slots_bytes) // bytes_per_page - 1
+    assert num_pages >= batch * pages_per_request
+    state = slots_bytes + (num_pages + 1) * bytes_per_page
+    return CapacityPlan(batch, prefill_slots, num_pages, buckets[index], reserve, state)

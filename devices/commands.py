@@ -1,0 +1,69 @@
+"""The step protocol between the engine and the device workers: plain data, no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.scheduler import Compaction, Promotion
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """One request's sampling setup; rank 0 keeps it with the request's state slot."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logprobs: int = 0
+    min_tokens: int = 0  # stop_token_ids cannot be drawn before this many tokens
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def needs_counts(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+@dataclass
+class PrefillCommand:
+    token_ids: list[int]
+    start: int
+    slot: int
+    pages: list[int]
+    last: bool
+    sampling: RowSampling | None = None  # sent with a request's first chunk
+    token_index: int = 0  # index of the token the last chunk samples (0: the first generated token)
+
+
+@dataclass
+class StepCommand:
+    compactions: list[Compaction] = field(default_factory=list)
+    released_prefill_slots: list[int] = field(default_factory=list)
+    promotions: list[Promotion] = field(default_factory=list)
+    decode_tokens: list[int] = field(default_factory=list)  # input token of decode slot i
+    decode_positions: list[int] = field(default_factory=list)
+    decode_token_index: list[int] = field(default_factory=list)  # index of the token each row samples
+    bucket: int = 0
+    prefill: list[PrefillCommand] = field(default_factory=list)
+    step_seed: int = 0  # randomness for unseeded rows
+
+
+@dataclass
+class SampledToken:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class StepResult:
+    decode: list[SampledToken]  # one per decode slot
+    prefill: list[SampledToken | None]  # one per prefill command; None for chunks that do not end a prompt
+
+
+class SlotProtocolError(RuntimeError):
+    """A compaction or promotion that does not match the worker's slot occupancy: the replica is poisoned."""

@@ -1,0 +1,218 @@
+"""A replica: the ranks of one tensor-parallel model, started, sized, stepped and stopped together.
+
+Start-up order (every rank, on its own thread): refuse a bad tp before any weight is read; load this rank's
+weight slices; measure free memory; size slots and pages from the smallest rank's free memory; allocate the
+state; on CUDA, warm up and capture the decode graphs. Shutdown destroys graphs, then the communicators.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from model.config import ModelConfig
+from model.forward import Qwen35Shard
+from model.state import PAGE_SIZE, ModelState, StateSizes
+from model.weights import load_rank_weights
+
+from .capacity import CapacityPlan, plan_capacity
+from .collectives import ThreadAllReduce
+from .commands import StepCommand, StepResult
+from .rank import RankRuntime
+from .worker import WorkerGroup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaSpec:
+    checkpoint: str
+    cfg: ModelConfig
+    device: str  # "cpu" | "cuda"
+    tp: int
+    dtype: torch.dtype
+    max_batch: int
+    max_model_len: int
+    prefill_slots: int
+    prefill_token_budget: int
+    buckets: list[int]
+    cuda_graph: bool
+    memory_fraction: float
+    cpu_memory_bytes: int
+    step_timeout_s: float = 600.0
+
+
+def graph_reserve_bytes(cfg: ModelConfig, tp: int, dtype: torch.dtype, bucket: int) -> int:
+    """Activation memory a decode step of `bucket` rows needs (what a captured graph keeps), an upper estimate."""
+    if bucket == 0:
+        return 0
+    elem = torch.tensor([], dtype=dtype).element_size()
+    width = max(cfg.gdn_conv_dim, 2 * cfg.num_attention_heads * cfg.head_dim, 2 * cfg.intermediate_size) // tp
+    per_row = (8 * cfg.hidden_size + 4 * width) * elem + 3 * cfg.vocab_size * 4
+    return bucket * per_row + (64 << 20)
+
+
+def prefill_scratch_bytes(cfg: ModelConfig, tp: int, dtype: torch.dtype, tokens: int) -> int:
+    """Activations of one prefill step of `tokens` tokens (chunked GDN works 64 tokens at a time)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    width = max(cfg.gdn_conv_dim, 2 * cfg.num_attention_heads * cfg.head_dim, 2 * cfg.intermediate_size) // tp
+    per_token = (8 * cfg.hidden_size + 6 * width) * elem
+    return tokens * per_token + 4 * cfg.vocab_size * 4 * 8 + (256 << 20)
+
+
+class _Rank:
+    """Objects one rank's thread owns (touched only from that thread)."""
+
+    def __init__(self) -> None:
+        self.backend = None
+        self.model: Qwen35Shard | None = None
+        self.runtime: RankRuntime | None = None
+
+
+class Replica:
+    def __init__(self, spec: ReplicaSpec) -> None:
+        self.spec = spec
+        spec.cfg.check_tp(spec.tp)  # before any weight is read
+        self.ranks = [_Rank() for _ in range(spec.tp)]
+        self.collective = None
+        self.group: WorkerGroup | None = None
+        self.plan: CapacityPlan | None = None
+        self.sizes = StateSizes.of(spec.cfg, spec.tp, spec.dtype)
+
+    # Start-up -------------------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        spec = self.spec
+        if spec.device == "cuda":
+            from . import cuda
+
+            self.collective = cuda.make_collective(spec.tp)
+        else:
+            self.collective = ThreadAllReduce(spec.tp, timeout_s=spec.step_timeout_s)
+        self.group = WorkerGroup(spec.tp, spec.step_timeout_s, on_abort=self._abort_collective)
+        started = time.perf_counter()
+        free = await self.group.call(self._load, timeout_s=3600)
+        log.info("weights loaded on %d rank(s) in %.1f s", spec.tp, time.perf_counter() - started)
+        self.plan = plan_capacity(
+            free_bytes=min(free),
+            bytes_per_slot=self.sizes.bytes_per_slot,
+            bytes_per_page=self.sizes.kv_bytes_per_page,
+            page_size=PAGE_SIZE,
+            max_model_len=spec.max_model_len,
+            requested_batch=spec.max_batch,
+            prefill_slots=spec.prefill_slots,
+            # The CPU budget counts state only; on a GPU the prefill activations come out of the same memory.
+            prefill_scratch_bytes=prefill_scratch_bytes(spec.cfg, spec.tp, spec.dtype, spec.prefill_token_budget)
+            if spec.device == "cuda" else 0,
+            buckets=spec.buckets,
+            graph_reserve=lambda b: graph_reserve_bytes(spec.cfg, spec.tp, spec.dtype, b) if self._graphs else 0,
+        )
+        if self.plan.max_batch < spec.max_batch:
+            log.warning("max_batch lowered from %d to %d to fit memory", spec.max_batch, self.plan.max_batch)
+        log.info(
+            "per rank: %.1f MiB state per slot (conv %.2f + recurrent %.2f), %.3f MiB per KV page of %d tokens; "
+            "%d decode slots + %d prefill slots, %d KV pages (%d tokens), largest graph bucket %d",
+            self.sizes.bytes_per_slot / 2**20, self.sizes.conv_bytes_per_slot / 2**20,
+            self.sizes.ssm_bytes_per_slot / 2**20, self.sizes.kv_bytes_per_page / 2**20, PAGE_SIZE,
+            self.plan.max_batch, self.plan.prefill_slots, self.plan.num_pages, self.plan.num_pages * PAGE_SIZE,
+            self.plan.largest_bucket,
+        )
+        await self.group.call(self._allocate, timeout_s=3600)
+
+    @property
+    def _graphs(self) -> bool:
+        return self.spec.device == "cuda" and self.spec.cuda_graph
+
+    @property
+    def buckets(self) -> list[int]:
+        return [b for b in self.spec.buckets if b <= self.plan.largest_bucket]
+
+    def _abort_collective(self) -> None:
+        if self.collective is not None:
+            self.collective.abort()
+
+    def _load(self, rank: int) -> int:
+        spec, r = self.spec, self.ranks[rank]
+        if spec.device == "cuda":
+            from . import cuda
+
+            r.backend = cuda.CudaRankBackend(rank, spec.tp, self.collective)
+        else:
+            r.backend = CpuRankBackend(rank, self.collective, spec.cpu_memory_bytes)
+        with r.backend.context():
+            weights = load_rank_weights(spec.checkpoint, spec.cfg, rank=rank, tp=spec.tp, device=r.backend.device,
+                                        dtype=spec.dtype, progress=rank == 0)
+            r.model = Qwen35Shard(spec.cfg, weights, tp=spec.tp, ops=r.backend.ops, all_reduce=r.backend.all_reduce)
+            weight_bytes = sum(t.numel() * t.element_size() for n, t in weights.items()
+                               if not (n == "lm_head.weight" and spec.cfg.tie_word_embeddings))
+            log.info("rank %d: %.1f MiB of weights", rank, weight_bytes / 2**20)
+            return r.backend.free_memory(spec.memory_fraction)
+
+    def _allocate(self, rank: int) -> None:
+        spec, r, plan = self.spec, self.ranks[rank], self.plan
+        with r.backend.context():
+            state = ModelState(spec.cfg, spec.tp, plan.max_batch + plan.prefill_slots, plan.num_pages, spec.dtype,
+                               r.backend.device)
+            r.runtime = RankRuntime(
+                r.model, state, rank=rank, max_batch=plan.max_batch,
+                max_pages_per_seq=-(-spec.max_model_len // PAGE_SIZE), device=r.backend.device,
+            )
+            log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)
+            if self._graphs:
+                r.runtime.decode_runner = r.backend.capture_decode_graphs(r.model, r.runtime, self.buckets)
+
+    # Steps ----------------------------------------------------------------------------------------------------------
+    async def step(self, cmd: StepCommand) -> StepResult:
+        results = await self.group.call(lambda rank: self._execute(rank, cmd))
+        return results[0]
+
+    def _execute(self, rank: int, cmd: StepCommand) -> StepResult | None:
+        r = self.ranks[rank]
+        with r.backend.context():
+            return r.runtime.execute(cmd)
+
+    @property
+    def poisoned(self) -> BaseException | None:
+        return self.group.poisoned if self.group else None
+
+    # Shutdown -------------------------------------------------------------------------------------------------------
+    async def close(self) -> None:
+        if self.group is None:
+            return
+        if self.group.poisoned is None:
+            try:
+                await self.group.call(self._teardown, timeout_s=60)
+            except Exception:  # already logged as poison; keep shutting down
+                pass
+        self.group.stop()
+        self.group = None
+
+    def _teardown(self, rank: int) -> None:
+        r = self.ranks[rank]
+        if r.backend is not None:
+            r.backend.close()  # graphs first, then the stream and the communicator
+        r.runtime = r.model = None
+
+
+class CpuRankBackend:
+    """CPU device: torch reference ops, the in-process all-reduce, a configured memory budget, no graphs."""
+
+    def __init__(self, rank: int, collective: ThreadAllReduce, memory_bytes: int) -> None:
+        from kernels import reference
+
+        self.rank, self.device, self.ops = rank, torch.device("cpu"), reference
+        self.all_reduce = collective.for_rank(rank)
+        self.memory_bytes = memory_bytes
+
+    def context(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def free_memory(self, fraction: float) -> int:
+        return self.memory_bytes
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,115 @@
+"""Device worker threads: one per rank, each with its command queue (and, on CUDA, its own stream).
+
+The event loop never blocks on a device: `WorkerGroup.call` puts one command on every rank's queue and awaits
+futures that the worker threads resolve with `loop.call_soon_threadsafe`. Every rank runs the same commands
+in the same order. A rank that fails, or a step that outlives the watchdog, poisons the replica: the group
+refuses every later command, aborts the collectives so no rank waits forever, and the engine ends every live
+request with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class ReplicaPoisoned(RuntimeError):
+    """A rank failed; this replica serves nothing more."""
+
+
+class DeviceWorker:
+    """A thread that runs `handler(command)` for each command, in order, inside `context` (its device/stream)."""
+
+    def __init__(self, rank: int, name: str) -> None:
+        self.rank = rank
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        future = loop.create_future()
+        self._queue.put((fn, future, loop))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            fn, future, loop = item
+            try:
+                result, error = fn(), None
+            except BaseException as exc:  # reported to the loop, never swallowed
+                result, error = None, exc
+            loop.call_soon_threadsafe(_resolve, future, result, error)
+
+    def stop(self, timeout: float) -> bool:
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class WorkerGroup:
+    """The ranks of one replica. `call(fn)` runs fn(rank) on every rank and returns the list of results."""
+
+    def __init__(self, world_size: int, step_timeout_s: float = 600.0, on_abort: Callable[[], None] | None = None):
+        self.world_size = world_size
+        self.step_timeout_s = step_timeout_s
+        self.workers = [DeviceWorker(r, f"device-rank{r}") for r in range(world_size)]
+        self.poisoned: BaseException | None = None
+        self._on_abort = on_abort  # breaks collectives so surviving ranks stop waiting
+
+    async def call(self, fn: Callable[[int], Any], timeout_s: float | None = None) -> list[Any]:
+        if self.poisoned is not None:
+            raise ReplicaPoisoned(f"replica is poisoned: {self.poisoned}") from self.poisoned
+        loop = asyncio.get_running_loop()
+        futures = [w.submit(lambda r=w.rank: fn(r), loop) for w in self.workers]
+        try:
+            done, pending = await asyncio.wait(futures, timeout=timeout_s or self.step_timeout_s,
+                                               return_when=asyncio.FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            if failed:
+                self.poison(failed[0].exception())
+                # Surviving ranks are now released from any collective; collect them so nothing is left behind.
+                await asyncio.wait(futures, timeout=30)
+                for f in futures:
+                    if f.done():
+                        f.exception()  # retrieved: their errors follow from the first
+                raise ReplicaPoisoned(f"a rank failed: {self.poisoned!r}") from self.poisoned
+            if pending:
+                self.poison(TimeoutError(f"a step did not finish within {timeout_s or self.step_timeout_s:.0f} s"))
+                raise ReplicaPoisoned(str(self.poisoned))
+            return [f.result() for f in futures]
+        except asyncio.CancelledError:
+            # The caller gave up mid-step: the ranks may be anywhere, so this replica cannot be trusted.
+            self.poison(RuntimeError("a step was cancelled while the devices ran it"))
+            raise
+
+    def poison(self, error: BaseException) -> None:
+        if self.poisoned is None:
+            self.poisoned = error
+            log.error("replica poisoned: %r", error)
+            if self._on_abort is not None:
+                self._on_abort()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for w in self.workers:
+            if not w.stop(timeout):
+                log.error("rank %d did not stop within %.0f s", w.rank, timeout)

@@ -1,0 +1,99 @@
+"""Batched sampling on rank 0's logits (DESIGN §6): penalties, greedy, temperature, top-k, top-p, min-p, logprobs.
+
+Randomness is counter-based: row n draws uniform u[v] = hash(seed_n, token_index_n, v) for every vocabulary
+id v and picks argmax(p[v] / -log(u[v])) (an exponential race, equivalent to sampling from p). A seeded row
+therefore gives the same token whatever batch row or batch size it lands in; unseeded rows get a per-step seed.
+The hash uses 32-bit wrapping arithmetic so a Triton kernel can reproduce it bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding uint32 values (products wrap; the low bits are exact)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """u in (0, 1), [N, vocab], a pure function of (seed, step, vocabulary id)."""
+    row = _mix32((seeds & _MASK32) ^ _mix32((steps * 0x9E3779B9) & _MASK32)) ^ (seeds >> 32 & _MASK32)
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _mix32((row[:, None] + ids[None, :] * 0x27D4EB2F) & _MASK32)
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters on the logits' device. temperature 0 means greedy; top_k 0 means off."""
+
+    temperature: torch.Tensor  # [N] float
+    top_k: torch.Tensor  # [N] long
+    top_p: torch.Tensor  # [N] float
+    min_p: torch.Tensor  # [N] float
+    presence_penalty: torch.Tensor  # [N] float
+    frequency_penalty: torch.Tensor  # [N] float
+    repetition_penalty: torch.Tensor  # [N] float
+    seeds: torch.Tensor  # [N] long
+    steps: torch.Tensor  # [N] long: index of the token being drawn
+    output_counts: torch.Tensor | None = None  # [N, V] int: times each id was generated so far
+    prompt_mask: torch.Tensor | None = None  # [N, V] bool: ids in the prompt (repetition penalty)
+
+
+def apply_penalties(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
+    if p.output_counts is None:
+        return logits
+    counts = p.output_counts.float()
+    seen = counts > 0
+    if p.prompt_mask is not None:
+        seen = seen | p.prompt_mask
+    rep = p.repetition_penalty[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - p.frequency_penalty[:, None] * counts - p.presence_penalty[:, None] * (counts > 0).float()
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
+    """Softmax at each row's temperature with top-k, top-p and min-p applied (rows with temperature 0 unused)."""
+    V = logits.shape[1]
+    scaled = logits / p.temperature.clamp(min=1e-5)[:, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(p.top_k > 0, p.top_k.clamp(max=V), torch.full_like(p.top_k, V))
+    drop = ranks >= k[:, None]
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    before = sorted_probs.cumsum(-1) - sorted_probs
+    drop = drop | (before >= p.top_p[:, None])
+    # min-p: drop tokens below min_p times the most likely token's probability.
+    drop = drop | (sorted_probs < p.min_p[:, None] * sorted_probs[:, :1])
+    kept = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    return torch.empty_like(kept).scatter_(1, order, kept)
+
+
+def sample(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0):
+    """Returns (tokens [N], chosen logprob [N], top ids [N, k], top logprobs [N, k]); logprobs are of the raw
+    model distribution (before penalties and temperature)."""
+    logits = logits.float()
+    logprobs = logits.log_softmax(-1)
+    adjusted = apply_penalties(logits, p)
+    greedy = adjusted.argmax(-1)
+    probs = filtered_probs(adjusted, p)
+    race = probs / -torch.log(counter_uniform(p.seeds, p.steps, logits.shape[1]))
+    sampled = race.argmax(-1)
+    tokens = torch.where(p.temperature <= 0, greedy, sampled)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    if num_logprobs:
+        top_lp, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    else:
+        top_lp = top_ids = None
+    return tokens, chosen, top_ids, top_lp

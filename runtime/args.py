@@ -1,0 +1,49 @@
+"""Engine arguments, validated when made: a bad value raises ValueError naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # checkpoint folder; None serves the demo checkpoint (made on first use)
+    device: str = "cpu"  # "cpu" | "cuda"
+    tp: int = 1
+    dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
+    max_batch: int = 32  # decode rows (lowered at start-up if memory is short)
+    max_model_len: int | None = None  # default: min(config max_position_embeddings, 32768)
+    cuda_graph: bool = True
+    seed: int = 0
+    prefill_token_budget: int = 2048  # prompt tokens per step (chunked prefill)
+    prefill_slots: int = 4  # requests prefilling at once
+    buckets: list[int] | None = None  # decode batch buckets (graphs are captured per bucket)
+    memory_fraction: float = 0.90  # of the GPU's free memory after weights
+    cpu_memory_bytes: int = 256 << 20  # state budget (slots + KV pages) of the cpu device
+    max_waiting: int = 1024  # queued requests before new ones are refused
+    served_model_name: str | None = None
+    step_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype is None:
+            self.dtype = "bfloat16" if self.device == "cuda" else "float32"
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        for name in ("tp", "max_batch", "prefill_token_budget", "prefill_slots", "max_waiting", "cpu_memory_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.buckets is not None and (
+            not self.buckets or any(not isinstance(b, int) or b < 1 for b in self.buckets)
+        ):
+            raise ValueError(f"buckets must be a non-empty list of positive integers, got {self.buckets!r}")
+        if self.step_timeout_s <= 0:
+            raise ValueError("step_timeout_s must be positive")

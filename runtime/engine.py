@@ -1,0 +1,418 @@
+"""The asyncio engine: requests in, scheduler ticks, step commands to the device ranks, tokens and text out.
+
+    async with AsyncEngine(EngineArgs(model=DIR)) as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=16)):
+            print(out.text)
+
+One task (the step loop) owns the scheduler; `generate` only enqueues a request and reads its output queue.
+Breaking out of the `async for`, or cancelling the consuming task, aborts the request and frees its slot and
+pages at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from devices.commands import PrefillCommand, RowSampling, StepCommand, StepResult
+from devices.replica import Replica, ReplicaSpec
+from devices.worker import ReplicaPoisoned
+from model.config import load_model_config
+from model.state import PAGE_SIZE
+
+from .args import EngineArgs
+from .metrics import EngineMetrics
+from .params import SamplingParams
+from .scheduler import CapacityError, Scheduler, default_buckets
+from .text import IncrementalDetokenizer, StopMatcher, TextTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine was poisoned by a device failure, or is shut down."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; try again later."""
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all generated so far
+    text: str  # all text released so far (a tail that may start a stop string is held back)
+    delta_token_ids: list[int]
+    delta_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[TokenLogprob] | None = None  # all so far, when asked
+    error: str | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampling: RowSampling
+    stop_ids: frozenset[int]
+    detok: IncrementalDetokenizer
+    stops: StopMatcher
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    text: str = ""
+    finished: bool = False
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token_time: float | None = None
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.metrics = EngineMetrics()
+        self.replica: Replica | None = None
+        self.scheduler: Scheduler | None = None
+        self.requests: dict[str, _Request] = {}
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._closing = False
+        self._dead: str | None = None
+        self._ids = itertools.count()
+        self._rng = random.Random(args.seed)
+
+    # Lifecycle ------------------------------------------------------------------------------------------------------
+    async def __aenter__(self) -> "AsyncEngine":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        args = self.args
+        if args.model is None:
+            from tools.demo import demo_checkpoint
+
+            args.model = demo_checkpoint()
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is visible; use device='cpu'")
+        if args.device == "cuda" and args.tp > torch.cuda.device_count():
+            raise ValueError(f"tp={args.tp} needs {args.tp} GPUs; {torch.cuda.device_count()} visible")
+        self.cfg = load_model_config(args.model)
+        self.cfg.check_tp(args.tp)
+        self.tokenizer = TextTokenizer(args.model)
+        if self.tokenizer.vocab_size > self.cfg.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {self.tokenizer.vocab_size} ids but the model only {self.cfg.vocab_size}"
+            )
+        limit = min(self.cfg.max_position_embeddings, 32768)
+        self.max_model_len = min(args.max_model_len or limit, self.cfg.max_position_embeddings)
+        self.model_name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+        buckets = sorted(args.buckets) if args.buckets else default_buckets(args.max_batch)
+        spec = ReplicaSpec(
+            checkpoint=args.model, cfg=self.cfg, device=args.device, tp=args.tp, dtype=getattr(torch, args.dtype),
+            max_batch=args.max_batch, max_model_len=self.max_model_len, prefill_slots=args.prefill_slots,
+            prefill_token_budget=args.prefill_token_budget, buckets=buckets, cuda_graph=args.cuda_graph,
+            memory_fraction=args.memory_fraction, cpu_memory_bytes=args.cpu_memory_bytes,
+            step_timeout_s=args.step_timeout_s,
+        )
+        self.replica = Replica(spec)
+        try:
+            await self.replica.start()
+        except BaseException:
+            await self.replica.close()
+            raise
+        plan = self.replica.plan
+        self.scheduler = Scheduler(
+            num_pages=plan.num_pages, page_size=PAGE_SIZE, max_batch=plan.max_batch,
+            max_prefill_slots=plan.prefill_slots, prefill_token_budget=args.prefill_token_budget,
+            max_model_len=self.max_model_len, buckets=self.replica.buckets,
+        )
+        self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="deltaserve-step-loop")
+        log.info("engine ready: model %s on %s (tp=%d, %s), max_batch %d, max_model_len %d",
+                 self.model_name, args.device, args.tp, args.dtype, plan.max_batch, self.max_model_len)
+
+    async def close(self) -> None:
+        self._closing = True
+        self._wakeup.set()
+        if self._loop_task is not None:
+            await asyncio.wait([self._loop_task], timeout=self.args.step_timeout_s)
+            self._loop_task = None
+        for req in list(self.requests.values()):
+            self._finish(req, "abort", error="the engine shut down")
+        if self.replica is not None:
+            await self.replica.close()
+            self.replica = None
+
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None and self._loop_task is not None and not self._closing
+
+    # Requests -------------------------------------------------------------------------------------------------------
+    def resolve_params(self, prompt_len: int, params: SamplingParams | None) -> SamplingParams:
+        params = params or SamplingParams()
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"prompt is {prompt_len} tokens; the context length is {self.max_model_len}")
+        return params.with_defaults(self.cfg.generation, self.max_model_len - prompt_len)
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    def generate(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> "RequestStream":
+        """Enqueue one request and return its output stream (an async iterator; the last output has
+        finished=True). Bad input raises ValueError here, before anything is queued."""
+        return RequestStream(self, self._add(prompt, params, request_id))
+
+    def chat(
+        self, messages: list[dict], params: SamplingParams | None = None, chat_template_kwargs: dict | None = None,
+        request_id: str | None = None,
+    ) -> "RequestStream":
+        """`generate` on the checkpoint's chat template rendered with a generation prompt."""
+        return self.generate(self.render_chat(messages, chat_template_kwargs), params, request_id)
+
+    def render_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+            if not isinstance(m.get("content", ""), (str, type(None))):
+                raise ValueError(f"messages[{i}].content must be a string")
+        return self.tokenizer.render_chat(messages, add_generation_prompt=True, **(chat_template_kwargs or {}))
+
+    def _add(self, prompt, params: SamplingParams | None, request_id: str | None) -> _Request:
+        if self._dead is not None or self._closing or self.scheduler is None:
+            raise EngineDeadError(self._dead or "the engine is not running")
+        prompt_ids = self.encode_prompt(prompt)
+        params = self.resolve_params(len(prompt_ids), params)
+        if len(self.scheduler.waiting) >= self.args.max_waiting:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        self.scheduler.add(request_id, len(prompt_ids), params.max_tokens)  # CapacityError if it can never fit
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.cfg.generation.eos_token_ids)
+        sampling = RowSampling(
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty, seed=params.seed, logprobs=params.logprobs or 0,
+            min_tokens=params.min_tokens, stop_token_ids=tuple(sorted(stop_ids)),
+        )
+        req = _Request(
+            request_id, prompt_ids, params, sampling, frozenset(stop_ids),
+            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            StopMatcher(params.stop, params.include_stop_str_in_output),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self.requests[request_id] = req
+        self.metrics.waiting.set(len(self.scheduler.waiting))
+        self._wakeup.set()
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self._finish(req, "abort")
+
+    def _finish(self, req: _Request, reason: str, delta_ids=(), delta_text: str = "", error: str | None = None):
+        req.finished = True
+        self.requests.pop(req.request_id, None)
+        if self.scheduler is not None:
+            self.scheduler.finish(req.request_id)  # pages and slots are freed at the next plan
+        tail = req.stops.flush()  # text held back for a stop string that never came
+        req.text += tail
+        self.metrics.finished.labels(reason).inc()
+        self.metrics.e2e.observe(time.perf_counter() - req.arrival)
+        req.queue.put_nowait(self._output(req, delta_ids, delta_text + tail, reason, error))
+        self._wakeup.set()
+
+    def _output(self, req: _Request, delta_ids, delta_text, reason=None, error=None) -> RequestOutput:
+        return RequestOutput(
+            req.request_id, req.prompt_ids, list(req.output_ids), req.text, list(delta_ids), delta_text,
+            finished=reason is not None, finish_reason=reason,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None, error=error,
+        )
+
+    # The step loop --------------------------------------------------------------------------------------------------
+    async def _step_loop(self) -> None:
+        sched = self.scheduler
+        while not self._closing:
+            if not sched.has_work:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            plan = sched.schedule()
+            self._update_gauges()
+            if plan.empty:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            cmd = self._command(plan)
+            started = time.perf_counter()
+            try:
+                result = await self.replica.step(cmd)
+            except ReplicaPoisoned as exc:
+                self._poison(str(exc))
+                return
+            except Exception as exc:  # a bug on the host side of the step: fail closed, never hang
+                log.exception("step failed")
+                self.replica.group.poison(exc)
+                self._poison(f"step failed: {exc!r}")
+                return
+            self.metrics.step_seconds.observe(time.perf_counter() - started)
+            self._apply(plan, result)
+            await asyncio.sleep(0)  # let the HTTP handlers and consumers run between steps
+
+    def _command(self, plan) -> StepCommand:
+        reqs = self.requests
+        cmd = StepCommand(
+            compactions=plan.compactions, released_prefill_slots=plan.released_prefill_slots,
+            promotions=plan.promotions, bucket=plan.bucket, step_seed=self._rng.getrandbits(62),
+        )
+        # Requests that finished before this plan were retired by it, so every row here is live.
+        for rid in plan.decode_ids:
+            req = reqs[rid]
+            n = len(req.output_ids)
+            cmd.decode_tokens.append(req.output_ids[-1])
+            cmd.decode_positions.append(len(req.prompt_ids) + n - 1)
+            cmd.decode_token_index.append(n)
+        for w in plan.prefill:
+            req = reqs[w.request_id]
+            cmd.prefill.append(PrefillCommand(
+                req.prompt_ids[w.start : w.start + w.length], w.start, w.slot, w.pages, w.last,
+                sampling=req.sampling if w.start == 0 else None,
+            ))
+        return cmd
+
+    def _apply(self, plan, result: StepResult) -> None:
+        sched = self.scheduler
+        sched.on_prefill_done(plan.prefill)
+        sched.on_decode_done(plan.decode_ids)
+        self.metrics.prompt_tokens.inc(sum(w.length for w in plan.prefill))
+        now = time.perf_counter()
+        for w, sampled in zip(plan.prefill, result.prefill):
+            if sampled is not None and w.request_id in self.requests:
+                self._on_token(self.requests[w.request_id], sampled, now)
+        for rid, sampled in zip(plan.decode_ids, result.decode):
+            if rid in self.requests:
+                self._on_token(self.requests[rid], sampled, now)
+
+    def _on_token(self, req: _Request, sampled, now: float) -> None:
+        token = sampled.token
+        if req.last_token_time is None:
+            self.metrics.ttft.observe(now - req.arrival)
+        else:
+            self.metrics.itl.observe(now - req.last_token_time)
+        req.last_token_time = now
+        self.metrics.generation_tokens.inc()
+        req.output_ids.append(token)
+        if req.logprobs is not None:
+            req.logprobs.append(TokenLogprob(token, sampled.logprob, sampled.top))
+        n = len(req.output_ids)
+        if token in req.stop_ids and n > req.params.min_tokens:
+            # The stop token ends the request; its text is not part of the output.
+            req.output_ids.pop()
+            if req.logprobs is not None:
+                req.logprobs.pop()
+            self._finish(req, "stop")
+            return
+        delta, hit = req.stops.feed(req.detok.add(token))
+        req.text += delta
+        if hit:
+            self._finish(req, "stop", [token], delta)
+        elif n >= req.params.max_tokens:
+            self._finish(req, "length", [token], delta)
+        else:
+            req.queue.put_nowait(self._output(req, [token], delta))
+
+    def _poison(self, message: str) -> None:
+        self._dead = message
+        self.metrics.healthy.set(0)
+        log.error("engine poisoned: %s; failing %d live requests", message, len(self.requests))
+        for req in list(self.requests.values()):
+            self._finish(req, "error", error=message)
+
+    def _update_gauges(self) -> None:
+        s = self.scheduler
+        self.metrics.running.set(s.num_running)
+        self.metrics.waiting.set(len(s.waiting))
+        self.metrics.kv_usage.set(1 - len(s.free_pages) / s.num_pages)
+        self.metrics.slot_usage.set(len(s.decode_slots) / s.max_batch)
+
+    # Introspection (tests, /metrics) ----------------------------------------------------------------------------
+    def resources_free(self) -> bool:
+        """True when no page, prefill slot or decode slot is held (all requests gone)."""
+        s = self.scheduler
+        return (len(s.free_pages) == s.num_pages and not s.decode_slots
+                and len(s.free_prefill_slots) == s.max_prefill_slots and not s.requests)
+
+
+class RequestStream:
+    """The outputs of one request. Leaving the `async for` early, cancelling the consuming task, `aclose()`,
+    or dropping the stream unread all abort the request."""
+
+    def __init__(self, engine: AsyncEngine, req: _Request) -> None:
+        self._engine, self._req = engine, req
+        self.request_id = req.request_id
+        self._loop = asyncio.get_running_loop()
+        self._gen = self._outputs()
+
+    async def _outputs(self):
+        req = self._req
+        try:
+            while True:
+                out = await req.queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._engine.abort(req.request_id)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
+        self._engine.abort(self.request_id)
+
+    def __del__(self) -> None:
+        if not self._req.finished and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._engine.abort, self.request_id)
+
+
+__all__ = ["AsyncEngine", "EngineArgs", "SamplingParams", "RequestOutput", "RequestStream", "CapacityError", "EngineDeadError",
+           "QueueFullError"]

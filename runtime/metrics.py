@@ -1,0 +1,33 @@
+"""Prometheus metrics of one engine (its own registry, so several engines in a process do not collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
+                    40.96, 81.92)
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("deltaserve_requests_running", "Requests holding a slot", registry=r)
+        self.waiting = Gauge("deltaserve_requests_waiting", "Requests queued for admission", registry=r)
+        self.ttft = Histogram("deltaserve_time_to_first_token_seconds", "Arrival to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("deltaserve_inter_token_latency_seconds", "Time between tokens of a request",
+                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram("deltaserve_e2e_request_latency_seconds", "Arrival to finish", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("deltaserve_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter("deltaserve_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("deltaserve_requests_finished", "Finished requests", ["finish_reason"], registry=r)
+        self.kv_usage = Gauge("deltaserve_kv_pages_usage_ratio", "Fraction of KV pages reserved", registry=r)
+        self.slot_usage = Gauge("deltaserve_decode_slots_usage_ratio", "Fraction of decode slots in use", registry=r)
+        self.step_seconds = Histogram("deltaserve_step_seconds", "Device step time", registry=r,
+                                      buckets=_LATENCY_BUCKETS)
+        self.healthy = Gauge("deltaserve_healthy", "1 while the engine serves, 0 once poisoned", registry=r)
+        self.healthy.set(1)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

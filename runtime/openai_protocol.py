@@ -1,0 +1,236 @@
+"""OpenAI request parsing and response shapes, kept apart from the HTTP plumbing.
+
+Every malformed field raises `ApiError` carrying the HTTP status and the OpenAI error body fields.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .params import MAX_LOGPROBS, SamplingParams
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                              413: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+_SHARED_FIELDS = {  # request field -> (SamplingParams field, expected python types)
+    "temperature": ("temperature", (int, float)),
+    "top_p": ("top_p", (int, float)),
+    "top_k": ("top_k", (int,)),
+    "min_p": ("min_p", (int, float)),
+    "seed": ("seed", (int,)),
+    "presence_penalty": ("presence_penalty", (int, float)),
+    "frequency_penalty": ("frequency_penalty", (int, float)),
+    "repetition_penalty": ("repetition_penalty", (int, float)),
+    "min_tokens": ("min_tokens", (int,)),
+    "ignore_eos": ("ignore_eos", (bool,)),
+    "stop_token_ids": ("stop_token_ids", (list,)),
+    "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
+    "skip_special_tokens": ("skip_special_tokens", (bool,)),
+}
+
+_UNSUPPORTED = {"logit_bias", "suffix", "tools", "tool_choice", "functions", "function_call", "response_format",
+                "audio", "modalities", "prediction"}
+
+
+@dataclass
+class ParsedRequest:
+    prompts: list  # strings or token-id lists (completions); one rendered string (chat)
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    model: str
+    chat_template_kwargs: dict = field(default_factory=dict)
+    messages: list | None = None
+    echo: bool = False
+
+
+def _typed(body: dict, name: str, types, what: str):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in types:
+        raise _bad(f"'{name}' must be {what}, got {value!r}", name)
+    if not isinstance(value, types):
+        raise _bad(f"'{name}' must be {what}, got {type(value).__name__}", name)
+    return value
+
+
+def _common(body: dict, max_tokens_field: str) -> tuple[dict, bool, bool, str]:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required and must be a string", "model")
+    for name in _UNSUPPORTED & body.keys():
+        if body[name] not in (None, {}, [], ""):
+            raise _bad(f"'{name}' is not supported by this server", name)
+    n = _typed(body, "n", (int,), "an integer")
+    if n is not None and n != 1:
+        raise _bad("only n=1 is supported", "n")
+    best_of = _typed(body, "best_of", (int,), "an integer")
+    if best_of is not None and best_of != 1:
+        raise _bad("only best_of=1 is supported", "best_of")
+    kwargs = {}
+    for name, (target, types) in _SHARED_FIELDS.items():
+        what = {(bool,): "a boolean", (int,): "an integer", (list,): "a list"}.get(types, "a number")
+        value = _typed(body, name, types, what)
+        if value is not None:
+            kwargs[target] = value
+    max_tokens = _typed(body, max_tokens_field, (int,), "an integer")
+    if max_tokens is None and max_tokens_field != "max_tokens":
+        max_tokens = _typed(body, "max_tokens", (int,), "an integer")
+    if max_tokens is not None:
+        kwargs["max_tokens"] = max_tokens
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _bad("'stop' must be a string or a list of strings", "stop")
+        kwargs["stop"] = [s for s in stop if s]
+    stream = _typed(body, "stream", (bool,), "a boolean") or False
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object", "stream_options")
+    if options and not stream:
+        raise _bad("'stream_options' is only allowed with stream=true", "stream_options")
+    include_usage = bool((options or {}).get("include_usage", False))
+    return kwargs, stream, include_usage, model
+
+
+def _params(kwargs: dict) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        message = str(exc)
+        raise _bad(message, message.split(" ", 1)[0]) from None
+
+
+def parse_completion(body: dict) -> ParsedRequest:
+    kwargs, stream, include_usage, model = _common(body, "max_tokens")
+    kwargs.setdefault("max_tokens", 16)  # the OpenAI default for completions
+    logprobs = _typed(body, "logprobs", (int,), "an integer")
+    if logprobs is not None:
+        if not 0 <= logprobs <= 5:
+            raise _bad("'logprobs' must be between 0 and 5", "logprobs")
+        kwargs["logprobs"] = logprobs
+    echo = _typed(body, "echo", (bool,), "a boolean") or False
+    if echo:
+        raise _bad("'echo' is not supported", "echo")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompts = [list(prompt)]
+    elif (isinstance(prompt, list) and prompt and all(isinstance(p, list) and p for p in prompt)
+          and all(isinstance(t, int) and not isinstance(t, bool) for p in prompt for t in p)):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise _bad("'prompt' must be a string, a list of strings, or a list of token ids", "prompt")
+    if any(p == "" for p in prompts):
+        raise _bad("'prompt' must not be empty", "prompt")
+    if len(prompts) > 64:
+        raise _bad("at most 64 prompts per request", "prompt")
+    return ParsedRequest(prompts, _params(kwargs), stream, include_usage, model)
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _message_text(content, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"messages[{i}].content[{j}] must be a text part (only text is supported)",
+                           f"messages[{i}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def parse_chat(body: dict) -> ParsedRequest:
+    kwargs, stream, include_usage, model = _common(body, "max_completion_tokens")
+    want_logprobs = _typed(body, "logprobs", (bool,), "a boolean") or False
+    top = _typed(body, "top_logprobs", (int,), "an integer")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise _bad(f"'top_logprobs' must be between 0 and {MAX_LOGPROBS}", "top_logprobs")
+    if top and not want_logprobs:
+        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    if want_logprobs:
+        kwargs["logprobs"] = top or 0
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}] must be an object", "messages")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise _bad(f"messages[{i}].role must be one of {list(_ROLES)}", f"messages[{i}].role")
+        clean.append({**m, "role": "system" if role == "developer" else role,
+                      "content": _message_text(m.get("content"), i)})
+    template_kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(template_kwargs, dict):
+        raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    return ParsedRequest([], _params(kwargs), stream, include_usage, model, dict(template_kwargs), clean)
+
+
+# Responses -----------------------------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(entries, token_text, offset: int) -> dict:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for e in entries:
+        text = token_text(e.token_id)
+        tokens.append(text)
+        lps.append(e.logprob)
+        tops.append({token_text(t): lp for t, lp in (e.top or [])})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries, token_text) -> dict:
+    def item(token_id, lp):
+        text = token_text(token_id)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [
+        {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in (e.top or [])]} for e in entries
+    ]}

@@ -1,0 +1,88 @@
+"""Request sampling parameters: validation (a ValueError naming the field) and the checkpoint's defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from model.config import GenerationDefaults
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """Unset (None) fields take the checkpoint's generation_config defaults, then the OpenAI defaults."""
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per token (0: only the chosen token's)
+    presence_penalty: float | None = None
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        def number(name, lo=None, hi=None, integer=False, lo_open=False):
+            value = getattr(self, name)
+            if value is None:
+                return
+            kinds = (int,) if integer else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+            if lo is not None and (value <= lo if lo_open else value < lo):
+                raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
+            if hi is not None and value > hi:
+                raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+        number("max_tokens", 1, integer=True)
+        number("min_tokens", 0, integer=True)
+        number("temperature", 0.0, 100.0)
+        number("top_p", 0.0, 1.0, lo_open=True)
+        number("top_k", 0, integer=True)
+        number("min_p", 0.0, 1.0)
+        number("seed", 0, 2**63 - 1, integer=True)
+        number("logprobs", 0, MAX_LOGPROBS, integer=True)
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("repetition_penalty", 0.0, 10.0, lo_open=True)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if len(self.stop) > 16:
+            raise ValueError("stop takes at most 16 strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean")
+
+    def with_defaults(self, defaults: GenerationDefaults, max_tokens_left: int) -> "SamplingParams":
+        """Fill unset fields from the checkpoint; max_tokens defaults to what the context leaves."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        fallback = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+                    "repetition_penalty": 1.0}
+        for name, last_resort in fallback.items():
+            if values[name] is None:
+                value = getattr(defaults, name)
+                values[name] = last_resort if value is None else value
+        if values["max_tokens"] is None:
+            values["max_tokens"] = max_tokens_left
+        resolved = replace(self, **values)
+        return resolved

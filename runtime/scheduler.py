@@ -1,0 +1,278 @@
+"""Continuous-batching scheduler: admission, chunked prefill, dense decode slots, compaction, buckets.
+
+Plain Python, no torch: every decision is unit-tested on the CPU.
+
+Resources
+- KV pages: admission reserves a request's whole lifetime (prompt + max_tokens) of pages, so a running request
+  never waits for memory; a request that could never fit is rejected when it is added.
+- Prefill slots (state slots `max_batch ..`): the GDN state of a request while its prompt is prefilled.
+- Decode slots 0..n-1, dense: a request whose prompt is done takes slot n (`slot_for_new_request`); when one
+  retires, the last slot moves into its hole (`compaction_after_retire`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class CapacityError(ValueError):
+    """A request that can never fit this engine (too long for the context, or for the KV pages)."""
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass
+class SchedRequest:
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    phase: Phase = Phase.WAITING
+    prefilled: int = 0  # prompt tokens already run
+    generated: int = 0  # tokens sampled so far
+    pages: list[int] = field(default_factory=list)
+    prefill_slot: int = -1  # state slot while prefilling
+    decode_slot: int = -1
+
+    @property
+    def lifetime_tokens(self) -> int:
+        return self.prompt_len + self.max_tokens
+
+
+@dataclass
+class PrefillWork:
+    request_id: str
+    start: int  # first prompt position of the chunk
+    length: int
+    slot: int  # state slot (a prefill slot)
+    pages: list[int]
+    last: bool  # the chunk ends the prompt: its last token's logits are sampled
+
+
+@dataclass
+class Promotion:
+    request_id: str
+    from_slot: int  # the prefill state slot
+    to_slot: int  # the decode slot it takes
+    pages: list[int]
+
+
+@dataclass
+class Compaction:
+    """Retire decode slot `hole`; if `moved_from` is set, that (last) slot's request moves into the hole."""
+
+    hole: int
+    moved_from: int | None
+
+
+@dataclass
+class StepPlan:
+    compactions: list[Compaction]
+    released_prefill_slots: list[int]  # requests that ended before reaching decode
+    promotions: list[Promotion]
+    decode_ids: list[str]  # request in decode slot i is decode_ids[i]
+    bucket: int  # decode rows padded to this size (0 when there are none)
+    prefill: list[PrefillWork]
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decode_ids or self.prefill or self.compactions or self.released_prefill_slots)
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 16, 24, 32]
+    while sizes[-1] < max_batch:
+        sizes.append(sizes[-1] + (16 if sizes[-1] < 128 else 64))
+    return sorted({min(s, max_batch) for s in sizes})
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_batch: int,
+        max_prefill_slots: int,
+        prefill_token_budget: int,
+        max_model_len: int,
+        buckets: list[int] | None = None,
+    ) -> None:
+        if min(num_pages, page_size, max_batch, max_prefill_slots, prefill_token_budget, max_model_len) < 1:
+            raise ValueError("scheduler sizes must all be positive")
+        self.page_size, self.max_batch, self.max_model_len = page_size, max_batch, max_model_len
+        self.prefill_token_budget = prefill_token_budget
+        self.num_pages = num_pages
+        self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        self.free_prefill_slots: list[int] = list(range(max_batch + max_prefill_slots - 1, max_batch - 1, -1))
+        self.max_prefill_slots = max_prefill_slots
+        self.buckets = sorted(buckets or default_buckets(max_batch))
+        if self.buckets[-1] < max_batch:
+            raise ValueError(f"largest bucket {self.buckets[-1]} is below max_batch {max_batch}")
+        self.requests: dict[str, SchedRequest] = {}
+        self.waiting: deque[str] = deque()
+        self.prefilling: list[str] = []  # admission order (FCFS)
+        self.decode_slots: list[str] = []  # dense: request in slot i
+        self.ready_for_decode: list[str] = []  # prompt done and first token sampled: promote next step
+        self.to_retire: list[str] = []
+
+    # Queries --------------------------------------------------------------------------------------------------------
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.prefilling) + len(self.decode_slots) + len(self.ready_for_decode)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decode_slots or self.ready_for_decode or self.to_retire)
+
+    def bucket_for(self, rows: int) -> int:
+        if rows == 0:
+            return 0
+        for b in self.buckets:
+            if b >= rows:
+                return b
+        raise AssertionError(f"{rows} decode rows exceed the largest bucket")
+
+    # Requests -------------------------------------------------------------------------------------------------------
+    def add(self, request_id: str, prompt_len: int, max_tokens: int) -> SchedRequest:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_len < 1:
+            raise CapacityError("the prompt is empty")
+        if max_tokens < 1:
+            raise CapacityError("max_tokens must be at least 1")
+        total = prompt_len + max_tokens
+        if total > self.max_model_len:
+            raise CapacityError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the context "
+                f"length {self.max_model_len}"
+            )
+        if self.pages_for(total) > self.num_pages:
+            raise CapacityError(
+                f"prompt + max_tokens = {total} tokens needs {self.pages_for(total)} KV pages; "
+                f"this engine has {self.num_pages}"
+            )
+        req = SchedRequest(request_id, prompt_len, max_tokens)
+        self.requests[request_id] = req
+        self.waiting.append(request_id)
+        return req
+
+    def finish(self, request_id: str) -> None:
+        """The request is done (stopped, cancelled, or failed): free what it holds at the next plan."""
+        req = self.requests.get(request_id)
+        if req is None or req.phase is Phase.FINISHED or request_id in self.to_retire:
+            return
+        if req.phase is Phase.WAITING:
+            self.waiting.remove(request_id)
+            req.phase = Phase.FINISHED
+            del self.requests[request_id]
+            return
+        self.to_retire.append(request_id)
+
+    def on_prefill_done(self, work: list[PrefillWork]) -> None:
+        for w in work:
+            req = self.requests[w.request_id]
+            req.prefilled = w.start + w.length
+            if w.last:
+                req.generated += 1  # the first token comes from the prefill's logits
+                if w.request_id not in self.to_retire:
+                    self.prefilling.remove(w.request_id)
+                    self.ready_for_decode.append(w.request_id)
+
+    def on_decode_done(self, decode_ids: list[str]) -> None:
+        for rid in decode_ids:
+            self.requests[rid].generated += 1
+
+    # Planning -------------------------------------------------------------------------------------------------------
+    def _retire(self) -> tuple[list[Compaction], list[int]]:
+        compactions, released = [], []
+        for rid in self.to_retire:
+            req = self.requests.pop(rid)
+            self.free_pages.extend(reversed(req.pages))
+            req.pages = []
+            if req.phase is Phase.DECODE:
+                hole, last = req.decode_slot, len(self.decode_slots) - 1
+                moved = self.decode_slots[last]
+                if hole != last:
+                    self.decode_slots[hole] = moved
+                    self.requests[moved].decode_slot = hole
+                self.decode_slots.pop()
+                compactions.append(Compaction(hole, last if hole != last else None))
+            else:  # prefill or awaiting promotion: it still holds its prefill slot
+                if rid in self.prefilling:
+                    self.prefilling.remove(rid)
+                if rid in self.ready_for_decode:
+                    self.ready_for_decode.remove(rid)
+                self.free_prefill_slots.append(req.prefill_slot)
+                released.append(req.prefill_slot)
+            req.phase = Phase.FINISHED
+        self.to_retire.clear()
+        return compactions, released
+
+    def _promote(self) -> list[Promotion]:
+        promotions = []
+        for rid in self.ready_for_decode:
+            req = self.requests[rid]
+            slot = len(self.decode_slots)  # slot_for_new_request: the next dense slot
+            assert slot < self.max_batch, "admission keeps running requests within max_batch"
+            self.decode_slots.append(rid)
+            promotions.append(Promotion(rid, req.prefill_slot, slot, list(req.pages)))
+            self.free_prefill_slots.append(req.prefill_slot)
+            req.prefill_slot, req.decode_slot, req.phase = -1, slot, Phase.DECODE
+        self.ready_for_decode.clear()
+        return promotions
+
+    def _admit(self) -> None:
+        # FCFS and blocking: when the oldest waiting request does not fit, nobody behind it is admitted.
+        while self.waiting:
+            req = self.requests[self.waiting[0]]
+            need = self.pages_for(req.lifetime_tokens)
+            if not self.free_prefill_slots or self.num_running >= self.max_batch or need > len(self.free_pages):
+                return
+            self.waiting.popleft()
+            req.pages = [self.free_pages.pop() for _ in range(need)]
+            req.prefill_slot = self.free_prefill_slots.pop()
+            req.phase = Phase.PREFILL
+            self.prefilling.append(req.request_id)
+
+    def _prefill_chunks(self) -> list[PrefillWork]:
+        budget, work = self.prefill_token_budget, []
+        for rid in self.prefilling:
+            if budget == 0:
+                break
+            req = self.requests[rid]
+            length = min(req.prompt_len - req.prefilled, budget)
+            budget -= length
+            last = req.prefilled + length == req.prompt_len
+            work.append(PrefillWork(rid, req.prefilled, length, req.prefill_slot, req.pages, last))
+        return work
+
+    def schedule(self) -> StepPlan:
+        compactions, released = self._retire()
+        promotions = self._promote()
+        self._admit()
+        prefill = self._prefill_chunks()
+        decode_ids = list(self.decode_slots)
+        return StepPlan(compactions, released, promotions, decode_ids, self.bucket_for(len(decode_ids)), prefill)
+
+    # Invariants (tests and debugging) ---------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        owned = [p for r in self.requests.values() for p in r.pages]
+        assert len(owned) == len(set(owned)), "a page is owned twice"
+        assert not set(owned) & set(self.free_pages), "a page is both owned and free"
+        assert len(owned) + len(self.free_pages) == self.num_pages, "a page leaked"
+        for i, rid in enumerate(self.decode_slots):
+            assert self.requests[rid].decode_slot == i, "decode slots are not dense"
+        held = [r.prefill_slot for r in self.requests.values() if r.prefill_slot >= 0]
+        assert len(held) == len(set(held)) and not set(held) & set(self.free_prefill_slots)
+        assert len(held) + len(self.free_prefill_slots) == self.max_prefill_slots, "a prefill slot leaked"
+        assert self.num_running <= self.max_batch

@@ -1,0 +1,173 @@
+"""Text side: the checkpoint's tokenizer and chat template, incremental detokenisation, stop strings."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class TemplateError(ValueError):
+    pass
+
+
+class TextTokenizer:
+    def __init__(self, checkpoint_dir: str) -> None:
+        path = os.path.join(checkpoint_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no tokenizer.json in {checkpoint_dir}")
+        self.tok = Tokenizer.from_file(path)
+        self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        self.chat_template = self._load_template(checkpoint_dir)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
+        env.globals["raise_exception"] = _raise
+        self._template = env.from_string(self.chat_template) if self.chat_template else None
+
+    @staticmethod
+    def _load_template(checkpoint_dir: str) -> str | None:
+        path = os.path.join(checkpoint_dir, "chat_template.jinja")
+        if os.path.isfile(path):
+            with open(path) as f:
+                return f.read()
+        config = os.path.join(checkpoint_dir, "tokenizer_config.json")
+        if os.path.isfile(config):
+            with open(config) as f:
+                template = json.load(f).get("chat_template")
+            if isinstance(template, str):
+                return template
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if self._template is None:
+            raise TemplateError("this checkpoint has no chat template")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template failed: {exc}") from None
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas; bytes of a character split across tokens wait for the rest."""
+
+    def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool) -> None:
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # tokens before this are final text
+        self.read_offset = 0  # tokens before this have been emitted
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = decode(self.ids[self.prefix_offset :], self.skip)
+        if full.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the token that completes it
+        # The previous chunk stays as left context, so decoders that look across tokens stay consistent.
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text and holds back any tail that could still start one."""
+
+    def __init__(self, stops: list[str], include_stop: bool) -> None:
+        self.stops, self.include = stops, include_stop
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""  # everything generated so far (before truncation at a stop)
+        self.emitted = 0
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Add text; returns (text safe to emit now, whether a stop string was hit)."""
+        start = max(0, len(self.text) - self.hold)
+        self.text += delta
+        hit = None
+        for s in self.stops:
+            i = self.text.find(s, start)
+            if i >= 0 and (hit is None or i < hit[0]):
+                hit = (i, s)
+        if hit is not None:
+            end = hit[0] + (len(hit[1]) if self.include else 0)
+            self.text = self.text[:end]
+            out = self.text[self.emitted :]
+            self.emitted = len(self.text)
+            return out, True
+        safe = len(self.text) - self.hold if self.stops else len(self.text)
+        safe = max(safe, self.emitted)
+        out = self.text[self.emitted : safe]
+        self.emitted = safe
+        return out, False
+
+    def flush(self) -> str:
+        out = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return out
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def prompt_opens_reasoning(prompt: str) -> bool:
+    """True when the rendered prompt ends inside an open <think> block (thinking enabled)."""
+    return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
+
+
+class ReasoningSplitter:
+    """Splits streamed assistant text into reasoning (inside <think>…</think>) and content.
+
+    A tail that could be the start of a marker is held back until the next delta decides it.
+    """
+
+    def __init__(self, in_reasoning: bool) -> None:
+        self.in_reasoning = in_reasoning
+        self.pending = ""
+        self.started = False  # content so far is only whitespace after </think> (stripped, as Qwen's parser does)
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        text = self.pending + delta
+        self.pending = ""
+        reasoning, content = [], []
+        while text:
+            marker = THINK_CLOSE if self.in_reasoning else THINK_OPEN
+            i = text.find(marker)
+            if i >= 0:
+                (reasoning if self.in_reasoning else content).append(text[:i])
+                text = text[i + len(marker) :]
+                self.in_reasoning = not self.in_reasoning
+                continue
+            keep = 0 if final else _partial_suffix(text, marker)
+            (reasoning if self.in_reasoning else content).append(text[: len(text) - keep])
+            self.pending = text[len(text) - keep :]
+            break
+        content_text = "".join(content)
+        if not self.started:
+            content_text = content_text.lstrip("\n")
+            self.started = bool(content_text)
+        return "".join(reasoning), content_text
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of marker."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
