@@ -4,7 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.scheduler import Compaction, Promotion
+
+
+@dataclass
+class Promotion:
+    request_id: str
+    from_slot: int  # the prefill state slot
+    to_slot: int  # the decode slot it takes
+    pages: list[int]
+
+
+@dataclass
+class Compaction:
+    """Retire decode slot `hole`; if `moved_from` is set, that (last) slot's request moves into the hole."""
+
+    hole: int
+    moved_from: int | None
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,14 @@ those slices, read straight from the memory-mapped checkpoint. Replicated tensor
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .config import ModelConfig
+
+
+# "layers.<i>.<module path>.<leaf>": the module path decides the plan.
+_LAYER_TENSOR = re.compile(r"^layers\.\d+\.(.+)\.[^.]+$")
 
 
 @dataclass(frozen=True)
@@ -64,14 +69,15 @@ def shard_plan(name: str, cfg: ModelConfig, rank: int, tp: int) -> ShardPlan | N
     """The plan for a text-model tensor named without the `model.language_model.` prefix."""
     if tp == 1:
         return None
-    leaf = name.split(".layers.", 1)[-1]
-    parts = leaf.split(".")
-    module = ".".join(parts[1:-1]) if parts[0].isdigit() else ""
+    match = _LAYER_TENSOR.match(name)
+    if match is None:
+        return None  # embedding, final norm, lm_head: replicated
+    module = match.group(1)
     if module == "linear_attn.in_proj_qkv" or module == "linear_attn.conv1d":
         return ShardPlan(0, gdn_channel_ranges(cfg, rank, tp))
     if module in ("linear_attn.in_proj_z",):
         return ShardPlan(0, (_part(cfg.linear_num_value_heads, rank, tp, cfg.linear_value_head_dim),))
-    if module in ("linear_attn.in_proj_b", "linear_attn.in_proj_a") or leaf.endswith(
+    if module in ("linear_attn.in_proj_b", "linear_attn.in_proj_a") or name.endswith(
         ("linear_attn.dt_bias", "linear_attn.A_log")
     ):
         return ShardPlan(0, (_part(cfg.linear_num_value_heads, rank, tp),))

@@ -16,6 +16,8 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from devices.commands import Compaction, Promotion
+
 
 class CapacityError(ValueError):
     """A request that can never fit this engine (too long for the context, or for the KV pages)."""
@@ -53,22 +55,6 @@ class PrefillWork:
     slot: int  # state slot (a prefill slot)
     pages: list[int]
     last: bool  # the chunk ends the prompt: its last token's logits are sampled
-
-
-@dataclass
-class Promotion:
-    request_id: str
-    from_slot: int  # the prefill state slot
-    to_slot: int  # the decode slot it takes
-    pages: list[int]
-
-
-@dataclass
-class Compaction:
-    """Retire decode slot `hole`; if `moved_from` is set, that (last) slot's request moves into the hole."""
-
-    hole: int
-    moved_from: int | None
 
 
 @dataclass

@@ -1,0 +1,158 @@
+"""Device-side pieces on the CPU: capacity math, slot protocol and poisoning, the worker group."""
+
+import asyncio
+
+import pytest
+import torch
+from helpers import CpuRunner
+
+from devices.capacity import CapacityRefused, plan_capacity
+from devices.commands import PrefillCommand, RowSampling, StepCommand
+from devices.rank import RankRuntime
+from devices.worker import ReplicaPoisoned, WorkerGroup
+from devices.commands import Compaction, Promotion
+
+MiB = 1 << 20
+
+
+def capacity(**kw):
+    args = dict(free_bytes=1000 * MiB, bytes_per_slot=2 * MiB, bytes_per_page=MiB // 4, page_size=16,
+                max_model_len=1024, requested_batch=64, prefill_slots=4, prefill_scratch_bytes=50 * MiB,
+                buckets=[1, 2, 4, 8, 16, 24, 32, 48, 64], graph_reserve=lambda b: b * 4 * MiB)
+    args.update(kw)
+    return plan_capacity(**args)
+
+
+def check_fits(plan, **kw):
+    free, slot, page = kw["free_bytes"], kw["bytes_per_slot"], kw["bytes_per_page"]
+    total = plan.state_bytes + plan.graph_reserve_bytes + kw["prefill_scratch_bytes"]
+    assert total <= free, "the allocation would exceed what was measured free"
+    assert plan.max_batch <= plan.largest_bucket
+    assert plan.graph_reserve_bytes == kw["graph_reserve"](plan.largest_bucket)
+    assert plan.num_pages >= plan.max_batch * (kw["max_model_len"] // 16)
+
+
+def test_roomy_memory_keeps_the_requested_batch():
+    plan = capacity(free_bytes=2000 * MiB)  # 64 rows of 18 MiB + 256 MiB reserve + scratch fit
+    assert plan.max_batch == 64 and plan.largest_bucket == 64
+
+
+@pytest.mark.parametrize("free_mib", [120, 160, 200, 260, 330, 480, 700])
+def test_reserve_iterates_down_and_the_batch_is_clamped(free_mib):
+    kw = dict(free_bytes=free_mib * MiB, bytes_per_slot=2 * MiB, bytes_per_page=MiB // 4, page_size=16,
+              max_model_len=1024, requested_batch=64, prefill_slots=4, prefill_scratch_bytes=50 * MiB,
+              buckets=[1, 2, 4, 8, 16, 24, 32, 48, 64], graph_reserve=lambda b: b * 4 * MiB)
+    plan = plan_capacity(**kw)
+    check_fits(plan, **kw)
+    assert 1 <= plan.max_batch < 64
+
+
+def test_tight_memory_where_the_first_reserve_leaves_nothing():
+    # With the reserve of bucket 64 (256 MiB) nothing fits; smaller buckets leave room for a few rows.
+    kw = dict(free_bytes=280 * MiB, bytes_per_slot=2 * MiB, bytes_per_page=MiB // 4, page_size=16,
+              max_model_len=1024, requested_batch=64, prefill_slots=4, prefill_scratch_bytes=40 * MiB,
+              buckets=[1, 2, 4, 8, 16, 24, 32, 48, 64], graph_reserve=lambda b: b * 4 * MiB)
+    assert kw["graph_reserve"](64) > kw["free_bytes"] - kw["prefill_scratch_bytes"]
+    plan = plan_capacity(**kw)
+    check_fits(plan, **kw)
+    assert plan.max_batch >= 1
+
+
+def test_refuses_with_numbers_when_not_even_one_request_fits():
+    with pytest.raises(CapacityRefused, match=r"not even one request fits: 40 MiB free.*max_model_len 1024"):
+        capacity(free_bytes=40 * MiB)
+
+
+def make_runtime(ckpt, max_batch=4):
+    runner = CpuRunner(ckpt, num_slots=max_batch + 2, num_pages=64)
+    return RankRuntime(runner.model, runner.state, rank=0, max_batch=max_batch, max_pages_per_seq=8,
+                       device=torch.device("cpu")), runner
+
+
+def prefill_into(rt, slot, tokens, pages):
+    return rt.execute(StepCommand(prefill=[PrefillCommand(tokens, 0, slot, pages, True, RowSampling(temperature=0))]))
+
+
+def test_promotion_copies_state_and_compaction_moves_it(tiny_ckpt):
+    rt, runner = make_runtime(tiny_ckpt)
+    prefill_into(rt, 4, [5, 6, 7], [0])
+    prefill_into(rt, 5, [8, 9], [1])
+    promoted = rt.state.ssm[:, 5].clone()
+    rt.execute(StepCommand(promotions=[Promotion("a", 4, 0, [0]), Promotion("b", 5, 1, [1])],
+                           decode_tokens=[1, 2], decode_positions=[3, 2], decode_token_index=[1, 1], bucket=2))
+    assert rt.occupied[:2] == [True, True]
+    state_b = rt.state.ssm[:, 1].clone()
+    assert not torch.equal(state_b, promoted)  # it decoded one token from the promoted state
+    # Retire slot 0: slot 1 moves into the hole, with its state and page-table row.
+    rt._apply_slot_changes(StepCommand(compactions=[Compaction(0, 1)], decode_tokens=[3], decode_positions=[3],
+                                       decode_token_index=[2], bucket=1))
+    assert rt.occupied[:2] == [True, False]
+    assert torch.equal(rt.state.ssm[:, 0], state_b) and rt.inputs.table_host[0, 0] == 1
+
+
+@pytest.mark.parametrize("bad", [
+    StepCommand(compactions=[Compaction(2, None)]),  # retiring a free slot
+    StepCommand(compactions=[Compaction(0, 3)]),  # moving from a free slot
+    StepCommand(promotions=[Promotion("x", 4, 0, [2])]),  # promoting into a taken slot
+    StepCommand(decode_tokens=[1, 2, 3], decode_positions=[1, 1, 1], decode_token_index=[1, 1, 1], bucket=4),
+])
+def test_slot_protocol_mismatch_raises(tiny_ckpt, bad):
+    from devices.commands import SlotProtocolError
+
+    rt, _ = make_runtime(tiny_ckpt)
+    prefill_into(rt, 4, [5, 6, 7], [0])
+    rt.execute(StepCommand(promotions=[Promotion("a", 4, 0, [0])], decode_tokens=[1], decode_positions=[3],
+                           decode_token_index=[1], bucket=1))
+    with pytest.raises(SlotProtocolError):
+        rt.execute(bad)
+
+
+def test_worker_group_runs_every_rank_and_poisons_on_failure():
+    async def main():
+        group = WorkerGroup(3, step_timeout_s=5)
+        assert await group.call(lambda rank: rank * 10) == [0, 10, 20]
+
+        def fail_on_rank_2(rank):
+            if rank == 2:
+                raise ValueError("bad compaction")
+            return rank
+
+        with pytest.raises(ReplicaPoisoned, match="bad compaction"):
+            await group.call(fail_on_rank_2)
+        with pytest.raises(ReplicaPoisoned):
+            await group.call(lambda rank: rank)  # nothing runs on a poisoned replica
+        group.stop()
+
+    asyncio.run(main())
+
+
+def test_step_timeout_poisons_instead_of_hanging():
+    import threading
+
+    release = threading.Event()
+
+    async def main():
+        group = WorkerGroup(2, step_timeout_s=0.2, on_abort=release.set)
+        with pytest.raises(ReplicaPoisoned, match="did not finish"):
+            await group.call(lambda rank: release.wait(10) if rank == 1 else rank)
+        assert release.is_set()  # the abort hook ran, releasing the stuck rank
+        group.stop()
+
+    asyncio.run(main())
+
+
+def test_bad_compaction_from_the_engine_poisons_and_fails_requests(tiny_ckpt):
+    from runtime import AsyncEngine, EngineArgs, SamplingParams
+
+    async def main():
+        async with AsyncEngine(EngineArgs(model=tiny_ckpt, max_model_len=128, max_batch=4,
+                                          cpu_memory_bytes=8 << 20)) as engine:
+            stream = engine.generate([4, 5, 6], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+            await stream.__anext__()  # first token (prefill)
+            await stream.__anext__()  # second token: the request now owns decode slot 0
+            engine.replica.ranks[0].runtime.occupied[0] = False  # corrupt the worker's view
+            outs = [o async for o in stream]
+            assert outs[-1].finish_reason == "error" and "decode rows" in outs[-1].error
+            assert not engine.healthy
+
+    asyncio.run(main())

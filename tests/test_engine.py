@@ -1,0 +1,199 @@
+"""The asyncio engine end to end on the CPU device with a tiny checkpoint."""
+
+import asyncio
+
+import pytest
+import torch
+from helpers import CpuRunner
+
+from runtime import AsyncEngine, EngineArgs, SamplingParams
+
+GREEDY = dict(temperature=0.0)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def engine_args(ckpt, **kw):
+    base = dict(model=ckpt, max_model_len=512, max_batch=16, cpu_memory_bytes=64 << 20)
+    base.update(kw)
+    return EngineArgs(**base)
+
+
+async def collect(stream):
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
+async def wait_free(engine, timeout=10.0):
+    """Retirement happens at the next step: wait for it, then report whether all resources are back."""
+    for _ in range(int(timeout / 0.01)):
+        if engine.resources_free():
+            return True
+        await asyncio.sleep(0.01)
+    return engine.resources_free()
+
+
+def test_greedy_through_the_engine_equals_the_model(tiny_ckpt):
+    prompts = [[5, 17, 300, 42, 9], list(range(40, 110))]
+    expected = []
+    for p in prompts:
+        runner = CpuRunner(tiny_ckpt)
+        logits = runner.prefill({0: p})
+        toks = [int(logits[0].argmax())]
+        for i in range(23):
+            toks.append(int(runner.decode({0: toks[-1]}, {0: len(p) + i})[0].argmax()))
+        expected.append(toks)
+
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+            outs = await asyncio.gather(*[
+                collect(engine.generate(p, SamplingParams(max_tokens=24, ignore_eos=True, **GREEDY)))
+                for p in prompts
+            ])
+            assert await wait_free(engine)
+            return outs
+
+    outs = run(main())
+    for out, exp in zip(outs, expected):
+        assert out.token_ids == exp
+        assert out.finish_reason == "length" and out.finished
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_batch(tiny_ckpt):
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    prompt = "the river runs past the mill"
+
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+            alone = await collect(engine.generate(prompt, params))
+            others = [engine.generate(f"noise {i} " * (i + 1), SamplingParams(max_tokens=5 + i, temperature=1.0,
+                                                                          ignore_eos=True)) for i in range(16)]
+            crowded = engine.generate(prompt, params)
+            results = await asyncio.gather(collect(crowded), *[collect(o) for o in others])
+            return alone, results[0]
+
+    alone, crowded = run(main())
+    assert alone.token_ids == crowded.token_ids and len(alone.token_ids) == 20
+    assert len(set(alone.token_ids)) > 3  # actually sampled, not stuck on one token
+
+
+def test_64_concurrent_streams_with_cancellations_free_everything(tiny_ckpt):
+    async def consume(engine, i):
+        params = SamplingParams(max_tokens=4 + (i * 7) % 29, temperature=0.8, seed=i, ignore_eos=True)
+        stream = engine.generate([3 + i % 50] * (1 + (i * 13) % 60), params)
+        n = 0
+        async for out in stream:
+            n += 1
+            if i % 5 == 0 and n == 3:
+                break  # leave mid-stream: aborts the request
+        return out
+
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt, max_batch=24)) as engine:
+            tasks = [asyncio.create_task(consume(engine, i)) for i in range(64)]
+            await asyncio.sleep(0.05)
+            for i in (1, 8, 22):
+                tasks[i].cancel()  # cancel the consuming task itself
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            free = await wait_free(engine)
+            engine.scheduler.check_invariants()
+            return results, free
+
+    results, free = run(main())
+    assert free, "pages or slots were left allocated"
+    for i, r in enumerate(results):
+        if i in (1, 8, 22) and isinstance(r, asyncio.CancelledError):
+            continue
+        assert not isinstance(r, BaseException), r
+        if i % 5 == 0:
+            continue
+        assert r.finished and r.finish_reason == "length"
+        assert len(r.token_ids) == 4 + (i * 7) % 29
+
+
+def test_stop_strings_stop_tokens_min_tokens_and_logprobs(tiny_ckpt):
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+            base = await collect(engine.generate("the cat", SamplingParams(max_tokens=30, ignore_eos=True, **GREEDY)))
+            text = base.text
+            stop = text[5:8]
+            stopped = await collect(engine.generate("the cat", SamplingParams(max_tokens=30, stop=[stop],
+                                                                           ignore_eos=True, **GREEDY)))
+            included = await collect(engine.generate("the cat", SamplingParams(
+                max_tokens=30, stop=[stop], include_stop_str_in_output=True, ignore_eos=True, **GREEDY)))
+            stop_tok = base.token_ids[3]
+            by_token = await collect(engine.generate("the cat", SamplingParams(
+                max_tokens=30, stop_token_ids=[stop_tok], ignore_eos=True, **GREEDY)))
+            delayed = await collect(engine.generate("the cat", SamplingParams(
+                max_tokens=30, stop_token_ids=[stop_tok], min_tokens=10, ignore_eos=True, **GREEDY)))
+            lp = await collect(engine.generate("the cat", SamplingParams(max_tokens=6, logprobs=3, **GREEDY)))
+            return base, stop, stopped, included, by_token, delayed, lp
+
+    base, stop, stopped, included, by_token, delayed, lp = run(main())
+    first = base.text.find(stop)
+    assert stopped.finish_reason == "stop" and stopped.text == base.text[:first]
+    assert included.text == base.text[: first + len(stop)]
+    assert by_token.finish_reason == "stop" and by_token.token_ids == base.token_ids[: base.token_ids.index(base.token_ids[3])]
+    assert len(delayed.token_ids) >= 10 and base.token_ids[3] not in delayed.token_ids[:10]
+    assert len(lp.logprobs) == len(lp.token_ids)
+    for entry, token in zip(lp.logprobs, lp.token_ids):
+        assert entry.token_id == token and len(entry.top) == 3
+        assert entry.top[0][0] == token and abs(entry.top[0][1] - entry.logprob) < 1e-6  # greedy: the top one
+        assert entry.top[0][1] >= entry.top[1][1] >= entry.top[2][1]
+
+
+def test_unset_fields_take_the_checkpoint_defaults(tiny_ckpt):
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+            params = engine.resolve_params(5, SamplingParams())
+            return engine.cfg.generation, params
+
+    gen, params = run(main())
+    assert params.temperature == gen.temperature and params.top_k == gen.top_k and params.top_p == gen.top_p
+    assert params.max_tokens == 512 - 5
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2.0), ("max_tokens", 0),
+    ("logprobs", 99), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("seed", -5), ("stop", [""]),
+    ("stop_token_ids", [-1]), ("min_tokens", -1), ("temperature", "hot"), ("ignore_eos", 1),
+])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_bad_prompts_raise_before_queueing(tiny_ckpt):
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+            for bad, match in (("", "empty"), ([], "empty"), ([10**7], "vocabulary"), ([1] * 600, "context")):
+                with pytest.raises(ValueError, match=match):
+                    engine.generate(bad, SamplingParams(max_tokens=4))
+            assert await wait_free(engine)
+
+    run(main())
+
+
+def test_bad_engine_args_name_the_field():
+    for field, value in (("device", "tpu"), ("tp", 0), ("dtype", "int8"), ("max_batch", -1),
+                         ("memory_fraction", 0.0)):
+        with pytest.raises(ValueError, match=field):
+            EngineArgs(**{field: value})
+
+
+def test_chat_renders_the_template(tiny_ckpt):
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+            prompt = engine.render_chat([{"role": "user", "content": "hi"}], {"enable_thinking": False})
+            out = await collect(engine.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3),
+                                            {"enable_thinking": False}))
+            return prompt, out
+
+    prompt, out = run(main())
+    assert prompt.startswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt.endswith("</think>\n\n")
+    assert len(out.prompt_token_ids) > 5 and out.finished

@@ -1,0 +1,92 @@
+"""Batched sampling semantics (DESIGN §6) on the torch reference."""
+
+import torch
+
+from kernels.sampling import SamplingTensors, counter_uniform, sample
+
+
+def params(n, **kw):
+    base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
+                repetition_penalty=1.0, seeds=0, steps=0)
+    base.update(kw)
+    out = {}
+    for k, v in base.items():
+        dtype = torch.long if k in ("top_k", "seeds", "steps") else torch.float32
+        out[k] = v if isinstance(v, torch.Tensor) else torch.full((n,), v, dtype=dtype)
+    return SamplingTensors(**out)
+
+
+def test_uniforms_are_in_range_and_depend_only_on_seed_step_and_id():
+    u = counter_uniform(torch.tensor([1, 2, 1]), torch.tensor([5, 5, 5]), 1000)
+    assert (u > 0).all() and (u < 1).all()
+    assert torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
+    assert abs(u.mean().item() - 0.5) < 0.02
+
+
+def test_filters_that_leave_one_token_equal_greedy():
+    logits = torch.randn(4, 300)
+    best = logits.argmax(-1)
+    for kw in (dict(temperature=0.0), dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+        for seed in range(5):
+            tokens, *_ = sample(logits, params(4, seeds=seed, **kw))
+            assert torch.equal(tokens, best), kw
+
+
+def test_sampling_follows_the_tempered_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
+    n = 4000
+    counts = torch.zeros(5)
+    for s in range(n):
+        tok, *_ = sample(logits, params(1, temperature=0.7, seeds=s, steps=3))
+        counts[tok] += 1
+    expected = (logits[0] / 0.7).softmax(-1) * n
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 20, (counts, expected)  # 4 dof: p < 0.001
+
+
+def test_top_k_top_p_min_p_only_draw_kept_tokens():
+    logits = torch.tensor([[3.0, 2.5, 2.0, 0.0, -1.0, -2.0]])
+    probs = logits.softmax(-1)[0]
+    seen = {"k": set(), "p": set(), "m": set()}
+    for s in range(400):
+        seen["k"].add(int(sample(logits, params(1, top_k=2, seeds=s))[0]))
+        seen["p"].add(int(sample(logits, params(1, top_p=0.6, seeds=s))[0]))
+        seen["m"].add(int(sample(logits, params(1, min_p=0.5, seeds=s))[0]))
+    assert seen["k"] == {0, 1}
+    assert seen["p"] == {0, 1} and probs[0] < 0.6 <= probs[:2].sum()
+    assert seen["m"] == {i for i in range(6) if probs[i] >= 0.5 * probs[0]}
+
+
+def test_a_seeded_row_ignores_its_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(9, 500)
+    seeds = torch.arange(100, 109)
+    steps = torch.arange(9) * 3
+    batch, *_ = sample(logits, params(9, seeds=seeds, steps=steps, temperature=1.3, top_p=0.9))
+    for i in range(9):
+        alone, *_ = sample(logits[i : i + 1], params(1, seeds=seeds[i : i + 1], steps=steps[i : i + 1],
+                                                     temperature=1.3, top_p=0.9))
+        assert alone.item() == batch[i].item()
+
+
+def test_penalties_push_away_from_seen_tokens():
+    logits = torch.tensor([[2.0, 1.9, 0.0, -3.0]])
+    counts = torch.tensor([[3, 0, 0, 0]], dtype=torch.int32)
+    p = params(1, temperature=0.0, frequency_penalty=0.1)
+    p.output_counts, p.prompt_mask = counts, torch.zeros(1, 4, dtype=torch.bool)
+    assert sample(logits, p)[0].item() == 1  # 2.0 - 0.3 < 1.9
+    p = params(1, temperature=0.0, presence_penalty=0.05)
+    p.output_counts, p.prompt_mask = counts, torch.zeros(1, 4, dtype=torch.bool)
+    assert sample(logits, p)[0].item() == 0  # 2.0 - 0.05 > 1.9
+    p = params(1, temperature=0.0, repetition_penalty=1.2)
+    p.output_counts = torch.zeros(1, 4, dtype=torch.int32)
+    p.prompt_mask = torch.tensor([[True, False, False, False]])
+    assert sample(logits, p)[0].item() == 1  # 2.0 / 1.2 < 1.9
+
+
+def test_logprobs_are_the_raw_distribution():
+    logits = torch.randn(3, 50)
+    tokens, chosen, top_ids, top_lp = sample(logits, params(3, temperature=0.5, seeds=1), num_logprobs=4)
+    ref = logits.log_softmax(-1)
+    assert torch.allclose(chosen, ref.gather(1, tokens[:, None])[:, 0])
+    assert torch.equal(top_ids, ref.topk(4).indices) and torch.allclose(top_lp, ref.topk(4).values)

@@ -1,0 +1,150 @@
+"""Scheduler invariants under random arrivals, finishes and cancellations (pure Python, no torch)."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pytest
+
+from runtime.scheduler import CapacityError, Phase, Scheduler
+
+
+def make(**kw):
+    args = dict(num_pages=40, page_size=4, max_batch=6, max_prefill_slots=3, prefill_token_budget=10,
+                max_model_len=64, buckets=[1, 2, 4, 6])
+    args.update(kw)
+    return Scheduler(**args)
+
+
+class Driver:
+    """Plays the engine: applies plans, tracks a mirror of worker slot occupancy, checks every move."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.s = sched
+        self.occupied = [None] * sched.max_batch  # request id in each decode slot, as a worker would see it
+        self.admitted_order: list[str] = []
+
+    def step(self, finish: set[str]) -> None:
+        plan = self.s.schedule()
+        for c in plan.compactions:
+            assert self.occupied[c.hole] is not None, "retiring a free slot"
+            self.occupied[c.hole] = None
+            if c.moved_from is not None:
+                assert self.occupied[c.moved_from] is not None and self.occupied[c.hole] is None
+                self.occupied[c.hole], self.occupied[c.moved_from] = self.occupied[c.moved_from], None
+        for p in plan.promotions:
+            assert self.occupied[p.to_slot] is None
+            self.occupied[p.to_slot] = p.request_id
+        assert self.occupied[: len(plan.decode_ids)] == plan.decode_ids, "worker and scheduler disagree"
+        assert all(o is None for o in self.occupied[len(plan.decode_ids):])
+        if plan.decode_ids:
+            assert plan.bucket >= len(plan.decode_ids) and plan.bucket in self.s.buckets
+        assert sum(w.length for w in plan.prefill) <= self.s.prefill_token_budget
+        for w in plan.prefill:
+            if w.start == 0:
+                self.admitted_order.append(w.request_id)
+        self.s.on_prefill_done(plan.prefill)
+        self.s.on_decode_done(plan.decode_ids)
+        for rid in plan.decode_ids + [w.request_id for w in plan.prefill if w.last]:
+            req = self.s.requests.get(rid)
+            if req and (rid in finish or req.generated >= req.max_tokens):
+                self.s.finish(rid)
+        self.s.check_invariants()
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 20)),
+        st.tuples(st.just("cancel"), st.integers(0, 30)),
+        st.tuples(st.just("step"), st.integers(0, 30)),
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_random_traffic_keeps_every_invariant(sequence):
+    s = make()
+    d = Driver(s)
+    added, n = [], 0
+    for op in sequence:
+        if op[0] == "add":
+            rid = f"r{n}"
+            n += 1
+            try:
+                s.add(rid, op[1], op[2])
+                added.append(rid)
+            except CapacityError:
+                assert op[1] + op[2] > 64 or s.pages_for(op[1] + op[2]) > 40
+        elif op[0] == "cancel" and added:
+            s.finish(added[op[1] % len(added)])
+        else:
+            d.step({added[op[1] % len(added)]} if added else set())
+        s.check_invariants()
+    # Drain: everything finishes, and every page and slot comes back.
+    for _ in range(400):
+        if not s.has_work:
+            break
+        d.step(set())
+    assert not s.has_work and not s.requests
+    assert len(s.free_pages) == s.num_pages and len(s.free_prefill_slots) == s.max_prefill_slots
+    # FCFS: requests start prefilling in arrival order.
+    order = [r for r in added if r in d.admitted_order]
+    assert d.admitted_order == order
+
+
+def test_admission_blocks_behind_the_oldest_request():
+    s = make(num_pages=10)
+    s.add("big", 30, 8)  # 10 pages: all of them
+    s.add("small", 2, 2)
+    plan = s.schedule()
+    assert [w.request_id for w in plan.prefill] == ["big"]
+    s.add("later", 2, 2)
+    assert s.requests["small"].phase is Phase.WAITING and s.requests["later"].phase is Phase.WAITING
+    s.finish("big")
+    plan = s.schedule()
+    assert [w.request_id for w in plan.prefill] == ["small", "later"]
+
+
+def test_requests_that_can_never_fit_are_rejected():
+    s = make()
+    with pytest.raises(CapacityError, match="context length 64"):
+        s.add("long", 60, 10)
+    with pytest.raises(CapacityError, match="KV pages"):
+        make(num_pages=3).add("pages", 10, 10)
+    with pytest.raises(CapacityError, match="empty"):
+        s.add("empty", 0, 4)
+
+
+def test_chunked_prefill_respects_the_budget_and_mixes_with_decode():
+    s = make(prefill_token_budget=8)
+    s.add("a", 3, 5)
+    plan = s.schedule()
+    s.on_prefill_done(plan.prefill)
+    s.add("b", 20, 4)
+    plan = s.schedule()  # a is promoted and decodes; b's first chunk fills the rest of the budget
+    assert plan.decode_ids == ["a"] and [(w.request_id, w.start, w.length) for w in plan.prefill] == [("b", 0, 8)]
+    s.on_prefill_done(plan.prefill)
+    plan = s.schedule()
+    assert [(w.start, w.length, w.last) for w in plan.prefill] == [(8, 8, False)]
+    s.on_prefill_done(plan.prefill)
+    plan = s.schedule()
+    assert [(w.start, w.length, w.last) for w in plan.prefill] == [(16, 4, True)]
+
+
+def test_retiring_from_the_middle_moves_the_last_slot_into_the_hole():
+    s = make(prefill_token_budget=100, max_prefill_slots=4)
+    for r in "abcd":
+        s.add(r, 2, 10)
+    s.on_prefill_done(s.schedule().prefill)
+    plan = s.schedule()
+    assert plan.decode_ids == list("abcd") and plan.bucket == 4
+    s.finish("b")
+    plan = s.schedule()
+    assert [(c.hole, c.moved_from) for c in plan.compactions] == [(1, 3)]
+    assert plan.decode_ids == ["a", "d", "c"] and plan.bucket == 4
+    s.finish("c")
+    s.finish("a")
+    plan = s.schedule()
+    assert plan.decode_ids == ["d"] and plan.bucket == 1
+    s.check_invariants()

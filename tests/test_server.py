@@ -1,0 +1,232 @@
+"""The OpenAI-compatible server, driven by the official `openai` client and by raw HTTP for bad input."""
+
+import asyncio
+import json
+import socket
+
+import aiohttp
+import openai
+import pytest
+
+from runtime import AsyncEngine, EngineArgs
+from runtime.server import serve
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def with_server(ckpt, body, api_key=None, **engine_kw):
+    async def main():
+        args = dict(model=ckpt, max_model_len=256, max_batch=8, cpu_memory_bytes=32 << 20,
+                    served_model_name="tiny")
+        args.update(engine_kw)
+        async with AsyncEngine(EngineArgs(**args)) as engine:
+            port = free_port()
+            runner = await serve(engine, "127.0.0.1", port, api_key)
+            try:
+                return await body(engine, f"http://127.0.0.1:{port}")
+            finally:
+                await runner.cleanup()
+
+    return asyncio.run(main())
+
+
+def test_openai_client_completions_and_chat(tiny_ckpt):
+    async def body(engine, url):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused")
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+
+        plain = await client.completions.create(model="tiny", prompt="the river", max_tokens=12, temperature=0,
+                                                logprobs=2, extra_body={"ignore_eos": True})
+        choice = plain.choices[0]
+        assert plain.usage.completion_tokens == 12 and plain.usage.prompt_tokens > 0
+        assert len(choice.logprobs.tokens) == 12 and len(choice.logprobs.top_logprobs[0]) == 2
+
+        pieces, usage = [], None
+        stream = await client.completions.create(model="tiny", prompt="the river", max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            for c in chunk.choices:
+                pieces.append(c.text)
+        assert "".join(pieces) == choice.text  # streamed text equals the non-streamed text
+        assert usage.completion_tokens == 12 and usage.total_tokens == usage.prompt_tokens + 12
+
+        messages = [{"role": "user", "content": "What is two plus two?"}]
+        chat = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                    logprobs=True, top_logprobs=3,
+                                                    extra_body={"ignore_eos": True})
+        msg = chat.choices[0].message
+        assert msg.role == "assistant" and chat.usage.completion_tokens == 10
+        assert len(chat.choices[0].logprobs.content) == 10
+        assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 3
+        # Thinking is on by default: text before </think> is reasoning.
+        reasoning = getattr(msg, "reasoning_content", None) or (msg.model_extra or {}).get("reasoning_content")
+        assert reasoning is not None
+
+        content, reasoning_parts, finish, usage = [], [], None, None
+        stream = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                extra = c.delta.model_extra or {}
+                reasoning_parts.append(extra.get("reasoning_content") or "")
+                content.append(c.delta.content or "")
+                finish = c.finish_reason or finish
+        assert "".join(reasoning_parts) == reasoning and "".join(content) == (msg.content or "")
+        assert finish == "length" and usage.completion_tokens == 10
+
+        no_think = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=6, temperature=0,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True})
+        assert (no_think.choices[0].message.model_extra or {}).get("reasoning_content") is None
+
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/health") as health:
+                assert health.status == 200 and (await health.json())["status"] == "ok"
+        return True
+
+    assert with_server(tiny_ckpt, body)
+
+
+BAD = [
+    # (path, raw body or JSON object, status, param)
+    ("/v1/completions", "{not json", 400, None),
+    ("/v1/completions", "[1, 2]", 400, None),
+    ("/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, "a"]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi " * 400}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": "warm"}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": -3}, 400, "top_k"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 9}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": 7}, 400, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": 1.5}, 400, "seed"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages[0].role"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400,
+     "messages[0].content"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "messages[0].content"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x" * 2000}]}, 400,
+     "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+     400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": "think"}, 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ("/v1/chat/completions", "x" * (5 << 20), 413, None),
+]
+
+
+def test_bad_input_gets_the_right_status_and_error_body(tiny_ckpt):
+    assert len(BAD) >= 25
+
+    async def body(engine, url):
+        async with aiohttp.ClientSession() as session:
+            for path, payload, status, param in BAD:
+                data = payload if isinstance(payload, str) else json.dumps(payload)
+                async with session.post(url + path, data=data, headers={"Content-Type": "application/json"}) as r:
+                    got = await r.json()
+                    assert r.status == status, (payload if len(data) < 200 else data[:50], r.status, got)
+                    err = got["error"]
+                    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+                    assert err["param"] == param, (payload, err)
+            async with session.get(url + "/nowhere") as r:
+                assert r.status == 404 and "error" in await r.json()
+            # Still serving, and nothing leaked.
+            async with session.post(url + "/v1/completions", json={"model": "tiny", "prompt": "ok", "max_tokens": 3}) as r:
+                assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] <= 3
+        for _ in range(100):
+            if engine.resources_free():
+                break
+            await asyncio.sleep(0.01)
+        assert engine.resources_free()
+        return True
+
+    assert with_server(tiny_ckpt, body)
+
+
+def test_api_key_is_required_when_set(tiny_ckpt):
+    async def body(engine, url):
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/v1/models") as r:
+                assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+            async with session.get(url + "/v1/models", headers={"Authorization": "Bearer sesame"}) as r:
+                assert r.status == 200
+            async with session.get(url + "/health") as r:
+                assert r.status == 200
+        return True
+
+    assert with_server(tiny_ckpt, body, api_key="sesame")
+
+
+def test_disconnect_mid_stream_aborts_and_metrics_report(tiny_ckpt):
+    async def body(engine, url):
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(url + "/v1/completions", json={
+                "model": "tiny", "prompt": "a long story", "max_tokens": 200, "stream": True, "ignore_eos": True})
+            await resp.content.readline()  # the first event arrived
+            assert engine.scheduler.requests
+            resp.close()  # drop the connection mid-stream
+        for _ in range(500):
+            if engine.resources_free():
+                break
+            await asyncio.sleep(0.01)
+        assert engine.resources_free(), "the disconnected request still holds its slot"
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/metrics") as r:
+                text = await r.text()
+        assert 'deltaserve_requests_finished_total{finish_reason="abort"} 1.0' in text
+        for name in ("deltaserve_time_to_first_token_seconds", "deltaserve_inter_token_latency_seconds",
+                     "deltaserve_e2e_request_latency_seconds", "deltaserve_prompt_tokens_total",
+                     "deltaserve_generation_tokens_total", "deltaserve_kv_pages_usage_ratio",
+                     "deltaserve_decode_slots_usage_ratio", "deltaserve_requests_running",
+                     "deltaserve_requests_waiting"):
+            assert name in text, name
+        return True
+
+    assert with_server(tiny_ckpt, body)
+
+
+def test_full_queue_answers_503(tiny_ckpt):
+    async def body(engine, url):
+        async with aiohttp.ClientSession() as session:
+            statuses = await asyncio.gather(*[
+                session.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 30})
+                for _ in range(12)
+            ])
+            codes = sorted(r.status for r in statuses)
+            bodies = [await r.json() for r in statuses]
+        assert 503 in codes and 200 in codes
+        assert all(b["error"]["type"] == "service_unavailable" for b in bodies if "error" in b)
+        return True
+
+    assert with_server(tiny_ckpt, body, max_batch=1, prefill_slots=1, max_waiting=2)
