@@ -6,6 +6,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+if not torch.cuda.is_available():
+    # Triton kernels run in the interpreter on the CPU (must be set before any kernel is defined).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 

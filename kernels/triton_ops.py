@@ -1,0 +1,304 @@
+"""Triton kernels for the Qwen3.5 forward, with the signatures of `kernels.reference` (the forward swaps them).
+
+Every kernel launches on the current torch stream with no host synchronisation, reads lengths, slots and page
+tables from device tensors, and so can be captured in a CUDA graph. Ops without a kernel here (prefill
+attention, chunked GDN prefill, prefill conv) use the torch reference, which is correct on any device.
+CI runs these kernels under TRITON_INTERPRET=1 against the references on small shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from .reference import apply_rope, gdn_gates, rope_tables, slot_rows  # noqa: F401  (re-exported unchanged)
+
+conv1d_prefill = reference.conv1d_prefill
+gdn_prefill = reference.gdn_prefill
+prefill_attention = reference.prefill_attention
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# RMSNorm: zero-centred (1 + w), optionally fused with the residual add; the GDN gated norm.
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+                     HAS_RES: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)  # in the model dtype, as HF does
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTRED:
+        w = w + 1.0
+    tl.store(out_ptr + row * n_cols + cols, (xf * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x2 = x.contiguous().view(-1, x.shape[-1])
+    out = torch.empty_like(x2)
+    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.shape[1], eps, HAS_RES=False, ZERO_CENTRED=True,
+                                     BLOCK=_pow2(x2.shape[1]))
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    if residual is None:
+        return rms_norm(x, weight, eps), x
+    x2, r2 = x.contiguous().view(-1, x.shape[-1]), residual.contiguous().view(-1, x.shape[-1])
+    out, summed = torch.empty_like(x2), torch.empty_like(x2)
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, summed, x2.shape[1], eps, HAS_RES=True, ZERO_CENTRED=True,
+                                     BLOCK=_pow2(x2.shape[1]))
+    return out.view(x.shape), summed.view(x.shape)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    o = tl.load(o_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / n_cols + eps)
+    normed = (o * inv).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference rounds
+    y = (w * normed).to(out_ptr.dtype.element_ty).to(tl.float32) * (z / (1.0 + tl.exp(-z)))
+    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    o2, z2 = o.contiguous().view(-1, o.shape[-1]), z.contiguous().view(-1, o.shape[-1])
+    out = torch.empty_like(o2)
+    _gated_rms_norm_kernel[(o2.shape[0],)](o2, z2, weight, out, o2.shape[1], eps, BLOCK=_pow2(o2.shape[1]))
+    return out.view(o.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Causal depthwise conv1d + SiLU, decode: conv state [S+1, K-1, C] read and written in place through slots.
+
+
+@triton.jit
+def _conv1d_decode_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, out_ptr, C, trash,
+                          K: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = cols < C
+    slot = tl.load(slot_ptr + row)
+    slot = tl.where(slot < 0, trash, slot).to(tl.int64)
+    base = state_ptr + slot * (K - 1) * C
+    x = tl.load(x_ptr + row * C + cols, mask=mask, other=0.0)
+    acc = x.to(tl.float32) * tl.load(w_ptr + cols * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    for j in tl.static_range(K - 1):
+        prev = tl.load(base + j * C + cols, mask=mask, other=0.0)
+        acc += prev.to(tl.float32) * tl.load(w_ptr + cols * K + j, mask=mask, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(base + (j - 1) * C + cols, prev, mask=mask)  # shift the window left by one
+    tl.store(base + (K - 2) * C + cols, x.to(state_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * C + cols, (acc / (1.0 + tl.exp(-acc))).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor):
+    N, C = x.shape
+    K = weight.shape[1]
+    out = torch.empty_like(x)
+    BLOCK_C = 256
+    _conv1d_decode_kernel[(N, triton.cdiv(C, BLOCK_C))](
+        x.contiguous(), weight, conv_state, slots, out, C, conv_state.shape[0] - 1, K=K, BLOCK_C=BLOCK_C)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gated DeltaNet decode: one token per row; q/k l2-norm, gates, the delta-rule update and the read fused.
+# Program (row, value head, block of dv): the state tile [dk, BLOCK_V] stays in registers for the whole step.
+
+
+@triton.jit
+def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, out_ptr,
+                       C, trash, HV, GROUP, scale,
+                       DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // GROUP
+    ks = tl.arange(0, BLOCK_K)
+    vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    kmask, vmask = ks < DK, vs < DV
+    q = tl.load(mixed_ptr + row * C + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
+    k = tl.load(mixed_ptr + row * C + KEY_DIM + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
+    v = tl.load(mixed_ptr + row * C + 2 * KEY_DIM + h * DV + vs, mask=vmask, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+    a = tl.load(a_ptr + row * HV + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+    g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus
+    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + row * HV + h).to(tl.float32)))
+    slot = tl.load(slot_ptr + row)
+    slot = tl.where(slot < 0, trash, slot).to(tl.int64)
+    sptr = state_ptr + ((slot * HV + h) * DK + ks[:, None]) * DV + vs[None, :]
+    smask = kmask[:, None] & vmask[None, :]
+    S = tl.load(sptr, mask=smask, other=0.0) * tl.exp(g)
+    predicted = tl.sum(S * k[:, None], axis=0)
+    u = (v - predicted) * beta
+    S = S + k[:, None] * u[None, :]
+    tl.store(sptr, S, mask=smask)
+    o = tl.sum(S * q[:, None], axis=0)
+    tl.store(out_ptr + (row * HV + h) * DV + vs, o.to(out_ptr.dtype.element_ty), mask=vmask)
+
+
+def gdn_decode(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads: int, head_k_dim: int, head_v_dim: int):
+    N, C = mixed.shape
+    HV = a.shape[1]
+    out = torch.empty(N, HV, head_v_dim, dtype=mixed.dtype, device=mixed.device)
+    BLOCK_V = min(32, _pow2(head_v_dim))
+    grid = (N, HV, triton.cdiv(head_v_dim, BLOCK_V))
+    _gdn_decode_kernel[grid](
+        mixed.contiguous(), a.contiguous(), b.contiguous(), A_log, dt_bias, ssm_state, slots, out,
+        C, ssm_state.shape[0] - 1, HV, HV // num_k_heads, head_k_dim**-0.5,
+        DK=head_k_dim, DV=head_v_dim, KEY_DIM=num_k_heads * head_k_dim,
+        BLOCK_K=_pow2(head_k_dim), BLOCK_V=BLOCK_V, num_warps=4,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Partial RoPE (NeoX rotate-half on the first rotary dims) fused with the paged KV write.
+
+
+@triton.jit
+def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, map_ptr, qo_ptr,
+                       NQ, NKV, HALF: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    rot = d < 2 * HALF
+    idx = tl.where(rot, d % HALF, 0)
+    c = tl.load(cos_ptr + pos * HALF + idx, mask=rot, other=1.0)
+    s = tl.load(sin_ptr + pos * HALF + idx, mask=rot, other=0.0)
+    s = tl.where(d < HALF, -s, s)
+    if head < NQ:
+        base = q_ptr + (t * NQ + head) * D
+        x = tl.load(base + d, mask=dmask, other=0.0).to(tl.float32)
+        xp = tl.load(base + partner, mask=rot & dmask, other=0.0).to(tl.float32)
+        y = tl.where(rot, x * c + xp * s, x)
+        tl.store(qo_ptr + (t * NQ + head) * D + d, y.to(qo_ptr.dtype.element_ty), mask=dmask)
+    else:
+        kh = head - NQ
+        dest = tl.load(map_ptr + t).to(tl.int64)
+        base = k_ptr + (t * NKV + kh) * D
+        x = tl.load(base + d, mask=dmask, other=0.0).to(tl.float32)
+        xp = tl.load(base + partner, mask=rot & dmask, other=0.0).to(tl.float32)
+        y = tl.where(rot, x * c + xp * s, x)
+        tl.store(kc_ptr + (dest * NKV + kh) * D + d, y.to(kc_ptr.dtype.element_ty), mask=dmask)
+        vv = tl.load(v_ptr + (t * NKV + kh) * D + d, mask=dmask, other=0.0)
+        tl.store(vc_ptr + (dest * NKV + kh) * D + d, vv.to(vc_ptr.dtype.element_ty), mask=dmask)
+
+
+def rope_and_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping):
+    T, NQ, D = q.shape
+    NKV = k.shape[1]
+    out = torch.empty_like(q)
+    _rope_cache_kernel[(T, NQ + NKV)](
+        q.contiguous(), k.contiguous(), v.contiguous(), positions, cos, sin, k_cache, v_cache, slot_mapping, out,
+        NQ, NKV, HALF=cos.shape[1], D=D, BLOCK_H=1, BLOCK_D=_pow2(D))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decode attention over paged KV, split-K (flash decoding), any GQA group; a second kernel merges the splits.
+# Program (row, kv head, split): all query heads of the group at once, 64 cached tokens per iteration.
+
+
+@triton.jit
+def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, part_o_ptr, part_ml_ptr,
+                        NH, NKV, WIDTH, scale, TOKENS_PER_SPLIT,
+                        GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
+                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(len_ptr + row)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gmask, dmask = g < GROUP, d < D
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + (row * NH + heads[:, None]) * D + d[None, :], mask=gmask[:, None] & dmask[None, :],
+                other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    start = split * TOKENS_PER_SPLIT
+    stop = tl.minimum(start + TOKENS_PER_SPLIT, seq_len)
+    for t0 in range(start, stop, BLOCK_N):
+        tok = t0 + tl.arange(0, BLOCK_N)
+        tmask = tok < stop
+        page = tl.load(table_ptr + row * WIDTH + tok // PAGE, mask=tmask, other=0).to(tl.int64)
+        flat = page * PAGE + tok % PAGE
+        kv_off = (flat[:, None] * NKV + kvh) * D + d[None, :]
+        kvmask = tmask[:, None] & dmask[None, :]
+        kt = tl.load(kc_ptr + kv_off, mask=kvmask, other=0.0)
+        s = tl.dot(q, tl.trans(kt)).to(tl.float32) * scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        vt = tl.load(vc_ptr + kv_off, mask=kvmask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt).to(tl.float32)
+        m = m_new
+    base = (row * NH + heads) * SPLITS + split
+    tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+    tl.store(part_ml_ptr + base * 2, m, mask=gmask)
+    tl.store(part_ml_ptr + base * 2 + 1, l, mask=gmask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    rh = tl.program_id(0).to(tl.int64)  # row * NH + head
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask, dmask = s < SPLITS, d < D
+    m = tl.load(part_ml_ptr + (rh * SPLITS + s) * 2, mask=smask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (rh * SPLITS + s) * 2 + 1, mask=smask, other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)
+    o = tl.load(part_o_ptr + (rh * SPLITS + s[:, None]) * D + d[None, :], mask=smask[:, None] & dmask[None, :],
+                other=0.0)
+    total = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + rh * D + d, total.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, tokens_per_split: int = 512):
+    N, NH, D = q.shape
+    NKV, PAGE = k_cache.shape[2], k_cache.shape[1]
+    group = NH // NKV
+    width = page_table.shape[1]
+    splits = max(1, triton.cdiv(width * PAGE, tokens_per_split))
+    part_o = torch.empty(N, NH, splits, D, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(N, NH, splits, 2, dtype=torch.float32, device=q.device)
+    _decode_attn_kernel[(N, NKV, splits)](
+        q.contiguous(), k_cache, v_cache, page_table, seq_lens, part_o, part_ml,
+        NH, NKV, width, scale, tokens_per_split,
+        GROUP=group, D=D, PAGE=PAGE, SPLITS=splits, BLOCK_G=max(16, _pow2(group)), BLOCK_D=_pow2(D), BLOCK_N=64,
+        num_warps=4,
+    )
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(N * NH,)](part_o, part_ml, out, D=D, SPLITS=splits, BLOCK_S=_pow2(splits),
+                                    BLOCK_D=_pow2(D))
+    return out
