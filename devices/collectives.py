@@ -47,3 +47,6 @@ class ThreadAllReduce:
 
     def abort(self) -> None:
         self._barrier.abort()
+
+    def close(self) -> None:
+        pass

@@ -171,7 +171,8 @@ class RankRuntime:
             params.output_counts = self.output_counts[slot_index]
             params.prompt_mask = self.prompt_mask[slot_index]
         k = max(r.logprobs for r in rows)
-        tokens, chosen, top_ids, top_lp = sample(logits, params, k)
+        all_greedy = all(r.temperature <= 0 for r in rows)
+        tokens, chosen, top_ids, top_lp = sample(logits, params, k, all_greedy)
         if self.output_counts is not None:
             self.output_counts.index_put_((slot_index, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
         tokens, chosen = tokens.tolist(), chosen.tolist()

@@ -16,7 +16,7 @@ import torch
 from model.config import ModelConfig
 from model.forward import Qwen35Shard
 from model.state import PAGE_SIZE, ModelState, StateSizes
-from model.weights import load_rank_weights
+from model.weights import load_rank_weights, random_rank_weights
 
 from .capacity import CapacityPlan, plan_capacity
 from .collectives import ThreadAllReduce
@@ -43,6 +43,10 @@ class ReplicaSpec:
     memory_fraction: float
     cpu_memory_bytes: int
     step_timeout_s: float = 600.0
+    capture_timeout_s: float = 900.0
+    use_nccl: bool | None = None  # cuda: None means NCCL only when tp > 1 (tp = 1 can force a 1-rank communicator)
+    random_weights: bool = False  # generate weights on the device instead of reading the checkpoint's
+    seed: int = 0
 
 
 def graph_reserve_bytes(cfg: ModelConfig, tp: int, dtype: torch.dtype, bucket: int) -> int:
@@ -88,7 +92,8 @@ class Replica:
         if spec.device == "cuda":
             from . import cuda
 
-            self.collective = cuda.make_collective(spec.tp)
+            use_nccl = spec.tp > 1 if spec.use_nccl is None else spec.use_nccl
+            self.collective = cuda.make_collective(spec.tp, use_nccl)
         else:
             self.collective = ThreadAllReduce(spec.tp, timeout_s=spec.step_timeout_s)
         self.group = WorkerGroup(spec.tp, spec.step_timeout_s, on_abort=self._abort_collective)
@@ -120,6 +125,18 @@ class Replica:
             self.plan.largest_bucket,
         )
         await self.group.call(self._allocate, timeout_s=3600)
+        if self._graphs:
+            started = time.perf_counter()
+            try:
+                await self.group.call(self._capture, timeout_s=spec.capture_timeout_s)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"CUDA graph capture did not complete (watchdog {spec.capture_timeout_s:.0f} s): {exc}; "
+                    "start with --no-cuda-graph to serve eagerly") from exc
+            stats = self.ranks[0].backend.graphs.stats
+            log.info("captured %d decode graphs per rank in %.1f s (buckets %s; %d nodes in the largest)",
+                     len(stats), time.perf_counter() - started, sorted(stats),
+                     stats[max(stats)]["nodes"] if stats else 0)
 
     @property
     def _graphs(self) -> bool:
@@ -138,12 +155,16 @@ class Replica:
         if spec.device == "cuda":
             from . import cuda
 
-            r.backend = cuda.CudaRankBackend(rank, spec.tp, self.collective)
+            r.backend = cuda.CudaRankBackend(rank, self.collective)
         else:
             r.backend = CpuRankBackend(rank, self.collective, spec.cpu_memory_bytes)
         with r.backend.context():
-            weights = load_rank_weights(spec.checkpoint, spec.cfg, rank=rank, tp=spec.tp, device=r.backend.device,
-                                        dtype=spec.dtype, progress=rank == 0)
+            if spec.random_weights:
+                weights = random_rank_weights(spec.cfg, rank=rank, tp=spec.tp, device=r.backend.device,
+                                              dtype=spec.dtype, seed=spec.seed, progress=rank == 0)
+            else:
+                weights = load_rank_weights(spec.checkpoint, spec.cfg, rank=rank, tp=spec.tp,
+                                            device=r.backend.device, dtype=spec.dtype, progress=rank == 0)
             r.model = Qwen35Shard(spec.cfg, weights, tp=spec.tp, ops=r.backend.ops, all_reduce=r.backend.all_reduce)
             weight_bytes = sum(t.numel() * t.element_size() for n, t in weights.items()
                                if not (n == "lm_head.weight" and spec.cfg.tie_word_embeddings))
@@ -160,8 +181,12 @@ class Replica:
                 max_pages_per_seq=-(-spec.max_model_len // PAGE_SIZE), device=r.backend.device,
             )
             log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)
-            if self._graphs:
-                r.runtime.decode_runner = r.backend.capture_decode_graphs(r.model, r.runtime, self.buckets)
+
+    def _capture(self, rank: int) -> None:
+        r = self.ranks[rank]
+        with r.backend.context():
+            r.backend.warm_up_collective()
+            r.runtime.decode_runner = r.backend.capture_decode_graphs(r.model, r.runtime, self.buckets, rank == 0)
 
     # Steps ----------------------------------------------------------------------------------------------------------
     async def step(self, cmd: StepCommand) -> StepResult:
@@ -188,6 +213,9 @@ class Replica:
                 pass
         self.group.stop()
         self.group = None
+        if self.collective is not None:
+            self.collective.close()  # after every rank destroyed its graphs
+            self.collective = None
 
     def _teardown(self, rank: int) -> None:
         r = self.ranks[rank]

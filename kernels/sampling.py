@@ -80,13 +80,17 @@ def filtered_probs(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
     return torch.empty_like(kept).scatter_(1, order, kept)
 
 
-def sample(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0):
+def sample(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0, all_greedy: bool = False):
     """Returns (tokens [N], chosen logprob [N], top ids [N, k], top logprobs [N, k]); logprobs are of the raw
-    model distribution (before penalties and temperature)."""
+    model distribution (before penalties and temperature). `all_greedy` (known on the host) skips the sort."""
     logits = logits.float()
     logprobs = logits.log_softmax(-1)
     adjusted = apply_penalties(logits, p)
     greedy = adjusted.argmax(-1)
+    if all_greedy:
+        chosen = logprobs.gather(1, greedy[:, None])[:, 0]
+        top_lp, top_ids = logprobs.topk(num_logprobs, dim=-1) if num_logprobs else (None, None)
+        return greedy, chosen, top_ids, top_lp
     probs = filtered_probs(adjusted, p)
     race = probs / -torch.log(counter_uniform(p.seeds, p.steps, logits.shape[1]))
     sampled = race.argmax(-1)

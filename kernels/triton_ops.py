@@ -15,9 +15,10 @@ import triton.language as tl
 from . import reference
 from .reference import apply_rope, gdn_gates, rope_tables, slot_rows  # noqa: F401  (re-exported unchanged)
 
+import torch.nn.functional as F
+
 conv1d_prefill = reference.conv1d_prefill
 gdn_prefill = reference.gdn_prefill
-prefill_attention = reference.prefill_attention
 
 
 def _pow2(n: int) -> int:
@@ -228,7 +229,8 @@ def rope_and_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
 def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, part_o_ptr, part_ml_ptr,
                         NH, NKV, WIDTH, scale, TOKENS_PER_SPLIT,
                         GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
-                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -252,14 +254,14 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, part_o_ptr, p
         kv_off = (flat[:, None] * NKV + kvh) * D + d[None, :]
         kvmask = tmask[:, None] & dmask[None, :]
         kt = tl.load(kc_ptr + kv_off, mask=kvmask, other=0.0)
-        s = tl.dot(q, tl.trans(kt)).to(tl.float32) * scale
+        s = tl.dot(q, tl.trans(kt), input_precision=PRECISION).to(tl.float32) * scale
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         vt = tl.load(vc_ptr + kv_off, mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION).to(tl.float32)
         m = m_new
     base = (row * NH + heads) * SPLITS + split
     tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
@@ -296,9 +298,35 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, to
         q.contiguous(), k_cache, v_cache, page_table, seq_lens, part_o, part_ml,
         NH, NKV, width, scale, tokens_per_split,
         GROUP=group, D=D, PAGE=PAGE, SPLITS=splits, BLOCK_G=max(16, _pow2(group)), BLOCK_D=_pow2(D), BLOCK_N=64,
-        num_warps=4,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(N * NH,)](part_o, part_ml, out, D=D, SPLITS=splits, BLOCK_S=_pow2(splits),
                                     BLOCK_D=_pow2(D))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Prefill attention: torch's fused scaled-dot-product attention per request over its gathered paged context.
+
+
+def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale: float):
+    """Same contract as reference.prefill_attention; O(L) memory (no score matrix) through torch SDPA."""
+    out = torch.empty_like(q)
+    page = k_cache.shape[1]
+    bounds, contexts = cu_seqlens.tolist(), context_lens.tolist()
+    for r, ctx in enumerate(contexts):
+        s, e = bounds[r], bounds[r + 1]
+        total = ctx + e - s
+        pages = page_table[r, : triton.cdiv(total, page)].long()
+        keys = k_cache[pages].flatten(0, 1)[:total].transpose(0, 1)  # [n_kv, total, D]
+        values = v_cache[pages].flatten(0, 1)[:total].transpose(0, 1)
+        query = q[s:e].transpose(0, 1)  # [nH, L, D]
+        if ctx == 0:
+            o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:  # causal with the chunk's queries offset by the cached context
+            rows = torch.arange(ctx, total, device=q.device)[:, None]
+            mask = torch.arange(total, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[s:e] = o.transpose(0, 1)
     return out

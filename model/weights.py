@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 
@@ -196,4 +197,63 @@ def load_rank_weights(
         weights["lm_head.weight"] = weights["embed_tokens.weight"]
     total = sum(t.numel() * t.element_size() for n, t in weights.items() if n != "lm_head.weight" or not cfg.tie_word_embeddings)
     log.info("rank %d/%d holds %.1f MiB of weights on %s", rank, tp, total / 2**20, device)
+    return weights
+
+
+def random_tensor(name: str, shape: tuple[int, ...], num_layers: int, generator: torch.Generator) -> torch.Tensor:
+    """A random fp32 tensor for `name`, scaled so a many-layer random model stays well conditioned.
+
+    Residual branches are scaled down, and the final norm's (1 + w) is about 0.25 so logits spread over about
+    2 nats as in trained models: bf16 rounding is then not amplified through the layers, and bf16 comparisons
+    measure our arithmetic rather than a chaotic random network. Generated on the generator's device.
+    """
+    device = generator.device
+
+    def normal(scale: float = 1.0, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, device=device) * scale + mean
+
+    if name.endswith("A_log"):
+        return torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=generator).log()
+    if name.endswith("dt_bias"):
+        return torch.rand(shape, generator=generator, device=device) * 0.5
+    if name.endswith("linear_attn.norm.weight"):
+        return normal(0.1, 1.0)  # a plain weight
+    if name == "norm.weight":
+        return normal(0.05, -0.75)  # zero-centred: (1 + w) about 0.25
+    if name.endswith("norm.weight"):
+        return normal(0.1)  # zero-centred: the model uses (1 + w)
+    if name.endswith("conv1d.weight"):
+        return normal(0.3)
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return normal()
+    if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+        return normal(1.0 / math.sqrt(2 * num_layers) / math.sqrt(shape[1]))
+    return normal(1.0 / math.sqrt(shape[1]))
+
+
+def random_rank_weights(
+    cfg: ModelConfig, *, rank: int = 0, tp: int = 1, device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16, seed: int = 0, progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Random weights generated on `device` (no checkpoint files): for benchmarks at real sizes.
+
+    Every rank generates each full tensor from the same seed and keeps its slice, so shards agree.
+    """
+    cfg.check_tp(tp)
+    weights: dict[str, torch.Tensor] = {}
+    generator = torch.Generator(device=device)
+    shapes = expected_shapes(cfg)
+    for i, (name, shape) in enumerate(tqdm(shapes.items(), desc=f"random weights (rank {rank}/{tp})",
+                                           disable=not progress, leave=False)):
+        generator.manual_seed(seed * 1_000_003 + i)
+        full = random_tensor(name, shape, cfg.num_hidden_layers, generator)
+        plan = shard_plan(name, cfg, rank, tp)
+        if plan is not None:
+            full = torch.cat([full.narrow(plan.dim, a, b - a) for a, b in plan.ranges], dim=plan.dim)
+        if name.endswith("conv1d.weight"):
+            full = full.squeeze(1)
+        weights[name] = full.to(torch.float32 if name.endswith(_FP32_TENSORS) else dtype).contiguous()
+        del full
+    if cfg.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["embed_tokens.weight"]
     return weights

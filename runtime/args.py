@@ -25,6 +25,9 @@ class EngineArgs:
     max_waiting: int = 1024  # queued requests before new ones are refused
     served_model_name: str | None = None
     step_timeout_s: float = 600.0
+    capture_timeout_s: float = 900.0  # watchdog over the start-up graph capture sweep
+    use_nccl: bool | None = None  # cuda: None = NCCL when tp > 1; True forces a communicator even at tp = 1
+    load_format: str = "safetensors"  # "random": random weights made on the device (benchmarks at real sizes)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -45,5 +48,7 @@ class EngineArgs:
             not self.buckets or any(not isinstance(b, int) or b < 1 for b in self.buckets)
         ):
             raise ValueError(f"buckets must be a non-empty list of positive integers, got {self.buckets!r}")
+        if self.load_format not in ("safetensors", "random"):
+            raise ValueError(f"load_format must be 'safetensors' or 'random', got {self.load_format!r}")
         if self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be positive")

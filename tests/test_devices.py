@@ -156,3 +156,11 @@ def test_bad_compaction_from_the_engine_poisons_and_fails_requests(tiny_ckpt):
             assert not engine.healthy
 
     asyncio.run(main())
+
+
+def test_capture_check_cpu_mode_checks_the_eager_path(tiny_ckpt, capsys):
+    from tools import capture_check
+
+    assert capture_check.main(["--model", tiny_ckpt, "--device", "cpu", "--buckets", "1,2,4"]) == 0
+    out = capsys.readouterr().out
+    assert "CUDA graphs need a CUDA device" in out and out.strip().endswith("OK")

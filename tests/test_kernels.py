@@ -133,3 +133,16 @@ def test_chunked_gdn_reference_matches_the_recurrence():
     o1, s1 = R.gdn_recurrent(q, k, v, g, beta, S0)
     o2, s2 = R.gdn_chunked(q, k, v, g, beta, S0)
     assert rel(o2, o1) <= REDUCTION and rel(s2, s1) <= REDUCTION
+
+
+def test_prefill_attention_over_paged_context():
+    nh, nkv, D, pages = 6, 2, 32, 30
+    kc, vc = randn(pages + 1, 16, nkv, D), randn(pages + 1, 16, nkv, D)
+    lens, contexts = [5, 40, 17], [0, 33, 64]
+    q = randn(sum(lens), nh, D)
+    cu = torch.tensor([0, 5, 45, 62], dtype=torch.int32, device=DEVICE)
+    table = torch.randperm(pages, device=DEVICE)[:24].view(3, 8).to(torch.int32)
+    ctx = torch.tensor(contexts, device=DEVICE)
+    with poisoned_outputs():
+        got = T.prefill_attention(q, kc, vc, table, cu, ctx, D**-0.5)
+    assert rel(got, R.prefill_attention(q, kc, vc, table, cu, ctx, D**-0.5)) <= REDUCTION

@@ -2,6 +2,7 @@
 
     python -m tools.make_checkpoint OUT_DIR [--size tiny|tiny-tp|0.8b|4b|9b|27b] [--layers N]
         [--dtype float32|bfloat16] [--sharded N] [--layout wrapper|plain] [--tied|--untied] [--seed S]
+        [--config-only]
 
 The tokenizer is a byte-level BPE trained with `tokenizers` on tools/data/corpus.txt, with the Qwen special
 tokens; real-size geometries keep the published vocabulary size (the tokenizer uses only its first ids).
@@ -113,36 +114,14 @@ def text_config(size: str, vocab_size: int, layers: int | None = None, tied: boo
 
 
 def random_tensors(cfg: dict, seed: int, dtype: torch.dtype):
-    """Yield (canonical name, tensor) with weights scaled so activations stay O(1) through many layers."""
+    """Yield (canonical name, tensor) for every tensor the config needs (model.weights.random_tensor's init)."""
     from model.config import ModelConfig
-    from model.weights import expected_shapes
+    from model.weights import expected_shapes, random_tensor
 
     mc = ModelConfig.from_dict(cfg)
     gen = torch.Generator().manual_seed(seed)
-    # The residual branches are scaled down so the stream stays dominated by well-conditioned sums, and the final
-    # norm's (1 + w) is about 0.25 so logits spread over about 2 nats, as in trained models: then bf16 rounding
-    # is not amplified through the layers and the bf16 gate measures our arithmetic, not a chaotic random model.
-    branch_scale = 1.0 / math.sqrt(2 * mc.num_hidden_layers)
     for name, shape in expected_shapes(mc).items():
-        if name.endswith("A_log"):
-            t = torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
-        elif name.endswith("dt_bias"):
-            t = torch.rand(shape, generator=gen) * 0.5
-        elif name.endswith("linear_attn.norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)  # plain weight
-        elif name == "norm.weight":
-            t = -0.75 + 0.05 * torch.randn(shape, generator=gen)  # zero-centred: (1 + w) about 0.25
-        elif name.endswith("norm.weight"):
-            t = 0.1 * torch.randn(shape, generator=gen)  # zero-centred: the model uses (1 + w)
-        elif name.endswith("conv1d.weight"):
-            t = torch.randn(shape, generator=gen) * 0.3
-        elif name in ("embed_tokens.weight", "lm_head.weight"):
-            t = torch.randn(shape, generator=gen)
-        elif name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-            t = torch.randn(shape, generator=gen) * (branch_scale / math.sqrt(shape[1]))
-        else:
-            t = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
-        yield name, t.to(dtype)
+        yield name, random_tensor(name, shape, mc.num_hidden_layers, gen).to(dtype)
 
 
 def write_checkpoint(
@@ -156,6 +135,7 @@ def write_checkpoint(
     tied: bool | None = None,
     seed: int = 0,
     generation: dict | None = None,
+    weights: bool = True,
 ) -> str:
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
@@ -193,6 +173,9 @@ def write_checkpoint(
         json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
                    "model_max_length": text["max_position_embeddings"]}, f, indent=2)
 
+    if not weights:  # config and tokenizer only: serve it with load_format="random"
+        log.info("wrote a %s config and tokenizer (no weights) to %s", size, out_dir)
+        return out_dir
     torch_dtype = getattr(torch, dtype)
     tensors = {}
     for name, t in random_tensors(text, seed, torch_dtype):
@@ -234,10 +217,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tied", dest="tied", action="store_true", default=None, help="tie lm_head to the embedding")
     parser.add_argument("--untied", dest="tied", action="store_false", help="store a separate lm_head")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config-only", action="store_true",
+                        help="write config and tokenizer but no weights (serve with load_format='random')")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     write_checkpoint(args.out_dir, args.size, layers=args.layers, dtype=args.dtype, sharded=args.sharded,
-                     layout=args.layout, tied=args.tied, seed=args.seed)
+                     layout=args.layout, tied=args.tied, seed=args.seed, weights=not args.config_only)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,136 @@
+"""Decode step benchmark on a GPU: CUDA-graph replay and eager step per batch size, against the HBM floor.
+
+    python -m tools.bench_decode --size 4b [--layers N] [--batches 1,8,32,64] [--context 1024] [--tp 1]
+
+Weights are random (generated on the device). The floor of a step is the bytes it must move (every weight
+read once, the lm_head in full, the embedding rows of the batch; GDN conv and recurrent state read and
+written; the KV of every live token read, the new token's K/V written) over the device-to-device copy
+bandwidth measured in the same run. Step = embedding to logits (sampling is timed separately).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import logging
+import os
+import sys
+import tempfile
+
+import torch
+
+from model.state import StateSizes
+from runtime import AsyncEngine, EngineArgs
+from tools.capture_check import _time
+from tools.live_rows import fill_live_rows, restore, snapshot
+from tools.make_checkpoint import write_checkpoint
+
+
+def copy_bandwidth(device, gib: float = 4.0) -> float:
+    """Bytes per second of a large device-to-device copy, counting bytes read and written."""
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    seconds = _time(lambda: dst.copy_(src), device, iters=10)
+    return 2 * n * 2 / seconds
+
+
+def step_bytes(cfg, weights, tp: int, dtype, rows: int, context: int) -> int:
+    sizes = StateSizes.of(cfg, tp, dtype)
+    unique = {t.data_ptr(): t for t in weights.values()}
+    weight_bytes = sum(t.numel() * t.element_size() for t in unique.values())
+    embed = weights["embed_tokens.weight"]
+    if not cfg.tie_word_embeddings:  # only the batch's rows of the embedding are read
+        weight_bytes -= embed.numel() * embed.element_size() - rows * embed.shape[1] * embed.element_size()
+    state = 2 * rows * sizes.bytes_per_slot
+    kv_per_token = sizes.kv_bytes_per_page // 16
+    kv = rows * context * kv_per_token + rows * kv_per_token
+    return weight_bytes + state + kv
+
+
+async def run(ns) -> list[dict]:
+    folder = tempfile.mkdtemp(prefix="bench_decode_")
+    write_checkpoint(folder, ns.size, layers=ns.layers, weights=False)
+    batches = [int(b) for b in ns.batches.split(",")]
+    args = EngineArgs(model=folder, device="cuda", tp=ns.tp, load_format="random", max_batch=max(batches),
+                      max_model_len=ns.context * 2, buckets=sorted(set(batches)), prefill_slots=1,
+                      prefill_token_budget=512)
+    results = []
+    async with AsyncEngine(args) as engine:
+        replica = engine.replica
+        bw = await replica.group.call(lambda rank: copy_bandwidth(replica.ranks[rank].backend.device))
+        for rows in batches:
+            per_rank = await replica.group.call(lambda rank: _measure(replica, rank, rows, ns.context))
+            r = dict(per_rank[0])
+            weights = replica.ranks[0].model.w
+            r["floor_s"] = step_bytes(engine.cfg, weights, ns.tp, torch.bfloat16, rows, ns.context) / min(bw)
+            r["copy_tbps"] = min(bw) / 1e12
+            results.append(r)
+    return results
+
+
+def _measure(replica, rank, rows, context):
+    r = replica.ranks[rank]
+    with r.backend.context(), torch.inference_mode():
+        runtime, model, graphs = r.runtime, r.model, r.backend.graphs
+        fill_live_rows(runtime, rows, rows, context, seed=rows)
+        batch = runtime.inputs.batch(rows)
+        saved = snapshot(runtime.state)
+        eager = _time(lambda: model.decode(runtime.state, batch), r.backend.device, iters=10)
+        replay = _time(lambda: graphs(rows, batch), r.backend.device, iters=50)
+        logits = graphs(rows, batch)
+        from kernels.sampling import SamplingTensors, sample
+
+        n = rows
+        p = SamplingTensors(*(torch.full((n,), v, device=logits.device, dtype=dt) for v, dt in (
+            (0.8, torch.float32), (50, torch.long), (0.95, torch.float32), (0.0, torch.float32), (0.0, torch.float32),
+            (0.0, torch.float32), (1.0, torch.float32), (1, torch.long), (0, torch.long))))
+        sampled = _time(lambda: sample(logits, p), r.backend.device, iters=20)
+        greedy = _time(lambda: sample(logits, p, all_greedy=True), r.backend.device, iters=20)
+        restore(runtime.state, saved)
+        return {"batch": rows, "eager_s": eager, "replay_s": replay, "sample_s": sampled, "greedy_s": greedy}
+
+
+def table(ns, results) -> str:
+    lines = [
+        f"{ns.size} ({ns.layers or 'all'} layers), tp={ns.tp}, bf16, context {ns.context}, "
+        f"copy bandwidth {results[0]['copy_tbps']:.2f} TB/s",
+        "",
+        "| batch | graph step ms | eager step ms | graph/eager speed-up | tokens/s (graph) | HBM floor ms "
+        "| graph / floor | sampling ms (top-p/k) | greedy pick ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['batch']} | {r['replay_s'] * 1e3:.3f} | {r['eager_s'] * 1e3:.3f} | "
+            f"{r['eager_s'] / r['replay_s']:.2f}x | {r['batch'] / r['replay_s']:.0f} | {r['floor_s'] * 1e3:.3f} | "
+            f"{r['replay_s'] / r['floor_s']:.2f}x | {r['sample_s'] * 1e3:.3f} | {r['greedy_s'] * 1e3:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="4b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--out", default=None, help="append the markdown table to this file")
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not torch.cuda.is_available():
+        print("bench_decode needs a CUDA device")
+        return 2
+    results = asyncio.run(run(ns))
+    text = table(ns, results)
+    stamp = f"{datetime.date.today()} {torch.cuda.get_device_name()} `python -m tools.bench_decode {' '.join(argv or sys.argv[1:])}`"
+    print(stamp + "\n\n" + text)
+    if ns.out:
+        with open(ns.out, "a") as f:
+            f.write(f"\n### {stamp}\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Kernel benchmark on a GPU: time, achieved bandwidth or FLOP rate, and the ratio to ceilings measured in the
+same run (a large device-to-device copy; a large bf16 matmul), and for GDN the ratio to fla-core.
+
+    python -m tools.bench_kernels [--size 4b|9b|27b] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+import triton.testing
+
+import kernels.reference as R
+import kernels.triton_ops as T
+from kernels.sampling import SamplingTensors, sample
+from model.config import ModelConfig
+from tools.make_checkpoint import text_config
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=50) / 1e3
+
+
+def ceilings(dev):
+    n = 2**31 // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    copy_bw = 2 * n * 2 / bench(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    flops = 2 * 8192**3 / bench(lambda: a @ b)
+    del src, dst
+    return copy_bw, flops
+
+
+def run(size: str) -> list[tuple]:
+    dev = torch.device("cuda")
+    cfg = ModelConfig.from_dict(text_config(size, 248320))
+    bw, flops = ceilings(dev)
+    rows = [("copy (ceiling)", "", 1.0, f"{bw / 1e12:.2f} TB/s", ""),
+            ("bf16 matmul 8192^3 (ceiling)", "", 1.0, f"{flops / 1e12:.0f} TFLOP/s", "")]
+    bf = torch.bfloat16
+
+    def memory_row(name, shape_note, fn, nbytes, note=""):
+        t = bench(fn)
+        rows.append((name, shape_note, t, f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy {note}"))
+        return t
+
+    H = cfg.hidden_size
+    for n in (1, 64, 4096):
+        x, r = torch.randn(n, H, device=dev, dtype=bf), torch.randn(n, H, device=dev, dtype=bf)
+        w = torch.randn(H, device=dev, dtype=bf)
+        memory_row("add_rms_norm", f"{n}x{H}", lambda: T.add_rms_norm(x, r, w, 1e-6), 4 * n * H * 2)
+
+    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    C = 2 * hk * dk + hv * dv
+    N, S = 64, 64
+    mixed = torch.randn(N, C, device=dev, dtype=bf)
+    a, b = torch.randn(N, hv, device=dev, dtype=bf), torch.randn(N, hv, device=dev, dtype=bf)
+    A_log, dt_bias = torch.rand(hv, device=dev), torch.rand(hv, device=dev)
+    state = torch.randn(S + 1, hv, dk, dv, device=dev) * 0.1
+    slots = torch.arange(N, device=dev)
+    state_bytes = 2 * N * hv * dk * dv * 4
+    t_ours = memory_row("gdn_decode (fused)", f"batch {N}, Hv {hv}", lambda: T.gdn_decode(
+        mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv), state_bytes, "(state traffic; target 80%)")
+
+    conv_state = torch.randn(S + 1, 3, C, device=dev, dtype=bf)
+    wc = torch.randn(C, 4, device=dev, dtype=bf)
+    memory_row("conv1d_decode", f"batch {N}, C {C}", lambda: T.conv1d_decode(mixed, wc, conv_state, slots),
+               N * C * 2 * (3 * 2 + 2))
+
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+        q, k, v = R.gdn_split_qkv(mixed, hk, dk, hv, dv)
+        g, beta = R.gdn_gates(a, b, A_log, dt_bias)
+        qf, kf, vf = (x.to(bf)[None] for x in (q / dk**-0.5, k, v))
+        s0 = state[:N].clone()
+        t_fla = bench(lambda: fused_recurrent_gated_delta_rule(qf.transpose(0, 1), kf.transpose(0, 1),
+                                                               vf.transpose(0, 1), g[:, None], beta[:, None],
+                                                               initial_state=s0, output_final_state=True))
+        rows.append(("fla fused_recurrent (decode)", f"batch {N}", t_fla, "", f"ours/fla time {t_ours / t_fla:.2f}"))
+        L = 8192
+        mixed_p = torch.randn(L, C, device=dev, dtype=bf)
+        ap, bp = torch.randn(L, hv, device=dev, dtype=bf), torch.randn(L, hv, device=dev, dtype=bf)
+        cu = torch.tensor([0, L], device=dev, dtype=torch.int32)
+        one = torch.tensor([0], device=dev)
+        pool = torch.zeros(2, hv, dk, dv, device=dev)
+        t_pre = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv))
+        qp, kp, vp = R.gdn_split_qkv(mixed_p, hk, dk, hv, dv)
+        gp, betap = R.gdn_gates(ap, bp, A_log, dt_bias)
+        qp, kp, vp = ((x / dk**-0.5 if i == 0 else x).to(bf)[None] for i, x in enumerate((qp, kp, vp)))
+        t_fla_pre = bench(lambda: chunk_gated_delta_rule(qp, kp, vp, gp[None], betap[None], scale=dk**-0.5,
+                                                         initial_state=pool[:1], output_final_state=True,
+                                                         cu_seqlens=cu.long()))
+        fl = 4 * L * hv * dk * dv
+        rows.append(("gdn_prefill (ours: torch chunked WY)", f"{L} tokens", t_pre, f"{fl / t_pre / 1e12:.1f} TFLOP/s",
+                     f"ours/fla time {t_pre / t_fla_pre:.2f} (target <= 1.0)"))
+        rows.append(("fla chunk_gated_delta_rule", f"{L} tokens", t_fla_pre, f"{fl / t_fla_pre / 1e12:.1f} TFLOP/s", ""))
+    except ImportError:
+        rows.append(("fla-core", "not installed", float("nan"), "", "no GDN comparison"))
+
+    nh, nkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    N, ctx = 32, 4096
+    pages = N * ctx // 16
+    kc = torch.randn(pages + 1, 16, nkv, D, device=dev, dtype=bf)
+    vc = torch.randn_like(kc)
+    q = torch.randn(N, nh, D, device=dev, dtype=bf)
+    table = torch.randperm(pages, device=dev).view(N, ctx // 16).to(torch.int32)
+    lens = torch.full((N,), ctx, device=dev)
+    memory_row("decode_attention (split-K)", f"batch {N} x {ctx} ctx, group {nh // nkv}",
+               lambda: T.decode_attention(q, kc, vc, table, lens, D**-0.5), 2 * N * ctx * nkv * D * 2,
+               "(KV traffic; target 75%)")
+
+    T_ = 4096
+    cos, sin = R.rope_tables(cfg.rotary_dim, cfg.rope_theta, 8192, device=dev)
+    qq, kk, vv = (torch.randn(T_, h, D, device=dev, dtype=bf) for h in (nh, nkv, nkv))
+    pos = torch.arange(T_, device=dev)
+    kc2 = torch.empty(T_ // 16 + 1, 16, nkv, D, device=dev, dtype=bf)
+    vc2 = torch.empty_like(kc2)
+    mapping = torch.arange(T_, device=dev)
+    memory_row("rope_and_cache", f"{T_} tokens", lambda: T.rope_and_cache(qq, kk, vv, pos, cos, sin, kc2, vc2, mapping),
+               T_ * (2 * nh + 4 * nkv) * D * 2)
+
+    V, n = cfg.vocab_size, 64
+    logits = torch.randn(n, V, device=dev)
+    p = SamplingTensors(*(torch.full((n,), v, device=dev, dtype=dt) for v, dt in (
+        (0.8, torch.float32), (50, torch.long), (0.95, torch.float32), (0.0, torch.float32), (0.0, torch.float32),
+        (0.0, torch.float32), (1.0, torch.float32), (1, torch.long), (0, torch.long))))
+    t = bench(lambda: sample(logits, p))
+    rows.append(("sampling top-k/top-p (torch)", f"batch {n} x {V}", t, "", "target <= 100 us"))
+    t = bench(lambda: sample(logits, p, all_greedy=True))
+    rows.append(("sampling greedy (torch)", f"batch {n} x {V}", t, "", ""))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="27b")
+    parser.add_argument("--out", default=None)
+    ns = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels needs a CUDA device")
+        return 2
+    rows = run(ns.size)
+    lines = [f"### {datetime.date.today()} {torch.cuda.get_device_name()} `python -m tools.bench_kernels "
+             f"{' '.join(argv or sys.argv[1:])}` ({ns.size} shapes)", "",
+             "| kernel | shape | time us | rate | vs ceiling / peer |", "|---|---|---:|---:|---|"]
+    for name, shape, t, rate, note in rows:
+        lines.append(f"| {name} | {shape} | {t * 1e6:.1f} | {rate} | {note} |")
+    text = "\n".join(lines)
+    print(text)
+    if ns.out:
+        with open(ns.out, "a") as f:
+            f.write("\n" + text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

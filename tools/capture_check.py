@@ -1,0 +1,149 @@
+"""Diagnostics for the decode CUDA graphs: capture every bucket and compare each replay with the eager step.
+
+    python -m tools.capture_check --model DIR [--device cuda|cpu] [--tp N] [--buckets 1,2,4,...]
+        [--load-format safetensors|random] [--context 512] [--dot DIR]
+
+Per bucket: graph nodes, graph memory (private pool growth), capture time, max |replay - eager| over the live
+rows' logits, eager and replay step times and the speed-up. Exit status 1 on any capture failure or mismatch.
+On the CPU there are no graphs: it says so and checks that each bucket's batched eager step equals running
+its rows one at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+
+from dataclasses import fields
+
+import torch
+
+from model.batch import DecodeBatch
+from runtime import AsyncEngine, EngineArgs
+from tools.live_rows import fill_live_rows, restore, snapshot
+
+log = logging.getLogger("capture_check")
+
+
+def _time(fn, device, iters: int = 20) -> float:
+    """Seconds per call (CUDA events on the current stream; wall clock on the CPU)."""
+    fn()
+    if device.type == "cuda":
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / 1e3 / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+
+def check_bucket(rank_objs, bucket: int, context: int, dot_dir: str | None, rank: int) -> dict:
+    backend, model, runtime = rank_objs.backend, rank_objs.model, rank_objs.runtime
+    rows = bucket
+    fill_live_rows(runtime, rows, bucket, context, seed=bucket)
+    batch = runtime.inputs.batch(bucket)
+    saved = snapshot(runtime.state)
+    eager = model.decode(runtime.state, batch)[:rows].float().clone()
+    restore(runtime.state, saved)
+    graphs = getattr(backend, "graphs", None)
+    result = {"bucket": bucket}
+    if graphs is None:  # CPU: the batched eager step against one row at a time
+        singles = []
+        for r in range(rows):
+            restore(runtime.state, saved)
+            row = DecodeBatch(*(getattr(batch, f.name)[r : r + 1] for f in fields(DecodeBatch)))
+            singles.append(model.decode(runtime.state, row)[0].float())
+        restore(runtime.state, saved)
+        reference = torch.stack(singles)
+        result["diff"] = (reference - eager).abs().max().item()
+        result["scale"] = reference.abs().max().item()
+        fill_live_rows(runtime, rows, bucket, context, seed=bucket)
+        result["eager_s"] = _time(lambda: model.decode(runtime.state, runtime.inputs.batch(bucket)), backend.device, 3)
+        return result
+    if bucket in graphs.eager or bucket not in graphs.graphs:
+        result["failed"] = True
+        return result
+    replay = graphs(bucket, batch)[:rows].float().clone()
+    backend.stream.synchronize()
+    restore(runtime.state, saved)
+    result["diff"] = (replay - eager).abs().max().item()
+    result["scale"] = eager.abs().max().item()
+    result.update(graphs.stats[bucket])
+    result["eager_s"] = _time(lambda: model.decode(runtime.state, batch), backend.device)
+    result["replay_s"] = _time(lambda: graphs(bucket, batch), backend.device)
+    restore(runtime.state, saved)
+    if dot_dir and rank == 0:
+        os.makedirs(dot_dir, exist_ok=True)
+        graphs.dot(bucket, os.path.join(dot_dir, f"decode_bucket{bucket}.dot"))
+    return result
+
+
+async def run(ns) -> int:
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    buckets = [int(b) for b in ns.buckets.split(",")] if ns.buckets else None
+    args = EngineArgs(model=ns.model, device=device, tp=ns.tp, cuda_graph=True, buckets=buckets,
+                      max_batch=max(buckets) if buckets else ns.max_batch, max_model_len=ns.context * 2,
+                      load_format=ns.load_format, dtype=ns.dtype, prefill_slots=1)
+    if device != "cuda":
+        print("CUDA graphs need a CUDA device: checking the batched eager decode path only.")
+    async with AsyncEngine(args) as engine:
+        replica = engine.replica
+        failures = 0
+        print(f"{'bucket':>6} {'nodes':>6} {'graph MiB':>9} {'capture s':>9} {'max|diff|':>10} {'rel':>8} "
+              f"{'eager ms':>9} {'replay ms':>9} {'speed-up':>8}")
+        for bucket in replica.buckets:
+            results = await replica.group.call(
+                lambda rank: _on_rank(replica, rank, bucket, ns.context, ns.dot), timeout_s=600)
+            r = results[0]
+            if r.get("failed"):
+                failures += 1
+                print(f"{bucket:>6}  CAPTURE FAILED (bucket runs eagerly)")
+                continue
+            rel = r["diff"] / max(r["scale"], 1e-12)
+            bad = rel > ns.tolerance
+            failures += bad
+            nodes = r.get("nodes", "-")
+            mib = f"{r['pool_bytes'] / 2**20:.1f}" if "pool_bytes" in r else "-"
+            cap = f"{r['capture_s']:.3f}" if "capture_s" in r else "-"
+            replay = f"{r['replay_s'] * 1e3:.3f}" if "replay_s" in r else "-"
+            speed = f"{r['eager_s'] / r['replay_s']:.2f}x" if "replay_s" in r else "-"
+            print(f"{bucket:>6} {nodes!s:>6} {mib:>9} {cap:>9} {r['diff']:>10.3g} {rel:>8.2g} "
+                  f"{r['eager_s'] * 1e3:>9.3f} {replay:>9} {speed:>8}{'  MISMATCH' if bad else ''}")
+    print("OK" if failures == 0 else f"FAILED: {failures} bucket(s)")
+    return 1 if failures else 0
+
+
+def _on_rank(replica, rank, bucket, context, dot):
+    r = replica.ranks[rank]
+    with r.backend.context(), torch.inference_mode():
+        return check_bucket(r, bucket, context, dot, rank)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default=None, choices=["cuda", "cpu"])
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--buckets", default=None, help="comma-separated (default: the engine's buckets)")
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=512, help="positions of the live rows are near this")
+    parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "random"])
+    parser.add_argument("--tolerance", type=float, default=1e-3, help="max |diff| relative to max |logit|")
+    parser.add_argument("--dot", default=None, help="write each bucket's graph as DOT into this folder")
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(run(ns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Decode inputs for diagnostics and benchmarks: `rows` live rows with random state, KV and page tables."""
+
+from __future__ import annotations
+
+import torch
+
+
+def fill_live_rows(runtime, rows: int, bucket: int, context: int, seed: int = 0) -> None:
+    """Give decode slots 0..rows-1 random GDN state, random KV pages and a position near `context`,
+    and write the step's inputs (rows live, the rest of the bucket inert padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    state, inputs = runtime.state, runtime.inputs
+    page = state.page_size
+    positions = [max(0, context - 1 - int(torch.randint(0, max(1, context // 4), (1,), generator=gen)))
+                 for _ in range(rows)]
+    pages_needed = [p // page + 1 for p in positions]
+    if sum(pages_needed) > state.num_pages:
+        raise ValueError(f"{rows} rows at context {context} need {sum(pages_needed)} KV pages; "
+                         f"only {state.num_pages} exist")
+    order = torch.randperm(state.num_pages, generator=gen).tolist()
+    inputs.table_host[:] = state.trash_page
+    at = 0
+    for r, n in enumerate(pages_needed):
+        inputs.table_host[r, :n] = order[at : at + n]
+        at += n
+    dev = state.conv.device
+    with torch.no_grad():
+        state.conv[:, :rows].copy_(torch.randn(state.conv[:, :rows].shape, generator=gen).to(dev, state.conv.dtype))
+        state.ssm[:, :rows].copy_(torch.randn(state.ssm[:, :rows].shape, generator=gen).to(dev) * 0.1)
+        for cache in (state.k_cache, state.v_cache):
+            cache.normal_()
+    tokens = torch.randint(0, runtime.vocab, (rows,), generator=gen).tolist()
+    inputs.fill(tokens, positions, bucket)
+
+
+def snapshot(state):
+    return state.conv.clone(), state.ssm.clone()
+
+
+def restore(state, saved) -> None:
+    state.conv.copy_(saved[0])
+    state.ssm.copy_(saved[1])
