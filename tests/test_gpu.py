@@ -87,10 +87,14 @@ def test_gdn_matches_fla_core():
     g = -torch.rand(L, H, device=dev) * 0.5
     beta = torch.rand(L, H, device=dev)
     S0 = torch.randn(H, dk, dv, device=dev) * 0.1
+    exact, exact_state = R.gdn_recurrent(q * dk**-0.5, k, v, g, beta, S0)
     ours, ours_state = R.gdn_chunked(q * dk**-0.5, k, v, g, beta, S0)
     theirs, theirs_state = fla.chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=dk**-0.5,
                                                       initial_state=S0[None], output_final_state=True)
-    assert rel(ours, theirs[0]) <= 1e-3 and rel(ours_state, theirs_state[0]) <= 1e-3
+    # Ours in fp32 against the exact recurrence; fla (TF32 dots inside) against both, looser.
+    assert rel(ours, exact) <= 1e-4 and rel(ours_state, exact_state) <= 1e-4
+    assert rel(theirs[0], exact) <= 5e-3 and rel(theirs_state[0], exact_state) <= 5e-3
+    assert rel(ours, theirs[0]) <= 5e-3
     step, step_state = fla.fused_recurrent_gated_delta_rule(q[None, :1], k[None, :1], v[None, :1], g[None, :1],
                                                             beta[None, :1], scale=dk**-0.5, initial_state=S0[None],
                                                             output_final_state=True)
@@ -103,7 +107,7 @@ def test_gdn_matches_fla_core():
 
     got = T.gdn_decode(mixed, a, b, torch.zeros(H, device=dev), torch.zeros(H, device=dev), pool,
                        torch.zeros(1, dtype=torch.long, device=dev), H, dk, dv)
-    assert rel(got, step[0]) <= 1e-3 and rel(pool[0], step_state[0]) <= 1e-3
+    assert rel(got, step[0]) <= 5e-3 and rel(pool[0], step_state[0]) <= 5e-3
 
 
 async def _greedy_run(ckpt, graph: bool, use_nccl=None, n=32, tokens=128):
