@@ -108,10 +108,12 @@ class CudaRankBackend:
             yield
 
     def free_memory(self, fraction: float) -> int:
-        """Bytes this rank may still allocate: free memory less the share of the card kept back."""
+        """Bytes this rank may still allocate: free memory (the driver's, plus what torch caches unused) less
+        the share of the card kept back."""
         self.stream.synchronize()
         free, total = torch.cuda.mem_get_info(self.device)
-        return max(0, int(free - (1.0 - fraction) * total))
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return max(0, int(free + cached - (1.0 - fraction) * total))
 
     def warm_up_collective(self) -> None:
         if self.collective is not None:
@@ -127,6 +129,10 @@ class CudaRankBackend:
             self.graphs = None
         self.stream.synchronize()
         check(cudart.cudaStreamDestroy(self._raw_stream), "cudaStreamDestroy")
+
+    def release_memory(self) -> None:
+        """Hand cached blocks back to the driver once the rank's tensors are dropped."""
+        torch.cuda.empty_cache()
 
 
 class DecodeGraphs:

@@ -220,8 +220,10 @@ class Replica:
     def _teardown(self, rank: int) -> None:
         r = self.ranks[rank]
         if r.backend is not None:
-            r.backend.close()  # graphs first, then the stream and the communicator
+            r.backend.close()  # graphs first, then the stream (the communicator goes after every rank)
         r.runtime = r.model = None
+        if r.backend is not None:
+            r.backend.release_memory()
 
 
 class CpuRankBackend:
@@ -243,4 +245,7 @@ class CpuRankBackend:
         return self.memory_bytes
 
     def close(self) -> None:
+        pass
+
+    def release_memory(self) -> None:
         pass

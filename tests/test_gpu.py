@@ -95,9 +95,9 @@ def test_gdn_matches_fla_core():
     assert rel(ours, exact) <= 1e-4 and rel(ours_state, exact_state) <= 1e-4
     assert rel(theirs[0], exact) <= 5e-3 and rel(theirs_state[0], exact_state) <= 5e-3
     assert rel(ours, theirs[0]) <= 5e-3
-    step, step_state = fla.fused_recurrent_gated_delta_rule(q[None, :1], k[None, :1], v[None, :1], g[None, :1],
-                                                            beta[None, :1], scale=dk**-0.5, initial_state=S0[None],
-                                                            output_final_state=True)
+    step, step_state = fla.fused_recurrent_gated_delta_rule(q[None, :1], k[None, :1], v[None, :1], g=g[None, :1],
+                                                            beta=beta[None, :1], scale=dk**-0.5,
+                                                            initial_state=S0[None], output_final_state=True)
     mixed = torch.cat([q[:1].flatten(1), k[:1].flatten(1), v[:1].flatten(1)], dim=1)
     # Undo the gates so gdn_decode sees the same g and beta: a = softplus^-1(-g), A_log = 0; b = logit(beta).
     a = torch.log(torch.expm1(-g[:1]))

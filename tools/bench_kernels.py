@@ -80,7 +80,7 @@ def run(size: str) -> list[tuple]:
         qf, kf, vf = (x.to(bf)[None] for x in (q / dk**-0.5, k, v))
         s0 = state[:N].clone()
         t_fla = bench(lambda: fused_recurrent_gated_delta_rule(qf.transpose(0, 1), kf.transpose(0, 1),
-                                                               vf.transpose(0, 1), g[:, None], beta[:, None],
+                                                               vf.transpose(0, 1), g=g[:, None], beta=beta[:, None],
                                                                initial_state=s0, output_final_state=True))
         rows.append(("fla fused_recurrent (decode)", f"batch {N}", t_fla, "", f"ours/fla time {t_ours / t_fla:.2f}"))
         L = 8192
@@ -93,7 +93,7 @@ def run(size: str) -> list[tuple]:
         qp, kp, vp = R.gdn_split_qkv(mixed_p, hk, dk, hv, dv)
         gp, betap = R.gdn_gates(ap, bp, A_log, dt_bias)
         qp, kp, vp = ((x / dk**-0.5 if i == 0 else x).to(bf)[None] for i, x in enumerate((qp, kp, vp)))
-        t_fla_pre = bench(lambda: chunk_gated_delta_rule(qp, kp, vp, gp[None], betap[None], scale=dk**-0.5,
+        t_fla_pre = bench(lambda: chunk_gated_delta_rule(qp, kp, vp, g=gp[None], beta=betap[None], scale=dk**-0.5,
                                                          initial_state=pool[:1], output_final_state=True,
                                                          cu_seqlens=cu.long()))
         fl = 4 * L * hv * dk * dv
