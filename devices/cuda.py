@@ -9,6 +9,7 @@ Every Triton kernel is compiled and cuBLAS warmed on the capturing thread and st
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -111,6 +112,7 @@ class CudaRankBackend:
         """Bytes this rank may still allocate: free memory (the driver's, plus what torch caches unused) less
         the share of the card kept back."""
         self.stream.synchronize()
+        gc.collect()  # tensors of an engine closed earlier may wait in reference cycles
         free, total = torch.cuda.mem_get_info(self.device)
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return max(0, int(free + cached - (1.0 - fraction) * total))
@@ -131,7 +133,9 @@ class CudaRankBackend:
         check(cudart.cudaStreamDestroy(self._raw_stream), "cudaStreamDestroy")
 
     def release_memory(self) -> None:
-        """Hand cached blocks back to the driver once the rank's tensors are dropped."""
+        """Hand cached blocks back to the driver once the rank's tensors are dropped (the runtime and its
+        graphs refer to each other, so a collection runs first)."""
+        gc.collect()
         torch.cuda.empty_cache()
 
 
