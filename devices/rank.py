@@ -22,6 +22,8 @@ from .commands import RowSampling, SampledToken, SlotProtocolError, StepCommand,
 
 log = logging.getLogger(__name__)
 
+TOP_K_FAST_PATH = 1024  # rows that all use top_k up to this sample among top-k candidates, without a full sort
+
 
 class DecodeInputs:
     """Fixed-address decode inputs for `rows` rows (the largest bucket); padding rows point at trash."""
@@ -172,7 +174,9 @@ class RankRuntime:
             params.prompt_mask = self.prompt_mask[slot_index]
         k = max(r.logprobs for r in rows)
         all_greedy = all(r.temperature <= 0 for r in rows)
-        tokens, chosen, top_ids, top_lp = sample(logits, params, k, all_greedy)
+        top_ks = [r.top_k for r in rows if r.temperature > 0]
+        max_top_k = max(top_ks) if top_ks and 0 < min(top_ks) and max(top_ks) <= TOP_K_FAST_PATH else 0
+        tokens, chosen, top_ids, top_lp = sample(logits, params, k, all_greedy, max_top_k)
         if self.output_counts is not None:
             self.output_counts.index_put_((slot_index, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
         tokens, chosen = tokens.tolist(), chosen.tolist()

@@ -24,11 +24,13 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """u in (0, 1), [N, vocab], a pure function of (seed, step, vocabulary id)."""
+def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, ids: torch.Tensor | int) -> torch.Tensor:
+    """u in (0, 1), a pure function of (seed, step, vocabulary id): [N, V] for ids = V (the whole vocabulary),
+    or [N, K] for ids [N, K] (candidates only; the same values the whole-vocabulary call gives them)."""
     row = _mix32((seeds & _MASK32) ^ _mix32((steps * 0x9E3779B9) & _MASK32)) ^ (seeds >> 32 & _MASK32)
-    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    bits = _mix32((row[:, None] + ids[None, :] * 0x27D4EB2F) & _MASK32)
+    if isinstance(ids, int):
+        ids = torch.arange(ids, device=seeds.device, dtype=torch.int64)[None, :]
+    bits = _mix32((row[:, None] + ids.long() * 0x27D4EB2F) & _MASK32)
     return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
@@ -62,27 +64,30 @@ def apply_penalties(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
     return logits
 
 
-def filtered_probs(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
-    """Softmax at each row's temperature with top-k, top-p and min-p applied (rows with temperature 0 unused)."""
-    V = logits.shape[1]
-    scaled = logits / p.temperature.clamp(min=1e-5)[:, None]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(p.top_k > 0, p.top_k.clamp(max=V), torch.full_like(p.top_k, V))
+def _filter_sorted(sorted_logits: torch.Tensor, p: SamplingTensors, vocab: int) -> torch.Tensor:
+    """Probabilities over logits sorted in descending order at each row's temperature, with top-k, top-p and
+    min-p applied (dropped entries get 0)."""
+    scaled = sorted_logits / p.temperature.clamp(min=1e-5)[:, None]
+    ranks = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
+    k = torch.where(p.top_k > 0, p.top_k.clamp(max=vocab), torch.full_like(p.top_k, vocab))
     drop = ranks >= k[:, None]
-    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    probs = scaled.masked_fill(drop, float("-inf")).softmax(-1)
     # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    before = sorted_probs.cumsum(-1) - sorted_probs
+    before = probs.cumsum(-1) - probs
     drop = drop | (before >= p.top_p[:, None])
     # min-p: drop tokens below min_p times the most likely token's probability.
-    drop = drop | (sorted_probs < p.min_p[:, None] * sorted_probs[:, :1])
-    kept = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-    return torch.empty_like(kept).scatter_(1, order, kept)
+    drop = drop | (probs < p.min_p[:, None] * probs[:, :1])
+    return scaled.masked_fill(drop, float("-inf")).softmax(-1)
 
 
-def sample(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0, all_greedy: bool = False):
+def sample(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0, all_greedy: bool = False,
+           max_top_k: int = 0):
     """Returns (tokens [N], chosen logprob [N], top ids [N, k], top logprobs [N, k]); logprobs are of the raw
-    model distribution (before penalties and temperature). `all_greedy` (known on the host) skips the sort."""
+    model distribution (before penalties and temperature).
+
+    What the host knows about the rows picks the cheapest exact path: `all_greedy` skips sampling; `max_top_k`
+    (every row has 1 <= top_k <= max_top_k) samples among the top max_top_k candidates instead of sorting the
+    whole vocabulary, with the same uniforms, so the same tokens come out."""
     logits = logits.float()
     logprobs = logits.log_softmax(-1)
     adjusted = apply_penalties(logits, p)
@@ -91,9 +96,14 @@ def sample(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0, all_
         chosen = logprobs.gather(1, greedy[:, None])[:, 0]
         top_lp, top_ids = logprobs.topk(num_logprobs, dim=-1) if num_logprobs else (None, None)
         return greedy, chosen, top_ids, top_lp
-    probs = filtered_probs(adjusted, p)
-    race = probs / -torch.log(counter_uniform(p.seeds, p.steps, logits.shape[1]))
-    sampled = race.argmax(-1)
+    vocab = logits.shape[1]
+    if max_top_k:
+        candidates, ids = adjusted.topk(min(max_top_k, vocab), dim=-1)
+    else:
+        candidates, ids = adjusted.sort(dim=-1, descending=True)
+    probs = _filter_sorted(candidates, p, vocab)
+    race = probs / -torch.log(counter_uniform(p.seeds, p.steps, ids))
+    sampled = ids.gather(1, race.argmax(-1, keepdim=True))[:, 0]
     tokens = torch.where(p.temperature <= 0, greedy, sampled)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     if num_logprobs:

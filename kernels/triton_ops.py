@@ -159,17 +159,18 @@ def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, sl
     tl.store(out_ptr + (row * HV + h) * DV + vs, o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
-def gdn_decode(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads: int, head_k_dim: int, head_v_dim: int):
+def gdn_decode(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+               block_v: int = 32, num_warps: int = 4):
     N, C = mixed.shape
     HV = a.shape[1]
     out = torch.empty(N, HV, head_v_dim, dtype=mixed.dtype, device=mixed.device)
-    BLOCK_V = min(32, _pow2(head_v_dim))
+    BLOCK_V = min(block_v, _pow2(head_v_dim))
     grid = (N, HV, triton.cdiv(head_v_dim, BLOCK_V))
     _gdn_decode_kernel[grid](
         mixed.contiguous(), a.contiguous(), b.contiguous(), A_log, dt_bias, ssm_state, slots, out,
         C, ssm_state.shape[0] - 1, HV, HV // num_k_heads, head_k_dim**-0.5,
         DK=head_k_dim, DV=head_v_dim, KEY_DIM=num_k_heads * head_k_dim,
-        BLOCK_K=_pow2(head_k_dim), BLOCK_V=BLOCK_V, num_warps=4,
+        BLOCK_K=_pow2(head_k_dim), BLOCK_V=BLOCK_V, num_warps=num_warps,
     )
     return out
 

@@ -90,3 +90,17 @@ def test_logprobs_are_the_raw_distribution():
     ref = logits.log_softmax(-1)
     assert torch.allclose(chosen, ref.gather(1, tokens[:, None])[:, 0])
     assert torch.equal(top_ids, ref.topk(4).indices) and torch.allclose(top_lp, ref.topk(4).values)
+
+
+def test_the_top_k_fast_path_draws_the_same_tokens_as_the_full_sort():
+    torch.manual_seed(3)
+    logits = torch.randn(6, 2000) * 3
+    top_k = torch.tensor([1, 5, 20, 50, 50, 7])
+    for seed in range(30):
+        p = params(6, temperature=0.9, top_k=top_k, top_p=0.8, min_p=0.01, seeds=torch.arange(6) + 100 * seed,
+                   steps=torch.full((6,), seed))
+        full, *_ = sample(logits, p)
+        fast, *_ = sample(logits, p, max_top_k=50)
+        assert torch.equal(full, fast)
+    greedy_flag, *_ = sample(logits, params(6, temperature=0.0), all_greedy=True)
+    assert torch.equal(greedy_flag, logits.argmax(-1))

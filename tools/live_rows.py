@@ -23,12 +23,12 @@ def fill_live_rows(runtime, rows: int, bucket: int, context: int, seed: int = 0)
     for r, n in enumerate(pages_needed):
         inputs.table_host[r, :n] = order[at : at + n]
         at += n
-    dev = state.conv.device
-    with torch.no_grad():
-        state.conv[:, :rows].copy_(torch.randn(state.conv[:, :rows].shape, generator=gen).to(dev, state.conv.dtype))
-        state.ssm[:, :rows].copy_(torch.randn(state.ssm[:, :rows].shape, generator=gen).to(dev) * 0.1)
+    device_gen = torch.Generator(device=state.conv.device).manual_seed(seed)
+    with torch.no_grad():  # generated in place: the state pools fill most of the device
+        state.conv[:, :rows].normal_(generator=device_gen)
+        state.ssm[:, :rows].normal_(std=0.1, generator=device_gen)
         for cache in (state.k_cache, state.v_cache):
-            cache.normal_()
+            cache.normal_(generator=device_gen)
     tokens = torch.randint(0, runtime.vocab, (rows,), generator=gen).tolist()
     inputs.fill(tokens, positions, bucket)
 
