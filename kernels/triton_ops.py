@@ -160,7 +160,7 @@ def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, sl
 
 
 def gdn_decode(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads: int, head_k_dim: int, head_v_dim: int,
-               block_v: int = 32, num_warps: int = 4):
+               block_v: int = 64, num_warps: int = 4):
     N, C = mixed.shape
     HV = a.shape[1]
     out = torch.empty(N, HV, head_v_dim, dtype=mixed.dtype, device=mixed.device)

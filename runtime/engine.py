@@ -18,6 +18,7 @@ import os
 import random
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -52,18 +53,57 @@ class TokenLogprob:
     top: list[tuple[int, float]] | None = None
 
 
-@dataclass
 class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # all generated so far
-    text: str  # all text released so far (a tail that may start a stop string is held back)
-    delta_token_ids: list[int]
-    delta_text: str
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    logprobs: list[TokenLogprob] | None = None  # all so far, when asked
-    error: str | None = None
+    """One update of a request. `token_ids` (all generated so far) and `logprobs` are snapshots taken lazily:
+    the engine hands out a length, not a copy, so a step costs the same at token 10 and token 10,000."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "text", "delta_token_ids", "delta_text", "finished",
+                 "finish_reason", "error", "_ids", "_logprobs", "_n")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], ids: list[int], text: str,
+                 delta_token_ids: list[int], delta_text: str, finished: bool = False, finish_reason: str | None = None,
+                 logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> None:
+        self.request_id, self.prompt_token_ids, self.text = request_id, prompt_token_ids, text
+        self.delta_token_ids, self.delta_text = delta_token_ids, delta_text
+        self.finished, self.finish_reason, self.error = finished, finish_reason, error  # "stop"|"length"|"abort"|"error"
+        self._ids, self._logprobs, self._n = ids, logprobs, len(ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._ids[: self._n]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return None if self._logprobs is None else self._logprobs[: self._n]
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids}, text={self.text!r}, "
+                f"finished={self.finished}, finish_reason={self.finish_reason!r})")
+
+
+class _Outputs:
+    """A request's pending outputs: a deque and at most one waiting consumer (lighter than asyncio.Queue on the
+    per-token path)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[RequestOutput] = deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put_nowait(self, out: RequestOutput) -> None:
+        self.items.append(out)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def get(self) -> RequestOutput:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
 
 
 @dataclass
@@ -75,7 +115,7 @@ class _Request:
     stop_ids: frozenset[int]
     detok: IncrementalDetokenizer
     stops: StopMatcher
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: _Outputs = field(default_factory=_Outputs)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     text: str = ""
@@ -259,11 +299,9 @@ class AsyncEngine:
         self._wakeup.set()
 
     def _output(self, req: _Request, delta_ids, delta_text, reason=None, error=None) -> RequestOutput:
-        return RequestOutput(
-            req.request_id, req.prompt_ids, list(req.output_ids), req.text, list(delta_ids), delta_text,
-            finished=reason is not None, finish_reason=reason,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None, error=error,
-        )
+        # The lists only ever grow (a stop token is popped before its output is made), so a length snapshots them.
+        return RequestOutput(req.request_id, req.prompt_ids, req.output_ids, req.text, list(delta_ids), delta_text,
+                             finished=reason is not None, finish_reason=reason, logprobs=req.logprobs, error=error)
 
     # The step loop --------------------------------------------------------------------------------------------------
     async def _step_loop(self) -> None:
@@ -321,6 +359,7 @@ class AsyncEngine:
         sched.on_prefill_done(plan.prefill)
         sched.on_decode_done(plan.decode_ids)
         self.metrics.prompt_tokens.inc(sum(w.length for w in plan.prefill))
+        self.metrics.generation_tokens.inc(len(plan.decode_ids) + sum(1 for s in result.prefill if s is not None))
         now = time.perf_counter()
         for w, sampled in zip(plan.prefill, result.prefill):
             if sampled is not None and w.request_id in self.requests:
@@ -336,7 +375,6 @@ class AsyncEngine:
         else:
             self.metrics.itl.observe(now - req.last_token_time)
         req.last_token_time = now
-        self.metrics.generation_tokens.inc()
         req.output_ids.append(token)
         if req.logprobs is not None:
             req.logprobs.append(TokenLogprob(token, sampled.logprob, sampled.top))
@@ -387,30 +425,29 @@ class RequestStream:
         self._engine, self._req = engine, req
         self.request_id = req.request_id
         self._loop = asyncio.get_running_loop()
-        self._gen = self._outputs()
-
-    async def _outputs(self):
-        req = self._req
-        try:
-            while True:
-                out = await req.queue.get()
-                yield out
-                if out.finished:
-                    return
-        finally:
-            self._engine.abort(req.request_id)
+        self._done = False
 
     def __aiter__(self) -> "RequestStream":
         return self
 
     async def __anext__(self) -> RequestOutput:
-        return await self._gen.__anext__()
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            out = await self._req.queue.get()
+        except BaseException:  # cancelled while waiting: the request goes too
+            self._done = True
+            self._engine.abort(self.request_id)
+            raise
+        self._done = out.finished
+        return out
 
     async def aclose(self) -> None:
-        await self._gen.aclose()
+        self._done = True
         self._engine.abort(self.request_id)
 
     def __del__(self) -> None:
+        # Dropped with the request still running (an early `break`): abort it from the loop's thread.
         if not self._req.finished and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._engine.abort, self.request_id)
 

@@ -21,6 +21,7 @@ class TextTokenizer:
             raise FileNotFoundError(f"no tokenizer.json in {checkpoint_dir}")
         self.tok = Tokenizer.from_file(path)
         self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        self._single: dict[tuple[int, bool], str] = {}  # at most 2 x vocabulary entries
         self.chat_template = self._load_template(checkpoint_dir)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
         env.globals["raise_exception"] = _raise
@@ -48,6 +49,12 @@ class TextTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) == 1:  # the common case on the streaming path: served from a cache
+            key = (ids[0], skip_special_tokens)
+            text = self._single.get(key)
+            if text is None:
+                text = self._single[key] = self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+            return text
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
@@ -98,6 +105,10 @@ class StopMatcher:
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Add text; returns (text safe to emit now, whether a stop string was hit)."""
+        if not self.stops:
+            self.text += delta
+            self.emitted = len(self.text)
+            return delta, False
         start = max(0, len(self.text) - self.hold)
         self.text += delta
         hit = None

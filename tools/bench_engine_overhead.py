@@ -1,0 +1,79 @@
+"""Host overhead of the engine per decode step: scheduler, command building, token routing, detokenisation and
+stop checks, with a device that answers instantly (no model runs).
+
+    python -m tools.bench_engine_overhead [--batches 1,64] [--steps 400]
+
+Reported as microseconds of event-loop time per decode step; a GPU step is milliseconds, so this must stay far
+below it (target: at most 300 us at batch 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+
+from devices.commands import SampledToken, StepResult
+from runtime import AsyncEngine, EngineArgs, SamplingParams
+from runtime.cli import run
+from tools.make_checkpoint import write_checkpoint
+
+
+class InstantReplica:
+    """Stands in for the device ranks: every step returns at once with token 7 for every row."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    async def step(self, cmd) -> StepResult:
+        decode = [SampledToken(7, -0.1) for _ in cmd.decode_tokens]
+        prefill = [SampledToken(7, -0.1) if p.last else None for p in cmd.prefill]
+        return StepResult(decode, prefill)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+async def measure(ckpt: str, batch: int, steps: int) -> float:
+    args = EngineArgs(model=ckpt, max_batch=batch, max_model_len=steps + 64, cpu_memory_bytes=64 << 20,
+                      prefill_slots=batch)
+    async with AsyncEngine(args) as engine:
+        engine.replica = InstantReplica(engine.replica)
+        params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+        streams = [engine.generate([5, 6, 7, 8], params) for _ in range(batch)]
+
+        async def drain(s):
+            async for out in s:
+                pass
+            return out
+
+        started = time.perf_counter()
+        outs = await asyncio.gather(*[drain(s) for s in streams])
+        elapsed = time.perf_counter() - started
+        engine.replica = engine.replica.real
+        assert all(len(o.token_ids) == steps for o in outs)
+    RESULTS.append(elapsed / steps * 1e6)
+
+
+RESULTS: list[float] = []
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--steps", type=int, default=400)
+    ns = parser.parse_args(argv)
+    ckpt = write_checkpoint(tempfile.mkdtemp(prefix="overhead_"), "tiny", weights=True)
+    print("| batch | host us per decode step | per row us |")
+    print("|---:|---:|---:|")
+    for b in (int(x) for x in ns.batches.split(",")):
+        run(measure(ckpt, b, ns.steps))  # on uvloop, as the server runs
+        us = RESULTS.pop()
+        print(f"| {b} | {us:.0f} | {us / b:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
