@@ -44,6 +44,12 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return ((weight * normed).float() * F.silu(z.float())).to(o.dtype)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The MLP activation on a fused [gate | up] projection: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float()).to(gate_up.dtype)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Causal depthwise conv1d + SiLU
 
@@ -262,6 +268,41 @@ def rope_and_cache(
     return q
 
 
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Views of a fused [q_proj | k_proj | v_proj] row: query and gate [T, nH, D] (each head's q_proj rows are
+    [query | gate]), k and v [T, nKV, D]."""
+    T, D = qkv.shape[0], head_dim
+    qg = qkv[:, : num_heads * 2 * D].view(T, num_heads, 2 * D)
+    k = qkv[:, num_heads * 2 * D : (num_heads * 2 + num_kv_heads) * D].view(T, num_kv_heads, D)
+    v = qkv[:, (num_heads * 2 + num_kv_heads) * D :].view(T, num_kv_heads, D)
+    return qg[..., :D], qg[..., D:], k, v
+
+
+def qk_norm_rope_cache(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """From the fused projection: q_norm/k_norm, RoPE, the paged K/V write; returns the rotated query [T, nH, D]."""
+    q, _, k, v = split_qkv(qkv, num_heads, num_kv_heads, q_norm.shape[0])
+    return rope_and_cache(rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps), v, positions, cos, sin, k_cache,
+                          v_cache, slot_mapping)
+
+
+def apply_output_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Gated attention: o * sigmoid(gate), in fp32, rounded once."""
+    return (o.float() * torch.sigmoid(gate.float())).to(o.dtype)
+
+
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` cached tokens of one request, [length, n_kv, D]."""
     return cache[pages].reshape(-1, *cache.shape[2:])[:length]
@@ -305,8 +346,10 @@ def decode_attention(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per row over its first seq_lens[n] cached tokens. q [N, nH, D]; page_table [N, P]."""
+    """One query token per row over its first seq_lens[n] cached tokens, times sigmoid(gate) when given.
+    q, gate [N, nH, D]; page_table [N, P]."""
     N, nH, D = q.shape
     n_kv, page_size = k_cache.shape[2], k_cache.shape[1]
     group = nH // n_kv
@@ -316,5 +359,7 @@ def decode_attention(
     scores = torch.einsum("nkgd,nskd->nkgs", qg, keys) * scale
     positions = torch.arange(keys.shape[1], device=q.device)
     scores = scores.masked_fill(positions[None, None, None, :] >= seq_lens[:, None, None, None], float("-inf"))
-    out = torch.einsum("nkgs,nskd->nkgd", scores.softmax(-1), values)
-    return out.reshape(N, nH, D).to(q.dtype)
+    out = torch.einsum("nkgs,nskd->nkgd", scores.softmax(-1), values).reshape(N, nH, D)
+    if gate is not None:
+        out = out * torch.sigmoid(gate.float())
+    return out.to(q.dtype)

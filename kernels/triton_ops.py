@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .reference import apply_rope, gdn_gates, rope_tables, slot_rows  # noqa: F401  (re-exported unchanged)
+from .reference import apply_output_gate, apply_rope, gdn_gates, rope_tables, slot_rows, split_qkv  # noqa: F401
 
 import torch.nn.functional as F
 
@@ -66,12 +66,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit
-def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, n_cols, heads, z_row_stride, z_head_stride, eps,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # token * heads + head
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     o = tl.load(o_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    z_base = z_ptr + (row // heads) * z_row_stride + (row % heads) * z_head_stride
+    z = tl.load(z_base + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / n_cols + eps)
     normed = (o * inv).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference rounds
@@ -80,10 +82,33 @@ def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    o2, z2 = o.contiguous().view(-1, o.shape[-1]), z.contiguous().view(-1, o.shape[-1])
+    """o [T, H, d] contiguous; z [T, H, d] may be a strided view (of the fused input projection)."""
+    o2 = o.contiguous().view(-1, o.shape[-1])
+    if z.stride(-1) != 1:
+        z = z.contiguous()
     out = torch.empty_like(o2)
-    _gated_rms_norm_kernel[(o2.shape[0],)](o2, z2, weight, out, o2.shape[1], eps, BLOCK=_pow2(o2.shape[1]))
+    _gated_rms_norm_kernel[(o2.shape[0],)](o2, z, weight, out, o2.shape[1], o.shape[1], z.stride(0), z.stride(1), eps,
+                                           BLOCK=_pow2(o2.shape[1]))
     return out.view(o.shape)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, inner, x_row_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inner
+    g = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * x_row_stride + inner + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * inner + cols, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    T, two_i = gate_up.shape
+    inner = two_i // 2
+    out = torch.empty(T, inner, dtype=gate_up.dtype, device=gate_up.device)
+    BLOCK = 1024
+    _silu_mul_kernel[(T, triton.cdiv(inner, BLOCK))](gate_up, out, inner, gate_up.stride(0), BLOCK=BLOCK)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -91,7 +116,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 
 @triton.jit
-def _conv1d_decode_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, out_ptr, C, trash,
+def _conv1d_decode_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, out_ptr, C, x_row_stride, trash,
                           K: tl.constexpr, BLOCK_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -99,7 +124,7 @@ def _conv1d_decode_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, out_ptr, C, trash,
     slot = tl.load(slot_ptr + row)
     slot = tl.where(slot < 0, trash, slot).to(tl.int64)
     base = state_ptr + slot * (K - 1) * C
-    x = tl.load(x_ptr + row * C + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
     acc = x.to(tl.float32) * tl.load(w_ptr + cols * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
     for j in tl.static_range(K - 1):
         prev = tl.load(base + j * C + cols, mask=mask, other=0.0)
@@ -115,8 +140,10 @@ def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     K = weight.shape[1]
     out = torch.empty_like(x)
     BLOCK_C = 256
+    if x.stride(1) != 1:
+        x = x.contiguous()
     _conv1d_decode_kernel[(N, triton.cdiv(C, BLOCK_C))](
-        x.contiguous(), weight, conv_state, slots, out, C, conv_state.shape[0] - 1, K=K, BLOCK_C=BLOCK_C)
+        x, weight, conv_state, slots, out, C, x.stride(0), conv_state.shape[0] - 1, K=K, BLOCK_C=BLOCK_C)
     return out
 
 
@@ -127,7 +154,7 @@ def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 
 @triton.jit
 def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, out_ptr,
-                       C, trash, HV, GROUP, scale,
+                       C, ab_row_stride, trash, HV, GROUP, scale,
                        DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -142,10 +169,10 @@ def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, sl
     v = tl.load(mixed_ptr + row * C + 2 * KEY_DIM + h * DV + vs, mask=vmask, other=0.0).to(tl.float32)
     q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-    a = tl.load(a_ptr + row * HV + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+    a = tl.load(a_ptr + row * ab_row_stride + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
     g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus
-    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + row * HV + h).to(tl.float32)))
+    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + row * ab_row_stride + h).to(tl.float32)))
     slot = tl.load(slot_ptr + row)
     slot = tl.where(slot < 0, trash, slot).to(tl.int64)
     sptr = state_ptr + ((slot * HV + h) * DK + ks[:, None]) * DV + vs[None, :]
@@ -166,9 +193,11 @@ def gdn_decode(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads: int, 
     out = torch.empty(N, HV, head_v_dim, dtype=mixed.dtype, device=mixed.device)
     BLOCK_V = min(block_v, _pow2(head_v_dim))
     grid = (N, HV, triton.cdiv(head_v_dim, BLOCK_V))
+    if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
+        a, b = a.contiguous(), b.contiguous()
     _gdn_decode_kernel[grid](
-        mixed.contiguous(), a.contiguous(), b.contiguous(), A_log, dt_bias, ssm_state, slots, out,
-        C, ssm_state.shape[0] - 1, HV, HV // num_k_heads, head_k_dim**-0.5,
+        mixed.contiguous(), a, b, A_log, dt_bias, ssm_state, slots, out,
+        C, a.stride(0), ssm_state.shape[0] - 1, HV, HV // num_k_heads, head_k_dim**-0.5,
         DK=head_k_dim, DV=head_v_dim, KEY_DIM=num_k_heads * head_k_dim,
         BLOCK_K=_pow2(head_k_dim), BLOCK_V=BLOCK_V, num_warps=num_warps,
     )
@@ -209,6 +238,57 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, v
         tl.store(kc_ptr + (dest * NKV + kh) * D + d, y.to(kc_ptr.dtype.element_ty), mask=dmask)
         vv = tl.load(v_ptr + (t * NKV + kh) * D + d, mask=dmask, other=0.0)
         tl.store(vc_ptr + (dest * NKV + kh) * D + d, vv.to(vc_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, map_ptr, qo_ptr,
+                               row_stride, NQ, NKV, eps, HALF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    rot = d < 2 * HALF
+    idx = tl.where(rot, d % HALF, 0)
+    c = tl.load(cos_ptr + pos * HALF + idx, mask=rot, other=1.0)
+    s = tl.load(sin_ptr + pos * HALF + idx, mask=rot, other=0.0)
+    s = tl.where(d < HALF, -s, s)
+    row = qkv_ptr + t * row_stride
+    if head < NQ:
+        src = row + head * 2 * D  # each q_proj head is [query | gate]
+        w_ptr = qn_ptr
+    else:
+        src = row + NQ * 2 * D + (head - NQ) * D
+        w_ptr = kn_ptr
+    x = tl.load(src + d, mask=dmask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    normed = (x * inv * (1.0 + tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)))
+    normed = normed.to(qo_ptr.dtype.element_ty).to(tl.float32)  # the norm's output is in the model dtype
+    xp = tl.load(src + partner, mask=rot & dmask, other=0.0).to(tl.float32)
+    normed_p = xp * inv * (1.0 + tl.load(w_ptr + partner, mask=rot & dmask, other=0.0).to(tl.float32))
+    normed_p = normed_p.to(qo_ptr.dtype.element_ty).to(tl.float32)
+    y = tl.where(rot, normed * c + normed_p * s, normed)
+    if head < NQ:
+        tl.store(qo_ptr + (t * NQ + head) * D + d, y.to(qo_ptr.dtype.element_ty), mask=dmask)
+    else:
+        kh = head - NQ
+        dest = tl.load(map_ptr + t).to(tl.int64)
+        tl.store(kc_ptr + (dest * NKV + kh) * D + d, y.to(kc_ptr.dtype.element_ty), mask=dmask)
+        vv = tl.load(row + NQ * 2 * D + NKV * D + kh * D + d, mask=dmask, other=0.0)
+        tl.store(vc_ptr + (dest * NKV + kh) * D + d, vv.to(vc_ptr.dtype.element_ty), mask=dmask)
+
+
+def qk_norm_rope_cache(qkv, q_norm, k_norm, eps, positions, cos, sin, k_cache, v_cache, slot_mapping,
+                       num_heads: int, num_kv_heads: int):
+    T, D = qkv.shape[0], q_norm.shape[0]
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    out = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
+    _qk_norm_rope_cache_kernel[(T, num_heads + num_kv_heads)](
+        qkv, q_norm, k_norm, positions, cos, sin, k_cache, v_cache, slot_mapping, out, qkv.stride(0),
+        num_heads, num_kv_heads, eps, HALF=cos.shape[1], D=D, BLOCK_D=_pow2(D))
+    return out
 
 
 def rope_and_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping):
@@ -271,7 +351,8 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, part_o_ptr, p
 
 
 @triton.jit
-def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
+def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, gate_ptr, NH, gate_row_stride, gate_head_stride,
+                         D: tl.constexpr, SPLITS: tl.constexpr, HAS_GATE: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     rh = tl.program_id(0).to(tl.int64)  # row * NH + head
     s = tl.arange(0, BLOCK_S)
@@ -284,10 +365,14 @@ def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, D: tl.constexpr, SPLI
     o = tl.load(part_o_ptr + (rh * SPLITS + s[:, None]) * D + d[None, :], mask=smask[:, None] & dmask[None, :],
                 other=0.0)
     total = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    if HAS_GATE:  # gated attention: o * sigmoid(gate)
+        gate = tl.load(gate_ptr + (rh // NH) * gate_row_stride + (rh % NH) * gate_head_stride + d, mask=dmask,
+                       other=0.0).to(tl.float32)
+        total = total / (1.0 + tl.exp(-gate))
     tl.store(out_ptr + rh * D + d, total.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, tokens_per_split: int = 512):
+def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, gate=None, tokens_per_split: int = 512):
     N, NH, D = q.shape
     NKV, PAGE = k_cache.shape[2], k_cache.shape[1]
     group = NH // NKV
@@ -302,8 +387,12 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, to
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )
     out = torch.empty_like(q)
-    _merge_splits_kernel[(N * NH,)](part_o, part_ml, out, D=D, SPLITS=splits, BLOCK_S=_pow2(splits),
-                                    BLOCK_D=_pow2(D))
+    if gate is not None and gate.stride(2) != 1:
+        gate = gate.contiguous()
+    _merge_splits_kernel[(N * NH,)](
+        part_o, part_ml, out, gate if gate is not None else out, NH, gate.stride(0) if gate is not None else 0,
+        gate.stride(1) if gate is not None else 0, D=D, SPLITS=splits, HAS_GATE=gate is not None,
+        BLOCK_S=_pow2(splits), BLOCK_D=_pow2(D))
     return out
 
 

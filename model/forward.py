@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from kernels import reference as reference_ops
 
@@ -43,24 +42,42 @@ class Qwen35Shard:
             cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, device=self.device
         )
         self.scale = cfg.head_dim**-0.5
+        self._fuse_projections()
         # Layer index -> its index among the layers of its kind (row of the state pools).
         self.state_index = {}
         for kind_layers in (cfg.gdn_layers, cfg.attention_layers):
             for j, i in enumerate(kind_layers):
                 self.state_index[i] = j
 
+    # Projections that read the same input run as one GEMM: fewer, larger matmuls and fewer graph nodes.
+    _FUSED = {
+        "linear_attn.in_proj_all.weight": ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
+                                           "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"),
+        "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    }
+
+    def _fuse_projections(self) -> None:
+        """Concatenate each layer's same-input projections (this rank's shards) into one weight, in place."""
+        w = self.w
+        for i in range(self.cfg.num_hidden_layers):
+            p = f"layers.{i}."
+            for fused, parts in self._FUSED.items():
+                if p + parts[0] in w:
+                    w[p + fused] = torch.cat([w.pop(p + part) for part in parts], dim=0)
+
     # Layers ----------------------------------------------------------------------------------------------------------
     def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
         w = self.w
-        h = F.silu(x @ w[p + "mlp.gate_proj.weight"].t()) * (x @ w[p + "mlp.up_proj.weight"].t())
+        h = self.ops.silu_mul(x @ w[p + "mlp.gate_up_proj.weight"].t())
         return self.all_reduce(h @ w[p + "mlp.down_proj.weight"].t())
 
     def _gdn_inputs(self, x: torch.Tensor, p: str):
-        w = self.w
-        mixed = x @ w[p + "in_proj_qkv.weight"].t()
-        z = x @ w[p + "in_proj_z.weight"].t()
-        b = x @ w[p + "in_proj_b.weight"].t()
-        a = x @ w[p + "in_proj_a.weight"].t()
+        """Views of the fused [qkv | z | b | a] projection."""
+        y = x @ self.w[p + "in_proj_all.weight"].t()
+        C, hv = self.local.gdn_conv_dim, self.local.gdn_value_heads
+        vd = hv * self.cfg.linear_value_head_dim
+        mixed, z, b, a = y.split([C, vd, hv, hv], dim=1)
         return mixed, z, a, b
 
     def _gdn_output(self, o: torch.Tensor, z: torch.Tensor, p: str) -> torch.Tensor:
@@ -90,37 +107,33 @@ class Qwen35Shard:
         return self._gdn_output(o, z, p)
 
     def _attn_inputs(self, x, p, state: ModelState, j: int, positions, slot_mapping):
-        cfg, w, ops = self.cfg, self.w, self.ops
-        T, D = x.shape[0], cfg.head_dim
-        qg = (x @ w[p + "q_proj.weight"].t()).reshape(T, self.local.num_heads, 2 * D)
-        q, gate = qg[..., :D], qg[..., D:]
-        k = (x @ w[p + "k_proj.weight"].t()).reshape(T, self.local.num_kv_heads, D)
-        v = (x @ w[p + "v_proj.weight"].t()).reshape(T, self.local.num_kv_heads, D)
-        q = ops.rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps)
-        k = ops.rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps)
-        q = ops.rope_and_cache(
-            q, k, v, positions, self.cos, self.sin, state.k_cache[j], state.v_cache[j], slot_mapping
+        """The fused q/k/v projection, then q/k norms, RoPE and the paged K/V write; (rotated q, gate view)."""
+        cfg, w = self.cfg, self.w
+        qkv = x @ w[p + "qkv_proj.weight"].t()
+        nh, nkv = self.local.num_heads, self.local.num_kv_heads
+        q = self.ops.qk_norm_rope_cache(
+            qkv, w[p + "q_norm.weight"], w[p + "k_norm.weight"], cfg.rms_norm_eps, positions, self.cos, self.sin,
+            state.k_cache[j], state.v_cache[j], slot_mapping, nh, nkv,
         )
+        _, gate, _, _ = reference_ops.split_qkv(qkv, nh, nkv, cfg.head_dim)
         return q, gate
 
-    def _attn_output(self, o: torch.Tensor, gate: torch.Tensor, p: str) -> torch.Tensor:
-        T = o.shape[0]
-        o = (o * torch.sigmoid(gate.float()).to(o.dtype)).reshape(T, -1)
-        return self.all_reduce(o @ self.w[p + "o_proj.weight"].t())
+    def _attn_output(self, o: torch.Tensor, p: str) -> torch.Tensor:
+        return self.all_reduce(o.reshape(o.shape[0], -1) @ self.w[p + "o_proj.weight"].t())
 
     def _attn_prefill(self, x, p, state: ModelState, batch: PrefillBatch, j: int):
         q, gate = self._attn_inputs(x, p, state, j, batch.positions, batch.slot_mapping)
         o = self.ops.prefill_attention(
             q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.cu_seqlens, batch.context_lens, self.scale
         )
-        return self._attn_output(o, gate, p)
+        return self._attn_output(reference_ops.apply_output_gate(o, gate), p)
 
     def _attn_decode(self, x, p, state: ModelState, batch: DecodeBatch, j: int):
         q, gate = self._attn_inputs(x, p, state, j, batch.positions, batch.slot_mapping)
-        o = self.ops.decode_attention(
-            q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.seq_lens, self.scale
+        o = self.ops.decode_attention(  # the sigmoid output gate is applied inside
+            q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.seq_lens, self.scale, gate
         )
-        return self._attn_output(o, gate, p)
+        return self._attn_output(o, p)
 
     # Whole model --------------------------------------------------------------------------------------------------
     def _run(self, input_ids, state, batch, prefill: bool) -> torch.Tensor:

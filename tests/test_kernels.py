@@ -122,6 +122,11 @@ def test_decode_attention_any_group(nh, nkv):
     with poisoned_outputs():
         got = T.decode_attention(q, kc, vc, table, lens, D**-0.5, tokens_per_split=32)  # several splits
     assert rel(got, R.decode_attention(q, kc, vc, table, lens, D**-0.5)) <= REDUCTION
+    qg = randn(3, nh, 2 * D)  # the gate as a strided view, as the fused projection gives it
+    gate = qg[..., D:]
+    with poisoned_outputs():
+        got = T.decode_attention(q, kc, vc, table, lens, D**-0.5, gate, tokens_per_split=32)
+    assert rel(got, R.decode_attention(q, kc, vc, table, lens, D**-0.5, gate)) <= REDUCTION
 
 
 def test_chunked_gdn_reference_matches_the_recurrence():
@@ -146,3 +151,67 @@ def test_prefill_attention_over_paged_context():
     with poisoned_outputs():
         got = T.prefill_attention(q, kc, vc, table, cu, ctx, D**-0.5)
     assert rel(got, R.prefill_attention(q, kc, vc, table, cu, ctx, D**-0.5)) <= REDUCTION
+
+
+def test_silu_mul_and_strided_projection_views():
+    x = randn(5, 2 * 300)
+    with poisoned_outputs():
+        got = T.silu_mul(x)
+    assert rel(got, R.silu_mul(x)) <= ELEMENTWISE
+    # GDN decode and the gated norm read a, b and z straight out of the fused input projection.
+    hk, hv, dk, dv = 2, 4, 16, 16
+    C = 2 * hk * dk + hv * dv
+    y = randn(3, C + hv * dv + 2 * hv)
+    mixed, z, b, a = y.split([C, hv * dv, hv, hv], dim=1)
+    A_log, dt_bias = torch.rand(hv, device=DEVICE), torch.rand(hv, device=DEVICE)
+    state = randn(4, hv, dk, dv)
+    ref_state = state.clone()
+    slots = torch.tensor([0, 2, -1], device=DEVICE)
+    mixed_c = mixed.contiguous()
+    with poisoned_outputs():
+        o = T.gdn_decode(mixed_c, a, b, A_log, dt_bias, state, slots, hk, dk, dv)
+        normed = T.gated_rms_norm(o, z.view(3, hv, dv), randn(dv), 1e-6)
+    ref_o = R.gdn_decode(mixed_c, a, b, A_log, dt_bias, ref_state, slots, hk, dk, dv)
+    assert rel(o, ref_o) <= REDUCTION and rel(state[:3], ref_state[:3]) <= REDUCTION
+    w = randn(dv)
+    got = T.gated_rms_norm(ref_o, z.view(3, hv, dv), w, 1e-6)
+    assert rel(got, R.gated_rms_norm(ref_o, z.view(3, hv, dv), w, 1e-6)) <= REDUCTION
+    conv_state = randn(4, 3, C)
+    ref_conv = conv_state.clone()
+    wc = randn(C, 4)
+    with poisoned_outputs():
+        got = T.conv1d_decode(mixed, wc, conv_state, slots)
+    assert rel(got, R.conv1d_decode(mixed, wc, ref_conv, slots)) <= ELEMENTWISE
+
+
+def test_fused_qk_norm_rope_and_cache_write():
+    T_, nh, nkv, D, rot = 4, 3, 1, 32, 8
+    cos, sin = R.rope_tables(rot, 1e7, 64, device=DEVICE)
+    qkv = randn(T_, (2 * nh + 2 * nkv) * D)
+    qn, kn = randn(D) * 0.1, randn(D) * 0.1
+    pos = torch.tensor([0, 9, 33, 63], device=DEVICE)
+    mapping = torch.tensor([3, 17, 40, 2], device=DEVICE)
+    caches = [torch.full((4, 16, nkv, D), float("nan"), device=DEVICE) for _ in range(4)]
+    with poisoned_outputs():
+        got = T.qk_norm_rope_cache(qkv, qn, kn, 1e-6, pos, cos, sin, caches[0], caches[1], mapping, nh, nkv)
+    ref = R.qk_norm_rope_cache(qkv, qn, kn, 1e-6, pos, cos, sin, caches[2], caches[3], mapping, nh, nkv)
+    assert rel(got, ref) <= REDUCTION
+    flat = [c.view(-1, nkv, D)[mapping] for c in caches]
+    assert rel(flat[0], flat[2]) <= REDUCTION and torch.equal(flat[1], flat[3])
+
+
+def test_the_forward_on_triton_ops_matches_the_reference_forward(tiny_ckpt):
+    from helpers import CpuRunner
+
+    if DEVICE != "cpu":
+        pytest.skip("covered on the GPU by the engine tests")
+    ref, tri = CpuRunner(tiny_ckpt), CpuRunner(tiny_ckpt)
+    tri.model.ops = T
+    prompts = {0: list(range(3, 40)), 1: [7, 8, 9]}
+    assert rel(tri.prefill(prompts), ref.prefill(prompts)) <= REDUCTION
+    tokens, positions = {0: 5, 1: 6}, {0: 37, 1: 3}
+    for _ in range(3):
+        got, want = tri.decode(tokens, positions), ref.decode(tokens, positions)
+        assert rel(got, want) <= REDUCTION
+        tokens = {s: int(want[i].argmax()) for i, s in enumerate(tokens)}
+        positions = {s: p + 1 for s, p in positions.items()}
