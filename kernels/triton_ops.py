@@ -1,8 +1,8 @@
 """Triton kernels for the Qwen3.5 forward, with the signatures of `kernels.reference` (the forward swaps them).
 
 Every kernel launches on the current torch stream with no host synchronisation, reads lengths, slots and page
-tables from device tensors, and so can be captured in a CUDA graph. Ops without a kernel here (prefill
-attention, chunked GDN prefill, prefill conv) use the torch reference, which is correct on any device.
+tables from device tensors, and so can be captured in a CUDA graph. Prefill attention uses torch's fused
+SDPA per request and the prefill conv the torch reference; both are correct on any device.
 CI runs these kernels under TRITON_INTERPRET=1 against the references on small shapes.
 """
 
@@ -18,7 +18,6 @@ from .reference import apply_output_gate, apply_rope, gdn_gates, rope_tables, sl
 import torch.nn.functional as F
 
 conv1d_prefill = reference.conv1d_prefill
-gdn_prefill = reference.gdn_prefill
 
 
 def _pow2(n: int) -> int:
@@ -419,4 +418,137 @@ def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens,
             mask = torch.arange(total, device=q.device)[None, :] <= rows
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = o.transpose(0, 1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gated DeltaNet prefill, chunked (64-token chunks, the WY form), over packed variable-length requests.
+# Kernel 1, parallel over (chunk, value head): l2-norm, gates, the chunk's cumulative decay c, and the WY
+#   factors W = T (beta V), Kd = T (beta exp(c) K) with T = (I + A)^-1, A_ij = beta_i exp(c_i - c_j) k_i.k_j (j < i).
+#   A is strictly lower triangular (nilpotent), so T = (I - A)(I + A^2)(I + A^4)(I + A^8)(I + A^16)(I + A^32):
+#   eleven 64x64 matmuls instead of a sequential substitution.
+# Kernel 2, parallel over (request, value head, block of dv), sequential over the request's chunks: the state
+#   S [dk, block] stays in registers; per chunk u = W - Kd S, o = (q exp(c)) S + (q k^T exp(c_i - c_j))_{j<=i} u,
+#   S = exp(c_last) S + (k exp(c_last - c))^T u. The initial state comes from the request's slot and the final
+#   state is written back there (fp32).
+
+CHUNK = 64
+
+
+@triton.jit
+def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr, qn_ptr, kn_ptr, w_ptr, kd_ptr,
+                           gc_ptr, C, ab_row_stride, HV, GROUP, scale,
+                           DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr, BT: tl.constexpr,
+                           BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+    ch = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(chunk_ptr + 2 * ch).to(tl.int64)
+    end = tl.load(chunk_ptr + 2 * ch + 1).to(tl.int64)
+    hk = h // GROUP
+    t = start + tl.arange(0, BT)
+    tmask = t < end
+    ks = tl.arange(0, BK)
+    vs = tl.arange(0, BV)
+    kmask = tmask[:, None] & (ks[None, :] < DK)
+    vmask = tmask[:, None] & (vs[None, :] < DV)
+    q = tl.load(mixed_ptr + t[:, None] * C + hk * DK + ks[None, :], mask=kmask, other=0.0).to(tl.float32)
+    k = tl.load(mixed_ptr + t[:, None] * C + KEY_DIM + hk * DK + ks[None, :], mask=kmask, other=0.0).to(tl.float32)
+    v = tl.load(mixed_ptr + t[:, None] * C + 2 * KEY_DIM + h * DV + vs[None, :], mask=vmask, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
+    k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+    a = tl.load(a_ptr + t * ab_row_stride + h, mask=tmask, other=0.0).to(tl.float32) + tl.load(dtb_ptr + h)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+    g = tl.where(tmask, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)
+    beta = tl.where(tmask, 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + t * ab_row_stride + h, mask=tmask, other=0.0)
+                                                .to(tl.float32))), 0.0)
+    c = tl.cumsum(g, axis=0)
+    i = tl.arange(0, BT)[:, None]
+    j = tl.arange(0, BT)[None, :]
+    diff = tl.where(i > j, c[:, None] - c[None, :], float("-inf"))
+    A = beta[:, None] * tl.dot(k, tl.trans(k), input_precision=PRECISION) * tl.exp(diff)
+    eye = tl.where(i == j, 1.0, 0.0)
+    inv = eye - A
+    power = tl.dot(A, A, input_precision=PRECISION)
+    for step in tl.static_range(5):
+        inv = tl.dot(inv, eye + power, input_precision=PRECISION)
+        if step < 4:
+            power = tl.dot(power, power, input_precision=PRECISION)
+    w = tl.dot(inv, beta[:, None] * v, input_precision=PRECISION)
+    kd = tl.dot(inv, (beta * tl.exp(c))[:, None] * k, input_precision=PRECISION)
+    row_k = (t[:, None] * HV + h) * DK + ks[None, :]
+    tl.store(qn_ptr + row_k, q, mask=kmask)
+    tl.store(kn_ptr + row_k, k, mask=kmask)
+    tl.store(kd_ptr + row_k, kd, mask=kmask)
+    tl.store(w_ptr + (t[:, None] * HV + h) * DV + vs[None, :], w, mask=vmask)
+    tl.store(gc_ptr + t * HV + h, c, mask=tmask)
+
+
+@triton.jit
+def _gdn_chunk_scan_kernel(qn_ptr, kn_ptr, w_ptr, kd_ptr, gc_ptr, cu_ptr, slot_ptr, state_ptr, out_ptr, trash, HV,
+                           DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                           BVB: tl.constexpr, PRECISION: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    start = tl.load(cu_ptr + r).to(tl.int64)
+    end = tl.load(cu_ptr + r + 1).to(tl.int64)
+    slot = tl.load(slot_ptr + r)
+    slot = tl.where(slot < 0, trash, slot).to(tl.int64)
+    ks = tl.arange(0, BK)
+    vs = vb * BVB + tl.arange(0, BVB)
+    smask = (ks[:, None] < DK) & (vs[None, :] < DV)
+    sptr = state_ptr + ((slot * HV + h) * DK + ks[:, None]) * DV + vs[None, :]
+    S = tl.load(sptr, mask=smask, other=0.0)
+    i = tl.arange(0, BT)[:, None]
+    j = tl.arange(0, BT)[None, :]
+    for c0 in range(start, end, BT):
+        t = c0 + tl.arange(0, BT)
+        tmask = t < end
+        kmask = tmask[:, None] & (ks[None, :] < DK)
+        vmask = tmask[:, None] & (vs[None, :] < DV)
+        row_k = (t[:, None] * HV + h) * DK + ks[None, :]
+        q = tl.load(qn_ptr + row_k, mask=kmask, other=0.0)
+        k = tl.load(kn_ptr + row_k, mask=kmask, other=0.0)
+        kd = tl.load(kd_ptr + row_k, mask=kmask, other=0.0)
+        w = tl.load(w_ptr + (t[:, None] * HV + h) * DV + vs[None, :], mask=vmask, other=0.0)
+        c = tl.load(gc_ptr + t * HV + h, mask=tmask, other=float("inf"))
+        c_last = tl.min(c, axis=0)  # c never increases along the chunk; padding rows hold +inf
+        c = tl.where(tmask, c, c_last)
+        u = w - tl.dot(kd, S, input_precision=PRECISION)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = scores * tl.exp(tl.where(i >= j, c[:, None] - c[None, :], float("-inf")))
+        o = tl.dot(q * tl.exp(c)[:, None], S, input_precision=PRECISION) + tl.dot(scores, u, input_precision=PRECISION)
+        tl.store(out_ptr + (t[:, None] * HV + h) * DV + vs[None, :], o.to(out_ptr.dtype.element_ty), mask=vmask)
+        k_to_end = k * tl.exp(c_last - c)[:, None]
+        S = S * tl.exp(c_last) + tl.dot(tl.trans(k_to_end), u, input_precision=PRECISION)
+    tl.store(sptr, S, mask=smask)
+
+
+def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads: int, head_k_dim: int,
+                head_v_dim: int):
+    """Same contract as reference.gdn_prefill (chunked WY GDN from each request's slot state)."""
+    T, C = mixed.shape
+    HV = a.shape[1]
+    dev = mixed.device
+    bounds = cu_seqlens.tolist()
+    chunks = [(s, min(s + CHUNK, e)) for s0, e in zip(bounds, bounds[1:]) for s in range(s0, e, CHUNK)]
+    chunk_table = torch.tensor(chunks, dtype=torch.int32, device=dev)
+    mixed = mixed.contiguous()
+    if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
+        a, b = a.contiguous(), b.contiguous()
+    dk, dv = head_k_dim, head_v_dim
+    qn = torch.empty(T, HV, dk, dtype=torch.float32, device=dev)
+    kn, kd = torch.empty_like(qn), torch.empty_like(qn)
+    w = torch.empty(T, HV, dv, dtype=torch.float32, device=dev)
+    gc = torch.empty(T, HV, dtype=torch.float32, device=dev)
+    precision = "tf32" if dev.type == "cuda" else "ieee"
+    _gdn_chunk_prep_kernel[(len(chunks), HV)](
+        mixed, a, b, A_log, dt_bias, chunk_table, qn, kn, w, kd, gc, C, a.stride(0), HV, HV // num_k_heads,
+        dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BV=_pow2(dv),
+        PRECISION=precision, num_warps=4)
+    out = torch.empty(T, HV, dv, dtype=mixed.dtype, device=dev)
+    BVB = min(64, _pow2(dv))
+    _gdn_chunk_scan_kernel[(len(bounds) - 1, HV, triton.cdiv(dv, BVB))](
+        qn, kn, w, kd, gc, cu_seqlens, slots, ssm_state, out, ssm_state.shape[0] - 1, HV,
+        DK=dk, DV=dv, BT=CHUNK, BK=_pow2(dk), BVB=BVB, PRECISION=precision, num_warps=4)
     return out

@@ -215,3 +215,22 @@ def test_the_forward_on_triton_ops_matches_the_reference_forward(tiny_ckpt):
         assert rel(got, want) <= REDUCTION
         tokens = {s: int(want[i].argmax()) for i, s in enumerate(tokens)}
         positions = {s: p + 1 for s, p in positions.items()}
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 16), (1, 2, 32, 16)])
+def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv):
+    lens = [1, 64, 150, 37]
+    T_ = sum(lens)
+    C = 2 * hk * dk + hv * dv
+    mixed, a, b = randn(T_, C), randn(T_, hv), randn(T_, hv)
+    A_log, dt_bias = torch.rand(hv, device=DEVICE), torch.rand(hv, device=DEVICE)
+    state = randn(6, hv, dk, dv) * 0.3
+    ref_state = state.clone()
+    cu = torch.tensor([0, 1, 65, 215, 252], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([3, 0, 4, 1], device=DEVICE)
+    with poisoned_outputs():
+        got = T.gdn_prefill(mixed, a, b, A_log, dt_bias, state, cu, slots, hk, dk, dv)
+    ref = R.gdn_prefill(mixed, a, b, A_log, dt_bias, ref_state, cu, slots, hk, dk, dv)
+    assert rel(got, ref) <= REDUCTION
+    assert rel(state[:5], ref_state[:5]) <= REDUCTION
+    assert torch.equal(state[2], ref_state[2])  # a slot no request uses is untouched
