@@ -110,6 +110,25 @@ def test_gdn_matches_fla_core():
     assert rel(got, step[0]) <= 5e-3 and rel(pool[0], step_state[0]) <= 5e-3
 
 
+@pytest.mark.parametrize("size", ["4b", "27b"])
+def test_triton_gdn_prefill_at_real_shapes(T, size):
+    cfg = ModelConfig.from_dict(text_config(size, 248320))
+    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    dev, bf = "cuda", torch.bfloat16
+    lens = [1, 700, 64, 2000]
+    C = 2 * hk * dk + hv * dv
+    mixed = torch.randn(sum(lens), C, device=dev, dtype=bf)
+    a, b = torch.randn(sum(lens), hv, device=dev, dtype=bf), torch.randn(sum(lens), hv, device=dev, dtype=bf)
+    A_log, dt_bias = torch.rand(hv, device=dev) * 2, torch.rand(hv, device=dev)
+    state = torch.randn(5, hv, dk, dv, device=dev) * 0.1
+    ref_state = state.clone()
+    cu = torch.tensor([0, 1, 701, 765, 2765], dtype=torch.int32, device=dev)
+    slots = torch.tensor([2, 0, 3, 1], device=dev)
+    got = T.gdn_prefill(mixed, a, b, A_log, dt_bias, state, cu, slots, hk, dk, dv)
+    ref = R.gdn_prefill(mixed.float(), a, b, A_log, dt_bias, ref_state, cu, slots, hk, dk, dv)
+    assert rel(got, ref) <= BF16_TOL and rel(state[:4], ref_state[:4]) <= 5e-3
+
+
 async def _greedy_run(ckpt, graph: bool, use_nccl=None, n=32, tokens=128):
     from runtime import AsyncEngine, EngineArgs, SamplingParams
 
