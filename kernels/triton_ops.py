@@ -8,9 +8,12 @@ CI runs these kernels under TRITON_INTERPRET=1 against the references on small s
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from . import reference
 from .reference import apply_output_gate, apply_rope, gdn_gates, rope_tables, slot_rows, split_qkv  # noqa: F401
@@ -18,6 +21,7 @@ from .reference import apply_output_gate, apply_rope, gdn_gates, rope_tables, sl
 import torch.nn.functional as F
 
 conv1d_prefill = reference.conv1d_prefill
+log = logging.getLogger(__name__)
 
 
 def _pow2(n: int) -> int:
@@ -529,26 +533,45 @@ def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k
     """Same contract as reference.gdn_prefill (chunked WY GDN from each request's slot state)."""
     T, C = mixed.shape
     HV = a.shape[1]
-    dev = mixed.device
     bounds = cu_seqlens.tolist()
     chunks = [(s, min(s + CHUNK, e)) for s0, e in zip(bounds, bounds[1:]) for s in range(s0, e, CHUNK)]
-    chunk_table = torch.tensor(chunks, dtype=torch.int32, device=dev)
     mixed = mixed.contiguous()
     if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
         a, b = a.contiguous(), b.contiguous()
-    dk, dv = head_k_dim, head_v_dim
+    precision = "tf32" if mixed.dtype != torch.float32 else "ieee"  # fp32 models keep fp32 accuracy
+    if _PREFILL_FALLBACK:
+        return reference.gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads,
+                                     head_k_dim, head_v_dim)
+    try:
+        return _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads,
+                                   chunks, precision, head_k_dim, head_v_dim)
+    except OutOfResources as exc:  # a capability gate, decided once per process
+        log.warning("Triton chunked GDN prefill does not fit this GPU (%s); using the torch chunked form", exc)
+        _PREFILL_FALLBACK.append(True)
+        return reference.gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads,
+                                     head_k_dim, head_v_dim)
+
+
+_PREFILL_FALLBACK: list[bool] = []
+
+
+def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads, chunks, precision,
+                        dk, dv):
+    T, C = mixed.shape
+    HV = a.shape[1]
+    dev = mixed.device
+    chunk_table = torch.tensor(chunks, dtype=torch.int32, device=dev)
     qn = torch.empty(T, HV, dk, dtype=torch.float32, device=dev)
     kn, kd = torch.empty_like(qn), torch.empty_like(qn)
     w = torch.empty(T, HV, dv, dtype=torch.float32, device=dev)
     gc = torch.empty(T, HV, dtype=torch.float32, device=dev)
-    precision = "tf32" if dev.type == "cuda" else "ieee"
     _gdn_chunk_prep_kernel[(len(chunks), HV)](
         mixed, a, b, A_log, dt_bias, chunk_table, qn, kn, w, kd, gc, C, a.stride(0), HV, HV // num_k_heads,
         dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BV=_pow2(dv),
-        PRECISION=precision, num_warps=4)
+        PRECISION=precision, num_warps=4, num_stages=1)
     out = torch.empty(T, HV, dv, dtype=mixed.dtype, device=dev)
-    BVB = min(64, _pow2(dv))
-    _gdn_chunk_scan_kernel[(len(bounds) - 1, HV, triton.cdiv(dv, BVB))](
+    BVB = min(32, _pow2(dv))
+    _gdn_chunk_scan_kernel[(len(cu_seqlens) - 1, HV, triton.cdiv(dv, BVB))](
         qn, kn, w, kd, gc, cu_seqlens, slots, ssm_state, out, ssm_state.shape[0] - 1, HV,
-        DK=dk, DV=dv, BT=CHUNK, BK=_pow2(dk), BVB=BVB, PRECISION=precision, num_warps=4)
+        DK=dk, DV=dv, BT=CHUNK, BK=_pow2(dk), BVB=BVB, PRECISION=precision, num_warps=4, num_stages=1)
     return out
