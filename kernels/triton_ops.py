@@ -16,7 +16,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import reference
-from .reference import apply_output_gate, apply_rope, gdn_gates, rope_tables, slot_rows, split_qkv  # noqa: F401
+from .reference import apply_output_gate, gdn_gates, rope_tables, slot_rows, split_qkv  # noqa: F401
 
 import torch.nn.functional as F
 
@@ -208,39 +208,8 @@ def gdn_decode(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads: int, 
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Partial RoPE (NeoX rotate-half on the first rotary dims) fused with the paged KV write.
-
-
-@triton.jit
-def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, map_ptr, qo_ptr,
-                       NQ, NKV, HALF: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    partner = tl.where(d < HALF, d + HALF, d - HALF)
-    rot = d < 2 * HALF
-    idx = tl.where(rot, d % HALF, 0)
-    c = tl.load(cos_ptr + pos * HALF + idx, mask=rot, other=1.0)
-    s = tl.load(sin_ptr + pos * HALF + idx, mask=rot, other=0.0)
-    s = tl.where(d < HALF, -s, s)
-    if head < NQ:
-        base = q_ptr + (t * NQ + head) * D
-        x = tl.load(base + d, mask=dmask, other=0.0).to(tl.float32)
-        xp = tl.load(base + partner, mask=rot & dmask, other=0.0).to(tl.float32)
-        y = tl.where(rot, x * c + xp * s, x)
-        tl.store(qo_ptr + (t * NQ + head) * D + d, y.to(qo_ptr.dtype.element_ty), mask=dmask)
-    else:
-        kh = head - NQ
-        dest = tl.load(map_ptr + t).to(tl.int64)
-        base = k_ptr + (t * NKV + kh) * D
-        x = tl.load(base + d, mask=dmask, other=0.0).to(tl.float32)
-        xp = tl.load(base + partner, mask=rot & dmask, other=0.0).to(tl.float32)
-        y = tl.where(rot, x * c + xp * s, x)
-        tl.store(kc_ptr + (dest * NKV + kh) * D + d, y.to(kc_ptr.dtype.element_ty), mask=dmask)
-        vv = tl.load(v_ptr + (t * NKV + kh) * D + d, mask=dmask, other=0.0)
-        tl.store(vc_ptr + (dest * NKV + kh) * D + d, vv.to(vc_ptr.dtype.element_ty), mask=dmask)
+# From the fused q/k/v projection: q_norm/k_norm, partial RoPE (NeoX rotate-half on the first rotary dims) and
+# the paged K/V write, one program per (token, head).
 
 
 @triton.jit
@@ -291,16 +260,6 @@ def qk_norm_rope_cache(qkv, q_norm, k_norm, eps, positions, cos, sin, k_cache, v
     _qk_norm_rope_cache_kernel[(T, num_heads + num_kv_heads)](
         qkv, q_norm, k_norm, positions, cos, sin, k_cache, v_cache, slot_mapping, out, qkv.stride(0),
         num_heads, num_kv_heads, eps, HALF=cos.shape[1], D=D, BLOCK_D=_pow2(D))
-    return out
-
-
-def rope_and_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping):
-    T, NQ, D = q.shape
-    NKV = k.shape[1]
-    out = torch.empty_like(q)
-    _rope_cache_kernel[(T, NQ + NKV)](
-        q.contiguous(), k.contiguous(), v.contiguous(), positions, cos, sin, k_cache, v_cache, slot_mapping, out,
-        NQ, NKV, HALF=cos.shape[1], D=D, BLOCK_H=1, BLOCK_D=_pow2(D))
     return out
 
 

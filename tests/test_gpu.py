@@ -68,12 +68,13 @@ def test_kernels_at_real_shapes_in_bf16(T, size):
     assert rel(got, R.decode_attention(q, kc, vc, table, lens, D**-0.5)) <= BF16_TOL
 
     cos, sin = R.rope_tables(cfg.rotary_dim, cfg.rope_theta, 4096, device=dev)
-    qq, kk, vv = (torch.randn(64, h, D, device=dev, dtype=bf) for h in (nh, nkv, nkv))
+    qkv = torch.randn(64, (2 * nh + 2 * nkv) * D, device=dev, dtype=bf)
+    qn, kn = (torch.randn(D, device=dev, dtype=bf) * 0.1 for _ in range(2))
     pos = torch.randint(0, 4096, (64,), device=dev)
     mapping = torch.randperm(160, device=dev)[:64]
     caches = [torch.zeros(11, 16, nkv, D, device=dev, dtype=bf) for _ in range(4)]
-    got = T.rope_and_cache(qq, kk, vv, pos, cos, sin, caches[0], caches[1], mapping)
-    ref = R.rope_and_cache(qq, kk, vv, pos, cos, sin, caches[2], caches[3], mapping)
+    got = T.qk_norm_rope_cache(qkv, qn, kn, 1e-6, pos, cos, sin, caches[0], caches[1], mapping, nh, nkv)
+    ref = R.qk_norm_rope_cache(qkv, qn, kn, 1e-6, pos, cos, sin, caches[2], caches[3], mapping, nh, nkv)
     assert rel(got, ref) <= BF16_TOL and rel(caches[0], caches[2]) <= BF16_TOL and torch.equal(caches[1], caches[3])
 
 

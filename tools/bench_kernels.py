@@ -122,13 +122,14 @@ def run(size: str) -> list[tuple]:
 
     T_ = 4096
     cos, sin = R.rope_tables(cfg.rotary_dim, cfg.rope_theta, 8192, device=dev)
-    qq, kk, vv = (torch.randn(T_, h, D, device=dev, dtype=bf) for h in (nh, nkv, nkv))
+    qkv = torch.randn(T_, (2 * nh + 2 * nkv) * D, device=dev, dtype=bf)
+    qn, kn = torch.randn(D, device=dev, dtype=bf), torch.randn(D, device=dev, dtype=bf)
     pos = torch.arange(T_, device=dev)
     kc2 = torch.empty(T_ // 16 + 1, 16, nkv, D, device=dev, dtype=bf)
     vc2 = torch.empty_like(kc2)
     mapping = torch.arange(T_, device=dev)
-    memory_row("rope_and_cache", f"{T_} tokens", lambda: T.rope_and_cache(qq, kk, vv, pos, cos, sin, kc2, vc2, mapping),
-               T_ * (2 * nh + 4 * nkv) * D * 2)
+    memory_row("qk_norm_rope_cache", f"{T_} tokens", lambda: T.qk_norm_rope_cache(
+        qkv, qn, kn, 1e-6, pos, cos, sin, kc2, vc2, mapping, nh, nkv), T_ * (2 * nh + 4 * nkv) * D * 2)
 
     V, n = cfg.vocab_size, 64
     logits = torch.randn(n, V, device=dev)
