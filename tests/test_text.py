@@ -1,0 +1,86 @@
+"""Incremental detokenisation, stop strings and reasoning splitting (pure text, no model)."""
+
+import asyncio
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.text import IncrementalDetokenizer, ReasoningSplitter, StopMatcher, TextTokenizer
+
+TEXT = st.text(alphabet=st.sampled_from(list("abc xyzé日本語🙂\n<think>/")), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(TEXT)
+def test_streamed_deltas_concatenate_to_the_full_decode(tiny_ckpt, text):
+    tok = TextTokenizer(tiny_ckpt)
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
+    pieces = [detok.add(i) for i in ids]
+    assert all("\ufffd" not in p for p in pieces) or "\ufffd" in tok.decode(ids)  # no split character leaks
+    assert "".join(pieces) == tok.decode(ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(TEXT, st.lists(st.text(alphabet="abcé日 ", min_size=1, max_size=4), min_size=1, max_size=3),
+       st.lists(st.integers(1, 5), min_size=1, max_size=30), st.booleans())
+def test_stop_strings_never_leak_and_cut_at_the_first_match(text, stops, cuts, include):
+    matcher = StopMatcher(stops, include)
+    emitted, hit, at = "", False, 0
+    for n in cuts * 20:
+        if at >= len(text):
+            break
+        out, hit = matcher.feed(text[at : at + n])
+        emitted += out
+        at += n
+        if hit:
+            break
+    if not hit:
+        emitted += matcher.flush()
+    # Expected: the first chunk boundary at which some stop string has appeared; the text is cut at the
+    # earliest occurrence within what had arrived by then (and nothing of it is emitted before the cut).
+    expected, boundary = None, 0
+    for n in cuts * 20:
+        if boundary >= len(text):
+            break
+        boundary = min(boundary + n, len(text))
+        found = [(i, s) for s in stops if (i := text[:boundary].find(s)) >= 0]
+        if found:
+            i, s = min(found)
+            expected = text[: i + (len(s) if include else 0)]
+            break
+    if expected is None:
+        assert emitted == text and not hit
+    else:
+        assert hit and emitted == expected
+
+
+def test_reasoning_splitter_holds_back_partial_markers():
+    split = ReasoningSplitter(in_reasoning=True)
+    parts = [split.feed(d) for d in ["I think", " so</th", "ink>\n\nAnswer", ": 4"]] + [split.feed("", final=True)]
+    assert "".join(r for r, _ in parts) == "I think so"
+    assert "".join(c for _, c in parts) == "Answer: 4"
+    plain = ReasoningSplitter(in_reasoning=False)
+    assert plain.feed("no thinking here", final=True) == ("", "no thinking here")
+
+
+def test_the_demo_checkpoint_is_made_on_first_use(tmp_path, monkeypatch):
+    from runtime import AsyncEngine, EngineArgs, SamplingParams
+    from runtime.cli import engine_args, serve_parser
+
+    monkeypatch.setenv("DELTASERVE_CACHE", str(tmp_path))
+    import argparse
+
+    ns = serve_parser(argparse.ArgumentParser()).parse_args(["--max-batch", "4", "--max-model-len", "256"])
+    args = engine_args(ns)
+    assert args.model is None and args.device == "cpu" and args.max_batch == 4
+
+    async def main():
+        async with AsyncEngine(args) as engine:
+            out = None
+            async for out in engine.generate("hello", SamplingParams(max_tokens=3, temperature=0)):
+                pass
+            return engine.model_name, out
+
+    name, out = asyncio.run(main())
+    assert name == "demo-tiny" and out.finished and (tmp_path / "demo-tiny" / "config.json").is_file()
