@@ -111,10 +111,10 @@ class StopMatcher:
             return delta, False
         start = max(0, len(self.text) - self.hold)
         self.text += delta
-        hit = None
+        hit = None  # the stop string that completes first (earliest end; then the longest), as if fed per character
         for s in self.stops:
             i = self.text.find(s, start)
-            if i >= 0 and (hit is None or i < hit[0]):
+            if i >= 0 and (hit is None or (i + len(s), i) < (hit[0] + len(hit[1]), hit[0])):
                 hit = (i, s)
         if hit is not None:
             end = hit[0] + (len(hit[1]) if self.include else 0)

@@ -38,17 +38,17 @@ def test_stop_strings_never_leak_and_cut_at_the_first_match(text, stops, cuts, i
             break
     if not hit:
         emitted += matcher.flush()
-    # Expected: the first chunk boundary at which some stop string has appeared; the text is cut at the
-    # earliest occurrence within what had arrived by then (and nothing of it is emitted before the cut).
+    # Expected: at the first chunk boundary where some stop string has appeared, the text is cut at the stop
+    # that completes first (as per-character streaming would see it); nothing past the cut is ever emitted.
     expected, boundary = None, 0
     for n in itertools.cycle(cuts):
         if boundary >= len(text):
             break
         boundary = min(boundary + n, len(text))
-        found = [(i, s) for s in stops if (i := text[:boundary].find(s)) >= 0]
+        found = [(i + len(s), i) for s in stops if (i := text[:boundary].find(s)) >= 0]
         if found:
-            i, s = min(found)
-            expected = text[: i + (len(s) if include else 0)]
+            end, i = min(found)  # the stop that completes first
+            expected = text[:end] if include else text[:i]
             break
     if expected is None:
         assert emitted == text and not hit
