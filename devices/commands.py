@@ -51,7 +51,6 @@ class PrefillCommand:
     pages: list[int]
     last: bool
     sampling: RowSampling | None = None  # sent with a request's first chunk
-    token_index: int = 0  # index of the token the last chunk samples (0: the first generated token)
 
 
 @dataclass

@@ -147,7 +147,9 @@ class RankRuntime:
             self.prompt_mask = torch.zeros(n, self.vocab, dtype=torch.bool, device=self.device)
 
     def _sample(self, logits: torch.Tensor, slots: list[int], token_index: list[int], step_seed: int):
-        rows = [self.slot_sampling[s] or RowSampling(temperature=0.0) for s in slots]
+        rows = [self.slot_sampling[s] for s in slots]
+        if None in rows:
+            raise SlotProtocolError(f"rank {self.rank}: slot {slots[rows.index(None)]} has no sampling setup")
         dev = logits.device
 
         def col(values, dtype):
@@ -226,10 +228,9 @@ class RankRuntime:
         prefill: list[SampledToken | None] = [None] * len(cmd.prefill)
         last = [i for i, p in enumerate(cmd.prefill) if p.last]
         if last:
-            sampled = self._sample(
-                prefill_logits[last], [cmd.prefill[i].slot for i in last],
-                [cmd.prefill[i].token_index for i in last], cmd.step_seed,
-            )
+            # A prompt's last chunk draws the request's first token (token index 0).
+            sampled = self._sample(prefill_logits[last], [cmd.prefill[i].slot for i in last], [0] * len(last),
+                                   cmd.step_seed)
             for i, s in zip(last, sampled):
                 prefill[i] = s
         return StepResult(decode, prefill)

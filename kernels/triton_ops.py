@@ -16,7 +16,6 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import reference
-from .reference import apply_output_gate, gdn_gates, rope_tables, slot_rows, split_qkv  # noqa: F401
 
 import torch.nn.functional as F
 
