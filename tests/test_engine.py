@@ -197,3 +197,19 @@ def test_chat_renders_the_template(tiny_ckpt):
     assert prompt.startswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert prompt.endswith("</think>\n\n")
     assert len(out.prompt_token_ids) > 5 and out.finished
+
+
+def test_closing_the_engine_ends_live_streams_without_hanging(tiny_ckpt):
+    async def main():
+        engine = AsyncEngine(engine_args(tiny_ckpt))
+        await engine.start()
+        streams = [engine.generate([4, 5, 6], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+                   for _ in range(3)]
+        await streams[0].__anext__()
+        await asyncio.wait_for(engine.close(), timeout=30)
+        outs = [await asyncio.wait_for(collect(s), timeout=5) for s in streams]
+        assert all(o.finished and o.finish_reason == "abort" and "shut down" in o.error for o in outs)
+        with pytest.raises(Exception, match="not running|shut"):
+            engine.generate([1, 2], SamplingParams(max_tokens=2))
+
+    run(main())

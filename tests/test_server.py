@@ -230,3 +230,24 @@ def test_full_queue_answers_503(tiny_ckpt):
         return True
 
     assert with_server(tiny_ckpt, body, max_batch=1, prefill_slots=1, max_waiting=2)
+
+
+def test_a_failed_device_turns_health_and_new_requests_into_503(tiny_ckpt):
+    async def body(engine, url):
+        runtime = engine.replica.ranks[0].runtime
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("device fell over")
+
+        runtime.model.decode = broken
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json={
+                    "model": "tiny", "prompt": "hi", "max_tokens": 5, "ignore_eos": True}) as r:
+                assert r.status == 503 and "device fell over" in (await r.json())["error"]["message"]
+            async with session.get(url + "/health") as r:
+                assert r.status == 503 and (await r.json())["status"] == "unhealthy"
+            async with session.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"}) as r:
+                assert r.status == 503 and (await r.json())["error"]["type"] == "service_unavailable"
+        return True
+
+    assert with_server(tiny_ckpt, body)
