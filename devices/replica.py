@@ -16,7 +16,7 @@ import torch
 from model.config import ModelConfig
 from model.forward import Qwen35Shard
 from model.state import PAGE_SIZE, ModelState, StateSizes
-from model.weights import load_rank_weights, random_rank_weights
+from model.weights import load_rank_weights, random_rank_weights, weight_bytes
 
 from .capacity import CapacityPlan, plan_capacity
 from .collectives import ThreadAllReduce
@@ -49,21 +49,24 @@ class ReplicaSpec:
     seed: int = 0
 
 
+def _widest_projection(cfg: ModelConfig, tp: int) -> int:
+    """Widest per-rank activation row: the GDN conv channels, the attention q+gate, or the MLP gate+up."""
+    return max(cfg.gdn_conv_dim, 2 * cfg.num_attention_heads * cfg.head_dim, 2 * cfg.intermediate_size) // tp
+
+
 def graph_reserve_bytes(cfg: ModelConfig, tp: int, dtype: torch.dtype, bucket: int) -> int:
     """Activation memory a decode step of `bucket` rows needs (what a captured graph keeps), an upper estimate."""
     if bucket == 0:
         return 0
     elem = torch.tensor([], dtype=dtype).element_size()
-    width = max(cfg.gdn_conv_dim, 2 * cfg.num_attention_heads * cfg.head_dim, 2 * cfg.intermediate_size) // tp
-    per_row = (8 * cfg.hidden_size + 4 * width) * elem + 3 * cfg.vocab_size * 4
+    per_row = (8 * cfg.hidden_size + 4 * _widest_projection(cfg, tp)) * elem + 3 * cfg.vocab_size * 4
     return bucket * per_row + (64 << 20)
 
 
 def prefill_scratch_bytes(cfg: ModelConfig, tp: int, dtype: torch.dtype, tokens: int) -> int:
     """Activations of one prefill step of `tokens` tokens (chunked GDN works 64 tokens at a time)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    width = max(cfg.gdn_conv_dim, 2 * cfg.num_attention_heads * cfg.head_dim, 2 * cfg.intermediate_size) // tp
-    per_token = (8 * cfg.hidden_size + 6 * width) * elem
+    per_token = (8 * cfg.hidden_size + 6 * _widest_projection(cfg, tp)) * elem
     return tokens * per_token + 4 * cfg.vocab_size * 4 * 8 + (256 << 20)
 
 
@@ -166,9 +169,8 @@ class Replica:
                 weights = load_rank_weights(spec.checkpoint, spec.cfg, rank=rank, tp=spec.tp,
                                             device=r.backend.device, dtype=spec.dtype, progress=rank == 0)
             r.model = Qwen35Shard(spec.cfg, weights, tp=spec.tp, ops=r.backend.ops, all_reduce=r.backend.all_reduce)
-            weight_bytes = sum(t.numel() * t.element_size() for n, t in weights.items()
-                               if not (n == "lm_head.weight" and spec.cfg.tie_word_embeddings))
-            log.info("rank %d: %.1f MiB of weights", rank, weight_bytes / 2**20)
+            log.info("rank %d/%d: %.1f MiB of weights on %s", rank, spec.tp, weight_bytes(weights) / 2**20,
+                     r.backend.device)
             return r.backend.free_memory(spec.memory_fraction)
 
     def _allocate(self, rank: int) -> None:

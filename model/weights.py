@@ -187,17 +187,28 @@ def load_rank_weights(
     progress: bool = True,
 ) -> dict[str, torch.Tensor]:
     """This rank's weights by canonical name, on `device`, in `dtype` (A_log and dt_bias stay fp32)."""
-    weights: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_rank_tensors(checkpoint_dir, cfg, rank, tp, progress):
-        target = torch.float32 if name.endswith(_FP32_TENSORS) else dtype
-        if name.endswith("conv1d.weight"):
-            tensor = tensor.squeeze(1)  # [C, 1, K] depthwise -> [C, K]
-        weights[name] = tensor.to(device=device, dtype=target).contiguous()
+    weights = {name: _as_model_tensor(name, tensor, device, dtype)
+               for name, tensor in iter_rank_tensors(checkpoint_dir, cfg, rank, tp, progress)}
+    return _tie(cfg, weights)
+
+
+def _as_model_tensor(name: str, tensor: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint tensor as the forward holds it: conv weights [C, K], A_log/dt_bias in fp32, contiguous."""
+    if name.endswith("conv1d.weight"):
+        tensor = tensor.squeeze(1)  # [C, 1, K] depthwise -> [C, K]
+    target = torch.float32 if name.endswith(_FP32_TENSORS) else dtype
+    return tensor.to(device=device, dtype=target).contiguous()
+
+
+def _tie(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if cfg.tie_word_embeddings:
         weights["lm_head.weight"] = weights["embed_tokens.weight"]
-    total = sum(t.numel() * t.element_size() for n, t in weights.items() if n != "lm_head.weight" or not cfg.tie_word_embeddings)
-    log.info("rank %d/%d holds %.1f MiB of weights on %s", rank, tp, total / 2**20, device)
     return weights
+
+
+def weight_bytes(weights: dict[str, torch.Tensor]) -> int:
+    """Bytes held, counting a tied lm_head once."""
+    return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in weights.values()}.values())
 
 
 def random_tensor(name: str, shape: tuple[int, ...], num_layers: int, generator: torch.Generator) -> torch.Tensor:
@@ -250,10 +261,6 @@ def random_rank_weights(
         plan = shard_plan(name, cfg, rank, tp)
         if plan is not None:
             full = torch.cat([full.narrow(plan.dim, a, b - a) for a, b in plan.ranges], dim=plan.dim)
-        if name.endswith("conv1d.weight"):
-            full = full.squeeze(1)
-        weights[name] = full.to(torch.float32 if name.endswith(_FP32_TENSORS) else dtype).contiguous()
+        weights[name] = _as_model_tensor(name, full, device, dtype)
         del full
-    if cfg.tie_word_embeddings:
-        weights["lm_head.weight"] = weights["embed_tokens.weight"]
-    return weights
+    return _tie(cfg, weights)

@@ -21,6 +21,7 @@ import tempfile
 import torch
 
 from model.state import StateSizes
+from model.weights import weight_bytes
 from runtime import AsyncEngine, EngineArgs
 from tools.capture_check import _time
 from tools.live_rows import fill_live_rows, restore, snapshot
@@ -38,15 +39,14 @@ def copy_bandwidth(device, gib: float = 4.0) -> float:
 
 def step_bytes(cfg, weights, tp: int, dtype, rows: int, context: int) -> int:
     sizes = StateSizes.of(cfg, tp, dtype)
-    unique = {t.data_ptr(): t for t in weights.values()}
-    weight_bytes = sum(t.numel() * t.element_size() for t in unique.values())
+    read = weight_bytes(weights)
     embed = weights["embed_tokens.weight"]
     if not cfg.tie_word_embeddings:  # only the batch's rows of the embedding are read
-        weight_bytes -= embed.numel() * embed.element_size() - rows * embed.shape[1] * embed.element_size()
+        read -= embed.numel() * embed.element_size() - rows * embed.shape[1] * embed.element_size()
     state = 2 * rows * sizes.bytes_per_slot
     kv_per_token = sizes.kv_bytes_per_page // 16
     kv = rows * context * kv_per_token + rows * kv_per_token
-    return weight_bytes + state + kv
+    return read + state + kv
 
 
 async def run(ns) -> list[dict]:
