@@ -50,6 +50,17 @@ class SamplingTensors:
     output_counts: torch.Tensor | None = None  # [N, V] int: times each id was generated so far
     prompt_mask: torch.Tensor | None = None  # [N, V] bool: ids in the prompt (repetition penalty)
 
+    @classmethod
+    def filled(cls, n: int, device=None, **values) -> "SamplingTensors":
+        """n rows sharing each given value (a number, or a ready [n] tensor); unset fields are neutral."""
+        fields_ = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
+                       repetition_penalty=1.0, seeds=0, steps=0)
+        fields_.update(values)
+        integer = ("top_k", "seeds", "steps")
+        return cls(**{name: v if isinstance(v, torch.Tensor) else
+                      torch.full((n,), v, device=device, dtype=torch.long if name in integer else torch.float32)
+                      for name, v in fields_.items()})
+
 
 def apply_penalties(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
     if p.output_counts is None:

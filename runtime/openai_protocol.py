@@ -57,7 +57,6 @@ class ParsedRequest:
     model: str
     chat_template_kwargs: dict = field(default_factory=dict)
     messages: list | None = None
-    echo: bool = False
 
 
 def _typed(body: dict, name: str, types, what: str):

@@ -6,14 +6,7 @@ from kernels.sampling import SamplingTensors, counter_uniform, sample
 
 
 def params(n, **kw):
-    base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
-                repetition_penalty=1.0, seeds=0, steps=0)
-    base.update(kw)
-    out = {}
-    for k, v in base.items():
-        dtype = torch.long if k in ("top_k", "seeds", "steps") else torch.float32
-        out[k] = v if isinstance(v, torch.Tensor) else torch.full((n,), v, dtype=dtype)
-    return SamplingTensors(**out)
+    return SamplingTensors.filled(n, **kw)
 
 
 def test_uniforms_are_in_range_and_depend_only_on_seed_step_and_id():

@@ -23,7 +23,7 @@ import torch
 from model.state import StateSizes
 from model.weights import weight_bytes
 from runtime import AsyncEngine, EngineArgs
-from tools.capture_check import _time
+from tools.capture_check import time_per_call
 from tools.live_rows import fill_live_rows, restore, snapshot
 from tools.make_checkpoint import write_checkpoint
 
@@ -33,7 +33,7 @@ def copy_bandwidth(device, gib: float = 4.0) -> float:
     n = int(gib * 2**30) // 2
     src = torch.empty(n, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    seconds = _time(lambda: dst.copy_(src), device, iters=10)
+    seconds = time_per_call(lambda: dst.copy_(src), device, iters=10)
     return 2 * n * 2 / seconds
 
 
@@ -77,17 +77,15 @@ def _measure(replica, rank, rows, context):
         fill_live_rows(runtime, rows, rows, context, seed=rows)
         batch = runtime.inputs.batch(rows)
         saved = snapshot(runtime.state)
-        eager = _time(lambda: model.decode(runtime.state, batch), r.backend.device, iters=10)
-        replay = _time(lambda: graphs(rows, batch), r.backend.device, iters=50)
+        eager = time_per_call(lambda: model.decode(runtime.state, batch), r.backend.device, iters=10)
+        replay = time_per_call(lambda: graphs(rows, batch), r.backend.device, iters=50)
         logits = graphs(rows, batch)
         from kernels.sampling import SamplingTensors, sample
 
         n = rows
-        p = SamplingTensors(*(torch.full((n,), v, device=logits.device, dtype=dt) for v, dt in (
-            (0.8, torch.float32), (50, torch.long), (0.95, torch.float32), (0.0, torch.float32), (0.0, torch.float32),
-            (0.0, torch.float32), (1.0, torch.float32), (1, torch.long), (0, torch.long))))
-        sampled = _time(lambda: sample(logits, p), r.backend.device, iters=20)
-        greedy = _time(lambda: sample(logits, p, all_greedy=True), r.backend.device, iters=20)
+        p = SamplingTensors.filled(n, logits.device, temperature=0.8, top_k=50, top_p=0.95, seeds=1)
+        sampled = time_per_call(lambda: sample(logits, p), r.backend.device, iters=20)
+        greedy = time_per_call(lambda: sample(logits, p, all_greedy=True), r.backend.device, iters=20)
         restore(runtime.state, saved)
         return {"batch": rows, "eager_s": eager, "replay_s": replay, "sample_s": sampled, "greedy_s": greedy}
 

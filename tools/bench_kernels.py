@@ -133,9 +133,7 @@ def run(size: str) -> list[tuple]:
 
     V, n = cfg.vocab_size, 64
     logits = torch.randn(n, V, device=dev)
-    p = SamplingTensors(*(torch.full((n,), v, device=dev, dtype=dt) for v, dt in (
-        (0.8, torch.float32), (50, torch.long), (0.95, torch.float32), (0.0, torch.float32), (0.0, torch.float32),
-        (0.0, torch.float32), (1.0, torch.float32), (1, torch.long), (0, torch.long))))
+    p = SamplingTensors.filled(n, dev, temperature=0.8, top_k=50, top_p=0.95, seeds=1)
     t = bench(lambda: sample(logits, p))
     rows.append(("sampling top-k 50/top-p, full sort (torch)", f"batch {n} x {V}", t, "", "target <= 100 us"))
     t = bench(lambda: sample(logits, p, max_top_k=50))

@@ -29,7 +29,7 @@ from tools.live_rows import fill_live_rows, restore, snapshot
 log = logging.getLogger("capture_check")
 
 
-def _time(fn, device, iters: int = 20) -> float:
+def time_per_call(fn, device, iters: int = 20) -> float:
     """Seconds per call (CUDA events on the current stream; wall clock on the CPU)."""
     fn()
     if device.type == "cuda":
@@ -67,7 +67,7 @@ def check_bucket(rank_objs, bucket: int, context: int, dot_dir: str | None, rank
         result["diff"] = (reference - eager).abs().max().item()
         result["scale"] = reference.abs().max().item()
         fill_live_rows(runtime, rows, bucket, context, seed=bucket)
-        result["eager_s"] = _time(lambda: model.decode(runtime.state, runtime.inputs.batch(bucket)), backend.device, 3)
+        result["eager_s"] = time_per_call(lambda: model.decode(runtime.state, runtime.inputs.batch(bucket)), backend.device, 3)
         return result
     if bucket in graphs.eager or bucket not in graphs.graphs:
         result["failed"] = True
@@ -78,8 +78,8 @@ def check_bucket(rank_objs, bucket: int, context: int, dot_dir: str | None, rank
     result["diff"] = (replay - eager).abs().max().item()
     result["scale"] = eager.abs().max().item()
     result.update(graphs.stats[bucket])
-    result["eager_s"] = _time(lambda: model.decode(runtime.state, batch), backend.device)
-    result["replay_s"] = _time(lambda: graphs(bucket, batch), backend.device)
+    result["eager_s"] = time_per_call(lambda: model.decode(runtime.state, batch), backend.device)
+    result["replay_s"] = time_per_call(lambda: graphs(bucket, batch), backend.device)
     restore(runtime.state, saved)
     if dot_dir and rank == 0:
         os.makedirs(dot_dir, exist_ok=True)
