@@ -200,10 +200,6 @@ class Replica:
         with r.backend.context():
             return r.runtime.execute(cmd)
 
-    @property
-    def poisoned(self) -> BaseException | None:
-        return self.group.poisoned if self.group else None
-
     # Shutdown -------------------------------------------------------------------------------------------------------
     async def close(self) -> None:
         if self.group is None:

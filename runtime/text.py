@@ -20,7 +20,6 @@ class TextTokenizer:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no tokenizer.json in {checkpoint_dir}")
         self.tok = Tokenizer.from_file(path)
-        self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
         self._single: dict[tuple[int, bool], str] = {}  # at most 2 x vocabulary entries
         self.chat_template = self._load_template(checkpoint_dir)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
