@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kernels.sampling import SamplingTensors, sample
+from kernels.triton_sampling import sample_on_gpu
 from model.batch import DecodeBatch, PrefillBatch, PrefillChunk
 from model.forward import Qwen35Shard
 from model.state import ModelState
@@ -175,10 +176,13 @@ class RankRuntime:
             params.output_counts = self.output_counts[slot_index]
             params.prompt_mask = self.prompt_mask[slot_index]
         k = max(r.logprobs for r in rows)
-        all_greedy = all(r.temperature <= 0 for r in rows)
-        top_ks = [r.top_k for r in rows if r.temperature > 0]
-        max_top_k = max(top_ks) if top_ks and 0 < min(top_ks) and max(top_ks) <= TOP_K_FAST_PATH else 0
-        tokens, chosen, top_ids, top_lp = sample(logits, params, k, all_greedy, max_top_k)
+        if logits.is_cuda:
+            tokens, chosen, top_ids, top_lp = sample_on_gpu(logits, params, k)
+        else:
+            all_greedy = all(r.temperature <= 0 for r in rows)
+            top_ks = [r.top_k for r in rows if r.temperature > 0]
+            max_top_k = max(top_ks) if top_ks and 0 < min(top_ks) and max(top_ks) <= TOP_K_FAST_PATH else 0
+            tokens, chosen, top_ids, top_lp = sample(logits, params, k, all_greedy, max_top_k)
         if self.output_counts is not None:
             self.output_counts.index_put_((slot_index, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
         tokens, chosen = tokens.tolist(), chosen.tolist()

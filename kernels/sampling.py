@@ -8,7 +8,7 @@ The hash uses 32-bit wrapping arithmetic so a Triton kernel can reproduce it bit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -49,6 +49,11 @@ class SamplingTensors:
     steps: torch.Tensor  # [N] long: index of the token being drawn
     output_counts: torch.Tensor | None = None  # [N, V] int: times each id was generated so far
     prompt_mask: torch.Tensor | None = None  # [N, V] bool: ids in the prompt (repetition penalty)
+
+    def rows(self, index: torch.Tensor) -> "SamplingTensors":
+        """The parameters of the given rows only."""
+        return SamplingTensors(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+                                  for f in fields(self)})
 
     @classmethod
     def filled(cls, n: int, device=None, **values) -> "SamplingTensors":
@@ -104,9 +109,7 @@ def sample(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0, all_
     adjusted = apply_penalties(logits, p)
     greedy = adjusted.argmax(-1)
     if all_greedy:
-        chosen = logprobs.gather(1, greedy[:, None])[:, 0]
-        top_lp, top_ids = logprobs.topk(num_logprobs, dim=-1) if num_logprobs else (None, None)
-        return greedy, chosen, top_ids, top_lp
+        return greedy, logprobs.gather(1, greedy[:, None])[:, 0], *top_logprobs(logits, num_logprobs)
     vocab = logits.shape[1]
     if max_top_k:
         candidates, ids = adjusted.topk(min(max_top_k, vocab), dim=-1)
@@ -116,9 +119,20 @@ def sample(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0, all_
     race = probs / -torch.log(counter_uniform(p.seeds, p.steps, ids))
     sampled = ids.gather(1, race.argmax(-1, keepdim=True))[:, 0]
     tokens = torch.where(p.temperature <= 0, greedy, sampled)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    if num_logprobs:
-        top_lp, top_ids = logprobs.topk(num_logprobs, dim=-1)
-    else:
-        top_lp = top_ids = None
-    return tokens, chosen, top_ids, top_lp
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0], *top_logprobs(logits, num_logprobs)
+
+
+def top_logprobs(logits: torch.Tensor, k: int):
+    """(ids [N, k], logprobs [N, k]) of the k most likely tokens under the raw distribution; (None, None) for 0."""
+    if not k:
+        return None, None
+    values, ids = logits.float().topk(k, dim=-1)
+    return ids, values - logits.float().logsumexp(-1, keepdim=True)
+
+
+def lm_like_logits(rows: int, vocab: int, device=None) -> torch.Tensor:
+    """Test and benchmark logits shaped like a trained model's: a broad normal body and, per row, ten plausible
+    tokens 10-20 nats above it (random-weight models give flat logits no real request sees)."""
+    logits = torch.randn(rows, vocab, device=device) * 2
+    picks = torch.randint(0, vocab, (rows, 10), device=device)
+    return logits.scatter_add_(1, picks, torch.rand(rows, 10, device=device) * 10 + 10)

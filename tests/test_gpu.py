@@ -130,6 +130,26 @@ def test_triton_gdn_prefill_at_real_shapes(T, size):
     assert rel(got, ref) <= BF16_TOL and rel(state[:4], ref_state[:4]) <= 5e-3
 
 
+def test_triton_sampler_at_the_real_vocabulary():
+    from kernels.sampling import SamplingTensors, lm_like_logits, sample
+    from kernels.triton_sampling import draw, sample_on_gpu
+
+    n, vocab, dev = 64, 248320, "cuda"
+    logits = lm_like_logits(n, vocab, dev)
+    mixed = dict(temperature=torch.tensor([0.0, 1.0, 0.7, 1.0, 1.0, 0.8, 1.3, 0.6], device=dev).repeat(8),
+                 top_k=torch.tensor([0, 0, 20, 0, 0, 50, 0, 1000], device=dev).repeat(8),
+                 top_p=torch.tensor([1.0, 1.0, 0.8, 0.95, 1.0, 0.9, 0.5, 1.0], device=dev).repeat(8),
+                 min_p=torch.tensor([0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.1], device=dev).repeat(8))
+    for trial in range(3):
+        p = SamplingTensors.filled(n, dev, seeds=torch.randint(0, 2**62, (n,), device=dev),
+                                   steps=torch.full((n,), trial, device=dev), **mixed)
+        drawn = draw(logits, p)
+        tokens, chosen, *_ = sample(logits, p)
+        assert drawn.done.sum().item() == n  # these tails are short enough for the candidate set
+        assert torch.equal(drawn.tokens, tokens) and torch.allclose(drawn.logprobs, chosen, atol=1e-4)
+        assert torch.equal(sample_on_gpu(logits, p)[0], tokens)
+
+
 async def _greedy_run(ckpt, graph: bool, use_nccl=None, n=32, tokens=128):
     from runtime import AsyncEngine, EngineArgs, SamplingParams
 

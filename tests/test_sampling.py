@@ -97,3 +97,54 @@ def test_the_top_k_fast_path_draws_the_same_tokens_as_the_full_sort():
         assert torch.equal(full, fast)
     greedy_flag, *_ = sample(logits, params(6, temperature=0.0), all_greedy=True)
     assert torch.equal(greedy_flag, logits.argmax(-1))
+
+
+# The Triton sampler (kernels/triton_sampling.py) draws what the reference draws -------------------------------------
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _draw_module():
+    import pytest
+
+    return pytest.importorskip("kernels.triton_sampling")
+
+
+MIXED_ROWS = dict(  # one batch holding every mode: greedy, plain, min-p, top-k + top-p, top-p, top-k, penalties
+    temperature=torch.tensor([0.0, 1.0, 0.9, 0.7, 0.5, 0.8]),
+    top_k=torch.tensor([0, 0, 0, 20, 0, 5]),
+    top_p=torch.tensor([1.0, 1.0, 1.0, 0.8, 0.6, 1.0]),
+    min_p=torch.tensor([0.0, 0.0, 0.05, 0.0, 0.0, 0.02]),
+)
+
+
+def test_the_triton_sampler_draws_the_reference_tokens_and_logprobs():
+    T = _draw_module()
+    n, vocab = 6, 3000
+    for trial in range(4):
+        logits = torch.randn(n, vocab, device=DEVICE) * (2 + trial)
+        p = params(n, device=DEVICE, seeds=torch.randint(0, 2**62, (n,), device=DEVICE),
+                   steps=torch.randint(0, 1000, (n,), device=DEVICE),
+                   **{k: v.to(DEVICE) for k, v in MIXED_ROWS.items()})
+        if trial % 2:  # penalties change the sampled distribution but not the logprobs
+            p.output_counts = torch.randint(0, 3, (n, vocab), device=DEVICE, dtype=torch.int32)
+            p.prompt_mask = torch.rand(n, vocab, device=DEVICE) < 0.1
+            p.repetition_penalty.fill_(1.3)
+            p.frequency_penalty.fill_(0.2)
+        got = T.draw(logits, p, splits=3, max_candidates=64)
+        tokens, chosen, *_ = sample(logits, p)
+        assert got.done.tolist() == [1] * n
+        assert torch.equal(got.tokens, tokens), (trial, got.tokens, tokens)
+        assert torch.allclose(got.logprobs, chosen, atol=1e-5)
+
+
+def test_a_row_whose_candidates_overflow_is_flagged_for_the_reference():
+    T = _draw_module()
+    logits = torch.randn(3, 2000, device=DEVICE) * 0.01  # nearly flat: top-p 0.9 keeps ~1800 ids
+    p = params(3, device=DEVICE, top_p=torch.tensor([0.9, 1.0, 0.9], device=DEVICE),
+               top_k=torch.tensor([0, 0, 3], device=DEVICE), seeds=7)
+    got = T.draw(logits, p, splits=2, max_candidates=64)
+    assert got.done.tolist() == [0, 1, 0]  # top-p over ~1800 ids; top-k 3 among ids in one 1/16-nat bin
+    tokens, *_ = sample(logits, p)
+    assert got.tokens[1] == tokens[1]
+    assert torch.equal(T.sample_on_gpu(logits, p, max_candidates=64)[0], tokens)  # flagged rows: the reference
