@@ -1,8 +1,7 @@
 """Triton kernels for the Qwen3.5 forward, with the signatures of `kernels.reference` (the forward swaps them).
 
-Every kernel launches on the current torch stream with no host synchronisation, reads lengths, slots and page
-tables from device tensors, and so can be captured in a CUDA graph. Prefill attention uses torch's fused
-SDPA per request and the prefill conv the torch reference; both are correct on any device.
+Every kernel launches on the current torch stream with no host synchronisation and reads lengths, slots and page
+tables from device tensors, so the decode ones can be captured in a CUDA graph.
 CI runs these kernels under TRITON_INTERPRET=1 against the references on small shapes.
 """
 
@@ -17,9 +16,7 @@ from triton.runtime.errors import OutOfResources
 
 from . import reference
 
-import torch.nn.functional as F
 
-conv1d_prefill = reference.conv1d_prefill
 log = logging.getLogger(__name__)
 
 
@@ -146,6 +143,80 @@ def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         x = x.contiguous()
     _conv1d_decode_kernel[(N, triton.cdiv(C, BLOCK_C))](
         x, weight, conv_state, slots, out, C, x.stride(0), conv_state.shape[0] - 1, K=K, BLOCK_C=BLOCK_C)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Causal depthwise conv1d + SiLU, prefill over packed requests. Kernel 1, parallel over (block of packed tokens,
+# block of channels): each token finds its request in cu_seqlens and reads the K-1 inputs before it from the packed
+# chunk or, near the request's start, from the slot's conv state. Kernel 2, after it (so no read sees a new state),
+# writes each request's last K-1 inputs back to its slot.
+
+
+@triton.jit
+def _request_of(t, cu_ptr, R, BLOCK_R: tl.constexpr):
+    """Index of the request holding each packed token t (cu_seqlens has R+1 entries)."""
+    r = tl.arange(0, BLOCK_R)
+    ends = tl.load(cu_ptr + 1 + r, mask=r < R, other=2**31 - 1)
+    return tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), 1)
+
+
+@triton.jit
+def _conv1d_prefill_kernel(x_ptr, w_ptr, state_ptr, cu_ptr, slot_ptr, out_ptr, T, C, R, x_row_stride,
+                           K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    live = t < T
+    req = _request_of(t, cu_ptr, R, BLOCK_R)
+    start = tl.load(cu_ptr + req, mask=live, other=0)
+    slot = tl.load(slot_ptr + req, mask=live, other=0).to(tl.int64)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    cmask = cols < C
+    for j in tl.static_range(K):  # input j steps back, weight column K-1-j
+        src = t - j
+        inside = src >= start
+        m = live[:, None] & cmask[None, :]
+        xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=m & inside[:, None], other=0.0)
+        row = K - 1 + src - start  # row of the conv state when the input predates the chunk
+        sv = tl.load(state_ptr + (slot * (K - 1) + row)[:, None] * C + cols[None, :], mask=m & ~inside[:, None],
+                     other=0.0).to(xv.dtype)
+        w = tl.load(w_ptr + cols * K + (K - 1 - j), mask=cmask, other=0.0).to(tl.float32)
+        acc += tl.where(inside[:, None], xv, sv).to(tl.float32) * w[None, :]
+    tl.store(out_ptr + t[:, None] * C + cols[None, :], (acc / (1.0 + tl.exp(-acc))).to(out_ptr.dtype.element_ty),
+             mask=live[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _conv1d_state_kernel(x_ptr, state_ptr, cu_ptr, slot_ptr, C, x_row_stride,
+                         K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start, stop = tl.load(cu_ptr + r), tl.load(cu_ptr + r + 1)
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    m = tl.arange(0, BLOCK_K)  # new state row m is window row L + m: an input of the chunk, or an old state row
+    src = stop - (K - 1) + m
+    inside = src >= start
+    ok = (m < K - 1)[:, None] & (cols < C)[None, :]
+    xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=ok & inside[:, None], other=0.0)
+    old = tl.load(state_ptr + (slot * (K - 1) + (stop - start) + m)[:, None] * C + cols[None, :],
+                  mask=ok & ~inside[:, None], other=0.0)
+    new = tl.where(inside[:, None], xv.to(state_ptr.dtype.element_ty), old)
+    tl.store(state_ptr + (slot * (K - 1) + m)[:, None] * C + cols[None, :], new, mask=ok)
+
+
+def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor:
+    T, C = x.shape
+    K, R = weight.shape[1], slots.shape[0]
+    out = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    BLOCK_T, BLOCK_C = 32, 128
+    _conv1d_prefill_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C))](
+        x, weight, conv_state, cu_seqlens, slots, out, T, C, R, x.stride(0),
+        K=K, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, BLOCK_R=max(2, _pow2(R)))
+    _conv1d_state_kernel[(R, triton.cdiv(C, BLOCK_C))](
+        x, conv_state, cu_seqlens, slots, C, x.stride(0), K=K, BLOCK_K=max(2, _pow2(K - 1)), BLOCK_C=BLOCK_C)
     return out
 
 
@@ -358,28 +429,73 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, ga
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Prefill attention: torch's fused scaled-dot-product attention per request over its gathered paged context.
+# Prefill attention (flash attention over paged KV): packed variable-length chunks, each causal over its cached
+# context plus itself. Program (query block, query head); request r owns program blocks from cu[r] // BLOCK_M + r,
+# which leaves room for its cdiv(len, BLOCK_M) blocks without a host-side block table.
+
+
+@triton.jit
+def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, R, NH, NKV, table_width,
+                         q_row_stride, scale, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    p, head = tl.program_id(0), tl.program_id(1)
+    rs = tl.arange(0, BLOCK_R)
+    first_block = tl.load(cu_ptr + rs, mask=rs < R, other=0) // BLOCK_M + rs
+    r = tl.sum(((first_block <= p) & (rs < R)).to(tl.int32), 0) - 1
+    start, stop = tl.load(cu_ptr + r), tl.load(cu_ptr + r + 1)
+    q0 = start + (p - (tl.load(cu_ptr + r) // BLOCK_M + r)) * BLOCK_M
+    if q0 < stop:
+        ctx = tl.load(ctx_ptr + r)
+        kvh = head // GROUP
+        m_idx = q0 + tl.arange(0, BLOCK_M)
+        q_live = m_idx < stop
+        q_pos = ctx + m_idx - start  # absolute positions of the queries
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        q = tl.load(q_ptr + m_idx.to(tl.int64)[:, None] * q_row_stride + head * D + d[None, :],
+                    mask=q_live[:, None] & dmask[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        kv_end = ctx + tl.minimum(q0 + BLOCK_M, stop) - start  # keys past the block's last query are masked anyway
+        for n0 in range(0, kv_end, BLOCK_N):
+            k_pos = n0 + tl.arange(0, BLOCK_N)
+            k_live = k_pos < kv_end
+            page = tl.load(table_ptr + r.to(tl.int64) * table_width + k_pos // PAGE, mask=k_live, other=0).to(tl.int64)
+            kv_at = ((page * PAGE + k_pos % PAGE) * NKV + kvh) * D
+            kv_mask = k_live[:, None] & dmask[None, :]
+            k = tl.load(kc_ptr + kv_at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(vc_ptr + kv_at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_live[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.exp(m_i - m_new)
+            probs = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(probs, 1)
+            acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (m_idx.to(tl.int64)[:, None] * NH + head) * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=q_live[:, None] & dmask[None, :])
 
 
 def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale: float):
-    """Same contract as reference.prefill_attention; O(L) memory (no score matrix) through torch SDPA."""
-    out = torch.empty_like(q)
-    page = k_cache.shape[1]
-    bounds, contexts = cu_seqlens.tolist(), context_lens.tolist()
-    for r, ctx in enumerate(contexts):
-        s, e = bounds[r], bounds[r + 1]
-        total = ctx + e - s
-        pages = page_table[r, : triton.cdiv(total, page)].long()
-        keys = k_cache[pages].flatten(0, 1)[:total].transpose(0, 1)  # [n_kv, total, D]
-        values = v_cache[pages].flatten(0, 1)[:total].transpose(0, 1)
-        query = q[s:e].transpose(0, 1)  # [nH, L, D]
-        if ctx == 0:
-            o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-        else:  # causal with the chunk's queries offset by the cached context
-            rows = torch.arange(ctx, total, device=q.device)[:, None]
-            mask = torch.arange(total, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[s:e] = o.transpose(0, 1)
+    """Same contract as reference.prefill_attention; no host synchronisation, no score matrix in memory."""
+    T_, NH, D = q.shape
+    NKV, PAGE = k_cache.shape[2], k_cache.shape[1]
+    R = context_lens.shape[0]
+    out = torch.empty(T_, NH, D, dtype=q.dtype, device=q.device)
+    if q.stride(2) != 1 or q.stride(1) != D:
+        q = q.contiguous()
+    BLOCK_M = 64
+    BLOCK_N = 64 if D <= 128 else 32
+    _prefill_attn_kernel[(T_ // BLOCK_M + R, NH)](
+        q, k_cache, v_cache, page_table, cu_seqlens, context_lens, out, R, NH, NKV, page_table.shape[1],
+        q.stride(0), scale, GROUP=NH // NKV, D=D, PAGE=PAGE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=_pow2(D),
+        BLOCK_R=max(2, _pow2(R + 1)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4 if D <= 128 else 8, num_stages=2)
     return out
 
 

@@ -76,6 +76,24 @@ def test_conv1d_decode_updates_state_through_slots():
     assert torch.equal(state[:S], ref_state[:S])  # live slots written exactly; untouched ones unchanged
 
 
+def test_conv1d_prefill_continues_each_request_from_its_slot():
+    C, K, S = 150, 4, 6
+    lens = [1, 2, 5, 40, 3]  # requests shorter than the K-1 state rows read (and keep) part of the old state
+    T_ = sum(lens)
+    wide = randn(T_, C + 30)
+    x = wide[:, 10 : 10 + C]  # a strided view, as the fused projection hands it over
+    w = randn(C, K)
+    state = randn(S + 1, K - 1, C)
+    ref_state = state.clone()
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([4, 0, 2, 5, 1], device=DEVICE)
+    with poisoned_outputs():
+        got = T.conv1d_prefill(x, w, state, cu, slots)
+    ref = R.conv1d_prefill(x, w, ref_state, cu, slots)
+    assert rel(got, ref) <= ELEMENTWISE
+    assert torch.equal(state, ref_state)  # new states written exactly; slot 3 and trash untouched
+
+
 @pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 16), (2, 2, 32, 16), (1, 3, 16, 48)])
 def test_gdn_decode(hk, hv, dk, dv):
     N, S = 4, 5
@@ -120,13 +138,15 @@ def test_chunked_gdn_reference_matches_the_recurrence():
     assert rel(o2, o1) <= REDUCTION and rel(s2, s1) <= REDUCTION
 
 
-def test_prefill_attention_over_paged_context():
-    nh, nkv, D, pages = 6, 2, 32, 30
+@pytest.mark.parametrize("nh,nkv,D", [(6, 2, 32), (4, 4, 16), (8, 1, 64)])
+def test_prefill_attention_over_paged_context(nh, nkv, D):
+    pages = 60
     kc, vc = randn(pages + 1, 16, nkv, D), randn(pages + 1, 16, nkv, D)
-    lens, contexts = [5, 40, 17], [0, 33, 64]
+    lens, contexts = [5, 130, 17, 1], [0, 33, 64, 200]  # several query and key blocks; chunks after cached pages
     q = randn(sum(lens), nh, D)
-    cu = torch.tensor([0, 5, 45, 62], dtype=torch.int32, device=DEVICE)
-    table = torch.randperm(pages, device=DEVICE)[:24].view(3, 8).to(torch.int32)
+    cu = torch.tensor([0, 5, 135, 152, 153], dtype=torch.int32, device=DEVICE)
+    table = torch.randperm(pages, device=DEVICE)[:56].view(4, 14).to(torch.int32)
+    table[0, 1:] = pages  # unused entries point at the trash page
     ctx = torch.tensor(contexts, device=DEVICE)
     with poisoned_outputs():
         got = T.prefill_attention(q, kc, vc, table, cu, ctx, D**-0.5)

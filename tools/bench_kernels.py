@@ -11,6 +11,7 @@ import datetime
 import sys
 
 import torch
+import torch.nn.functional as F
 import triton.testing
 
 import kernels.reference as R
@@ -120,6 +121,36 @@ def run(size: str) -> list[tuple]:
     memory_row("decode_attention (split-K)", f"batch {N} x {ctx} ctx, group {nh // nkv}",
                lambda: T.decode_attention(q, kc, vc, table, lens, D**-0.5), 2 * N * ctx * nkv * D * 2,
                "(KV traffic; target 75%)")
+
+    L = 8192  # prefill attention: one 8k request, and the same tokens as a chunk after 8k cached
+    for ctx_len in (0, 8192):
+        total = ctx_len + L
+        kc3 = torch.randn(total // 16 + 1, 16, nkv, D, device=dev, dtype=bf)
+        vc3 = torch.randn_like(kc3)
+        qp = torch.randn(L, nh, D, device=dev, dtype=bf)
+        table3 = torch.arange(total // 16, device=dev, dtype=torch.int32)[None]
+        cu3 = torch.tensor([0, L], device=dev, dtype=torch.int32)
+        ctx3 = torch.tensor([ctx_len], device=dev)
+        t = bench(lambda: T.prefill_attention(qp, kc3, vc3, table3, cu3, ctx3, D**-0.5))
+        fl = 4 * nh * D * (L * ctx_len + L * L / 2)  # QK^T and PV over the causal half
+        kk = kc3[:-1].flatten(0, 1).transpose(0, 1)[None]  # peer: torch SDPA on contiguous K/V, no paging
+        vv = vc3[:-1].flatten(0, 1).transpose(0, 1)[None]
+        qq = qp.transpose(0, 1)[None]
+        if ctx_len:
+            mask = torch.ones(L, total, device=dev, dtype=torch.bool).tril(ctx_len)
+            t_sdpa = bench(lambda: F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True))
+        else:
+            t_sdpa = bench(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True))
+        rows.append((f"prefill_attention (paged, causal)", f"{L} tokens after {ctx_len} cached, group {nh // nkv}",
+                     t, f"{fl / t / 1e12:.0f} TFLOP/s", f"{fl / t / flops:.0%} of matmul; torch SDPA (contiguous "
+                     f"K/V) {t_sdpa * 1e6:.0f} us = {t_sdpa / t:.2f}x ours"))
+        del kc3, vc3
+
+    mixed_long = torch.randn(L, C, device=dev, dtype=bf)
+    conv_pool = torch.randn(3, 3, C, device=dev, dtype=bf)
+    cu1, slot1 = torch.tensor([0, L], device=dev, dtype=torch.int32), torch.tensor([1], device=dev)
+    memory_row("conv1d_prefill", f"{L} tokens, C {C}", lambda: T.conv1d_prefill(mixed_long, wc, conv_pool, cu1, slot1),
+               L * C * 2 * 2, "(input + output)")
 
     T_ = 4096
     cos, sin = R.rope_tables(cfg.rotary_dim, cfg.rope_theta, 8192, device=dev)
