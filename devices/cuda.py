@@ -109,13 +109,13 @@ class CudaRankBackend:
             yield
 
     def free_memory(self, fraction: float) -> int:
-        """Bytes this rank may still allocate: free memory (the driver's, plus what torch caches unused) less
-        the share of the card kept back."""
+        """Bytes this rank may still allocate: the driver's free memory, once torch has returned its unused cache,
+        less the share of the card kept back."""
         self.stream.synchronize()
         gc.collect()  # tensors of an engine closed earlier may wait in reference cycles
+        torch.cuda.empty_cache()  # torch's cached blocks are fragments: the pools we allocate next need whole ones
         free, total = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return max(0, int(free + cached - (1.0 - fraction) * total))
+        return max(0, int(free - (1.0 - fraction) * total))
 
     def warm_up_collective(self) -> None:
         if self.collective is not None:

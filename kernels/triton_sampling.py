@@ -6,17 +6,22 @@ i.e. argmax (s - max s) - log(-log u). No full sort is needed for that:
 
 1. stats   (row x split): max and sum-exp of the raw logits (for logprobs) and of s; the argmax (greedy).
 2. hist    (row x split): rows with top-k or top-p count their ids in bins of d = max s - s, 1/16 nat wide.
-3. gather  (row x split): from the bin counts, the first bin by which the kept prefix must have ended (the k-th
-           id for top-k; for top-p a lower bound on the mass reaches top_p; min-p's cut-off) bounds a small
-           candidate set, which is copied out; rows with neither filter race every id above min-p directly.
-4. finish  (row): sort the candidates, apply top-k / top-p / min-p exactly as the reference does, race.
+3. gather  (row x split): the bin counts bound where the kept prefix ends. Top-k: every id up to the bin holding
+           the k-th is a candidate (top-p then normalises by their exact mass). Top-p alone: bins whose upper
+           bound on the mass before them is under top_p are kept for sure (raced here, their mass summed),
+           bins whose lower bound already reaches it are dropped, and only the band between is copied out.
+           Rows with neither filter race every id that min-p keeps.
+4. finish  (row): sort the candidates, apply top-k / top-p / min-p exactly as the reference does, race, and
+           compare with the sure ids' winner.
 
-A row whose candidate set would exceed MAX_CANDIDATES (a very flat distribution under top-p, say) is flagged,
-and the caller samples that row with the reference. Nothing here synchronises with the host.
+A row whose candidate band would exceed MAX_CANDIDATES (top-k in the thousands, or a flat distribution's mass
+spread past 32 nats) is flagged, and the caller samples that row with the reference. Nothing here synchronises
+with the host, so `draw` can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +35,7 @@ BINS_PER_NAT = tl.constexpr(16)  # bins cover d in [0, 32) nats; the last bin al
 MAX_CANDIDATES = 2048
 MAX_SPLITS = 32  # programs per row in the passes over the vocabulary (a runtime count up to this)
 BLOCK = 1024
+NEG = tl.constexpr(float("-inf"))
 
 
 @triton.jit
@@ -66,11 +72,17 @@ def _bin_of(s, s_max):
 
 
 @triton.jit
-def _combine(m_a, l_a, m_b, l_b):
-    """Merge two (max, sum exp(x - max)) pairs; an empty pair has max -inf."""
-    m = tl.maximum(m_a, m_b)
-    safe = tl.where(m == float("-inf"), 0.0, m)
-    return m, l_a * tl.exp(m_a - safe) + l_b * tl.exp(m_b - safe)
+def _keep_best(best, best_i, r, cols):
+    """Per-lane running argmax; a lane keeps its earliest id on ties."""
+    better = r > best
+    return tl.where(better, r, best), tl.where(better, cols, best_i)
+
+
+@triton.jit
+def _lanes_best(best, best_i):
+    """(value, lowest id holding it) over the lanes."""
+    b = tl.max(best, 0)
+    return b, tl.min(tl.where(best == b, best_i, 2**31 - 1), 0)
 
 
 @triton.jit
@@ -79,45 +91,56 @@ def _row_stats(part_ptr, row, splits, MAX_SPLITS: tl.constexpr):
     i = tl.arange(0, MAX_SPLITS)
     base = part_ptr + (row * splits + i) * 8
     live = i < splits
-    rm = tl.load(base + 0, mask=live, other=float("-inf"))
+    rm = tl.load(base + 0, mask=live, other=NEG)
     rl = tl.load(base + 1, mask=live, other=0.0)
-    sm = tl.load(base + 2, mask=live, other=float("-inf"))
+    sm = tl.load(base + 2, mask=live, other=NEG)
     sl = tl.load(base + 3, mask=live, other=0.0)
     raw_m, s_m = tl.max(rm, 0), tl.max(sm, 0)
-    raw_l = tl.sum(rl * tl.exp(rm - tl.where(raw_m == float("-inf"), 0.0, raw_m)), 0)
-    s_l = tl.sum(sl * tl.exp(sm - tl.where(s_m == float("-inf"), 0.0, s_m)), 0)
+    raw_l = tl.sum(tl.where(rm > NEG, rl * tl.exp(rm - raw_m), 0.0), 0)
+    s_l = tl.sum(tl.where(sm > NEG, sl * tl.exp(sm - s_m), 0.0), 0)
     return raw_m, raw_l, s_m, s_l
 
 
 @triton.jit
-def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, part_ptr, part_i_ptr, hist_ptr, count_ptr, V, chunk,
-                  splits, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, part_ptr, part_i_ptr, hist_ptr, count_ptr, V, chunk, splits,
+                  PENALISED: tl.constexpr, BLOCK: tl.constexpr):
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
-    raw_m, raw_l = float("-inf"), 0.0
-    s_m, s_l = float("-inf"), 0.0
-    best, best_i = float("-inf"), 0
+    # Running maxima are scalars; the exp sums stay per lane and are rescaled only when a block raises the max.
+    m_x, m_a = tl.full([], NEG, tl.float32), tl.full([], NEG, tl.float32)
+    l_x, l_s = tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32)
+    best, best_i = tl.full([BLOCK], NEG, tl.float32), tl.zeros([BLOCK], tl.int32)
     start = split * chunk
     for off in range(start, tl.minimum(start + chunk, V), BLOCK):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < V
-        x = tl.load(raw_ptr + row * V + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        a = tl.load(adj_ptr + row * V + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        bm = tl.max(x, 0)
-        raw_m, raw_l = _combine(raw_m, raw_l, bm, tl.sum(tl.exp(x - tl.where(bm == float("-inf"), 0.0, bm)), 0))
-        s = a * inv_t
-        bs = tl.max(s, 0)
-        s_m, s_l = _combine(s_m, s_l, bs, tl.sum(tl.exp(s - tl.where(bs == float("-inf"), 0.0, bs)), 0))
-        ba = tl.max(a, 0)
-        if ba > best:
-            best, best_i = ba, off + tl.argmax(a, 0)
+        x = tl.load(raw_ptr + row * V + cols, mask=mask, other=NEG).to(tl.float32)
+        if PENALISED:
+            a = tl.load(adj_ptr + row * V + cols, mask=mask, other=NEG).to(tl.float32)
+        else:
+            a = x
+        bx = tl.max(x, 0)
+        if bx > m_x:
+            l_x = l_x * tl.exp(m_x - bx)
+            m_x = bx
+        if PENALISED:
+            ba = tl.max(a, 0)
+        else:
+            ba = bx
+        if ba > m_a:
+            l_s = l_s * tl.exp((m_a - ba) * inv_t)
+            m_a = ba
+        l_x += tl.where(x > NEG, tl.exp(x - m_x), 0.0)
+        l_s += tl.where(a > NEG, tl.exp((a - m_a) * inv_t), 0.0)
+        best, best_i = _keep_best(best, best_i, a, cols)
+    b, b_i = _lanes_best(best, best_i)
     base = part_ptr + (row * splits + split) * 8
-    tl.store(base + 0, raw_m)
-    tl.store(base + 1, raw_l)
-    tl.store(base + 2, s_m)
-    tl.store(base + 3, s_l)
-    tl.store(base + 4, best)
-    tl.store(part_i_ptr + (row * splits + split) * 2, best_i)
+    tl.store(base + 0, m_x)
+    tl.store(base + 1, tl.sum(l_x, 0))
+    tl.store(base + 2, m_a * inv_t)
+    tl.store(base + 3, tl.sum(l_s, 0))
+    tl.store(base + 4, b)
+    tl.store(part_i_ptr + (row * splits + split) * 2, b_i)
     if split == 0:  # the next passes accumulate into these
         tl.store(hist_ptr + row * BINS + tl.arange(0, BINS), tl.zeros([BINS], tl.int32))
         tl.store(count_ptr + row, 0)
@@ -125,13 +148,13 @@ def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, part_ptr, part_i_ptr, hist_ptr, co
 
 @triton.jit
 def _filtered(temp_ptr, topk_ptr, topp_ptr, row):
-    """True for rows that need the candidate set: sampled (T > 0) with top-k or top-p on."""
+    """True for rows that need the candidate band: sampled (T > 0) with top-k or top-p on."""
     return (tl.load(temp_ptr + row) > 0) & ((tl.load(topk_ptr + row) > 0) | (tl.load(topp_ptr + row) < 1.0))
 
 
 @triton.jit
-def _hist_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, hist_ptr, V, chunk,
-                 splits, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _hist_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, hist_ptr, V, chunk, splits,
+                 MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if _filtered(temp_ptr, topk_ptr, topp_ptr, row):
         inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
@@ -140,71 +163,79 @@ def _hist_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, hist_ptr, V, c
         start = split * chunk
         for off in range(start, tl.minimum(start + chunk, V), BLOCK):
             cols = off + tl.arange(0, BLOCK)
-            mask = cols < V
-            s = tl.load(adj_ptr + row * V + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+            s = tl.load(adj_ptr + row * V + cols, mask=cols < V, other=NEG).to(tl.float32) * inv_t
             counts += tl.histogram(_bin_of(s, s_m), BINS)  # padding lanes count in the last bin, never kept
         tl.atomic_add(hist_ptr + row * BINS + tl.arange(0, BINS), counts)
 
 
 @triton.jit
-def _cut_bin(hist_ptr, row, top_k, top_p, min_p, s_l):
-    """The last bin the kept prefix can reach, and the number of ids up to it."""
+def _band(hist_ptr, row, top_k, top_p, min_p, s_l):
+    """(lo, hi, n): ids in bins below lo are kept for sure, ids in bins lo..hi (n of them) are the candidates,
+    ids past hi are dropped. An id in bin b has d in [b, b + 1) / 16, so exp(-d) is within those bounds."""
     bins = tl.arange(0, BINS)
     counts = tl.load(hist_ptr + row * BINS + bins)
-    through = tl.cumsum(counts, 0)
-    # Every id in bin b has d < (b + 1) / 16, so its exp(-d) mass is above exp(-(b + 1) / 16): a lower bound.
-    mass_low = tl.cumsum(tl.where(bins < BINS - 1, counts.to(tl.float32) * tl.exp(-(bins + 1.0) / BINS_PER_NAT), 0.0), 0)
-    cut = BINS - 1
     if top_k > 0:  # every top-k id must be a candidate: top-p normalises by their mass
-        cut = tl.min(tl.where(through >= top_k, bins, BINS - 1), 0)
+        lo = 0
+        hi = tl.min(tl.where(tl.cumsum(counts, 0) >= top_k, bins, BINS - 1), 0)
     else:
-        if top_p < 1.0:
-            cut = tl.min(tl.where(mass_low >= top_p * s_l, bins, BINS - 1), 0)
-    if (min_p > 0.0) & ((top_k == 0) | (top_p >= 1.0)):  # ids with d > -log(min_p) are dropped
-        cut = tl.minimum(cut, tl.minimum((-tl.log(min_p) * BINS_PER_NAT).to(tl.int32), BINS - 1))
-    total = tl.sum(tl.where(bins <= cut, counts, 0), 0)
-    return cut, total
+        c = counts.to(tl.float32)
+        upper = tl.cumsum(c * tl.exp(-bins.to(tl.float32) / BINS_PER_NAT), 0)
+        lower = tl.cumsum(tl.where(bins < BINS - 1, c * tl.exp(-(bins + 1.0) / BINS_PER_NAT), 0.0), 0)
+        lo = tl.min(tl.where(upper >= top_p * s_l, bins, BINS - 1), 0)
+        hi = tl.min(tl.where(lower >= top_p * s_l, bins, BINS - 1), 0)
+    if (min_p > 0.0) & ((top_k == 0) | (top_p >= 1.0)):  # ids with d > -log(min_p) are dropped anyway
+        hi = tl.minimum(hi, tl.minimum((-tl.log(min_p) * BINS_PER_NAT).to(tl.int32), BINS - 1))
+    lo = tl.minimum(lo, hi)
+    n = tl.sum(tl.where((bins >= lo) & (bins <= hi), counts, 0), 0)
+    return lo, hi, n
 
 
 @triton.jit
 def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
-                   hist_ptr, count_ptr, cand_s_ptr, cand_i_ptr, V, chunk,
-                   splits, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, MAX_CAND: tl.constexpr):
+                   hist_ptr, count_ptr, cand_s_ptr, cand_i_ptr, V, chunk, splits,
+                   MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, MAX_CAND: tl.constexpr):
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t = tl.load(temp_ptr + row)
     if t > 0:
         inv_t = 1.0 / tl.maximum(t, 1e-5)
         _, _, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
         min_p = tl.load(minp_ptr + row)
+        key = _row_key(seed_ptr, step_ptr, row)
         start = split * chunk
         stop = tl.minimum(start + chunk, V)
+        best, best_i = tl.full([BLOCK], NEG, tl.float32), tl.zeros([BLOCK], tl.int32)
+        sure_mass = tl.zeros([BLOCK], tl.float32)
         if _filtered(temp_ptr, topk_ptr, topp_ptr, row):
-            cut, total = _cut_bin(hist_ptr, row, tl.load(topk_ptr + row), tl.load(topp_ptr + row), min_p, s_l)
-            if (cut < BINS - 1) & (total <= MAX_CAND):
+            lo, hi, n_band = _band(hist_ptr, row, tl.load(topk_ptr + row), tl.load(topp_ptr + row), min_p, s_l)
+            if (hi < BINS - 1) & (n_band <= MAX_CAND):
                 for off in range(start, stop, BLOCK):
                     cols = off + tl.arange(0, BLOCK)
                     mask = cols < V
-                    s = tl.load(adj_ptr + row * V + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-                    take = mask & (_bin_of(s, s_m) <= cut)
+                    s = tl.load(adj_ptr + row * V + cols, mask=mask, other=NEG).to(tl.float32) * inv_t
+                    b = _bin_of(s, s_m)
+                    if lo > 0:
+                        sure = mask & (b < lo)
+                        e = tl.exp(s - s_m)
+                        sure_mass += tl.where(sure, e, 0.0)
+                        r = tl.where(sure & (e >= min_p), _race_key(s - s_m, cols, key), NEG)
+                        best, best_i = _keep_best(best, best_i, r, cols)
+                    take = mask & (b >= lo) & (b <= hi)
                     n = tl.sum(take.to(tl.int32), 0)
                     if n > 0:
                         at = tl.atomic_add(count_ptr + row, n) + tl.cumsum(take.to(tl.int32), 0) - 1
                         tl.store(cand_s_ptr + row * MAX_CAND + at, s, mask=take)
                         tl.store(cand_i_ptr + row * MAX_CAND + at, cols, mask=take)
         else:  # no top-k / top-p: race every id that min-p keeps
-            key = _row_key(seed_ptr, step_ptr, row)
-            best, best_i = float("-inf"), 0
             for off in range(start, stop, BLOCK):
                 cols = off + tl.arange(0, BLOCK)
                 mask = cols < V
-                s = tl.load(adj_ptr + row * V + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-                keep = mask & (tl.exp(s - s_m) >= min_p) & (s > float("-inf"))
-                r = tl.where(keep, _race_key(s - s_m, cols, key), float("-inf"))
-                br = tl.max(r, 0)
-                if br > best:
-                    best, best_i = br, off + tl.argmax(r, 0)
-            tl.store(part_ptr + (row * splits + split) * 8 + 5, best)
-            tl.store(part_i_ptr + (row * splits + split) * 2 + 1, best_i)
+                s = tl.load(adj_ptr + row * V + cols, mask=mask, other=NEG).to(tl.float32) * inv_t
+                keep = mask & (tl.exp(s - s_m) >= min_p) & (s > NEG)
+                best, best_i = _keep_best(best, best_i, tl.where(keep, _race_key(s - s_m, cols, key), NEG), cols)
+        b, b_i = _lanes_best(best, best_i)
+        tl.store(part_ptr + (row * splits + split) * 8 + 5, b)
+        tl.store(part_ptr + (row * splits + split) * 8 + 6, tl.sum(sure_mass, 0))
+        tl.store(part_i_ptr + (row * splits + split) * 2 + 1, b_i)
 
 
 @triton.jit
@@ -216,42 +247,45 @@ def _float_order(s):
 
 @triton.jit
 def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
-                   hist_ptr, cand_s_ptr, cand_i_ptr, token_ptr, logprob_ptr, done_ptr, V,
-                   splits, MAX_SPLITS: tl.constexpr, MAX_CAND: tl.constexpr):
+                   hist_ptr, cand_s_ptr, cand_i_ptr, token_ptr, logprob_ptr, done_ptr, V, splits,
+                   MAX_SPLITS: tl.constexpr, MAX_CAND: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     raw_m, raw_l, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
     parts = tl.arange(0, MAX_SPLITS)
     part_at = row * splits + parts
     t = tl.load(temp_ptr + row)
     done = tl.full([], 1, tl.int32)
-    token = tl.full([], 0, tl.int32)
     if t <= 0:  # greedy on the penalised logits
-        vals = tl.load(part_ptr + part_at * 8 + 4, mask=parts < splits, other=float("-inf"))
+        vals = tl.load(part_ptr + part_at * 8 + 4, mask=parts < splits, other=NEG)
         token = tl.load(part_i_ptr + (row * splits + tl.argmax(vals, 0)) * 2)
-    elif _filtered(temp_ptr, topk_ptr, topp_ptr, row):
-        top_k, top_p, min_p = tl.load(topk_ptr + row), tl.load(topp_ptr + row), tl.load(minp_ptr + row)
-        cut, total = _cut_bin(hist_ptr, row, top_k, top_p, min_p, s_l)
-        if (cut < BINS - 1) & (total <= MAX_CAND):
-            i = tl.arange(0, MAX_CAND)
-            s = tl.load(cand_s_ptr + row * MAX_CAND + i, mask=i < total, other=float("-inf"))
-            ids = tl.load(cand_i_ptr + row * MAX_CAND + i, mask=i < total, other=0)
-            packed = tl.sort((_float_order(s).to(tl.int64) << 32) | ids.to(tl.int64), 0, descending=True)
-            ids = (packed & 0xFFFFFFFF).to(tl.int32)
-            o = (packed >> 32).to(tl.int32)
-            s = (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-            e = tl.where(i < total, tl.exp(s - s_m), 0.0)
-            in_k = i < tl.where(top_k > 0, top_k, V)
-            z = tl.where(top_k > 0, tl.sum(tl.where(in_k, e, 0.0), 0), s_l)
-            probs = e / z
-            before = tl.cumsum(probs, 0) - probs
-            keep = in_k & (i < total) & (before < tl.where(top_p >= 1.0, float("inf"), top_p)) & (e >= min_p)
-            r = tl.where(keep, _race_key(s - s_m, ids, _row_key(seed_ptr, step_ptr, row)), float("-inf"))
-            token = tl.sum(tl.where(i == tl.argmax(r, 0), ids, 0), 0)
-        else:
-            done = tl.full([], 0, tl.int32)
     else:
-        races = tl.load(part_ptr + part_at * 8 + 5, mask=parts < splits, other=float("-inf"))
-        token = tl.load(part_i_ptr + (row * splits + tl.argmax(races, 0)) * 2 + 1)
+        races = tl.load(part_ptr + part_at * 8 + 5, mask=parts < splits, other=NEG)
+        winner = tl.argmax(races, 0)
+        token = tl.load(part_i_ptr + (row * splits + winner) * 2 + 1)  # the sure ids' (or every id's) winner
+        if _filtered(temp_ptr, topk_ptr, topp_ptr, row):
+            top_k, top_p, min_p = tl.load(topk_ptr + row), tl.load(topp_ptr + row), tl.load(minp_ptr + row)
+            lo, hi, n_band = _band(hist_ptr, row, top_k, top_p, min_p, s_l)
+            if (hi < BINS - 1) & (n_band <= MAX_CAND):
+                sure_mass = tl.sum(tl.load(part_ptr + part_at * 8 + 6, mask=parts < splits, other=0.0), 0)
+                i = tl.arange(0, MAX_CAND)
+                live = i < n_band
+                s = tl.load(cand_s_ptr + row * MAX_CAND + i, mask=live, other=NEG)
+                ids = tl.load(cand_i_ptr + row * MAX_CAND + i, mask=live, other=0)
+                packed = tl.sort((_float_order(s).to(tl.int64) << 32) | ids.to(tl.int64), 0, descending=True)
+                ids = (packed & 0xFFFFFFFF).to(tl.int32)
+                o = (packed >> 32).to(tl.int32)
+                s = (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+                e = tl.where(live, tl.exp(s - s_m), 0.0)
+                in_k = i < tl.where(top_k > 0, top_k, V)  # with top-k on, lo = 0: i is the id's rank
+                z = tl.where(top_k > 0, tl.sum(tl.where(in_k, e, 0.0), 0), s_l)
+                probs = e / z
+                before = sure_mass / z + tl.cumsum(probs, 0) - probs
+                keep = in_k & live & (before < tl.where(top_p >= 1.0, float("inf"), top_p)) & (e >= min_p)
+                r = tl.where(keep, _race_key(s - s_m, ids, _row_key(seed_ptr, step_ptr, row)), NEG)
+                if tl.max(r, 0) > tl.max(races, 0):
+                    token = tl.sum(tl.where(i == tl.argmax(r, 0), ids, 0), 0)
+            else:
+                done = tl.full([], 0, tl.int32)
     x = tl.load(raw_ptr + row * V + token).to(tl.float32)
     tl.store(token_ptr + row, token.to(tl.int64))
     tl.store(logprob_ptr + row, x - raw_m - tl.log(raw_l))
@@ -265,10 +299,14 @@ class Drawn:
     done: torch.Tensor  # [N] int32: 0 where the row must be sampled by the reference instead
 
 
+@functools.lru_cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
 def default_splits(rows: int, vocab: int, device: torch.device) -> int:
     """Enough programs per pass to fill the GPU (a few per SM), never a block less than BLOCK per split."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    want = max(1, triton.cdiv(4 * sms, rows))
+    want = max(1, triton.cdiv(4 * _sm_count(device), rows))
     return min(MAX_SPLITS, triton.next_power_of_2(want), max(1, triton.next_power_of_2(triton.cdiv(vocab, 8 * BLOCK))))
 
 
@@ -292,12 +330,14 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     temp, top_p, min_p = p.temperature.float(), p.top_p.float(), p.min_p.float()
     top_k = torch.where(p.top_k >= V, 0, p.top_k)  # keeping the whole vocabulary is no top-k
     grid = (N, splits)
-    _stats_kernel[grid](logits, adjusted, temp, part, part_i, hist, count, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=BLOCK)
+    _stats_kernel[grid](logits, adjusted, temp, part, part_i, hist, count, V, chunk, splits,
+                        PENALISED=adjusted is not logits, BLOCK=BLOCK)
     _hist_kernel[grid](adjusted, temp, top_k, top_p, part, hist, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=BLOCK)
     _gather_kernel[grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, count,
                          cand_s, cand_i, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=BLOCK, MAX_CAND=max_candidates)
     _finish_kernel[(N,)](logits, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, cand_s, cand_i,
-                         out.tokens, out.logprobs, out.done, V, splits, MAX_SPLITS=MAX_SPLITS, MAX_CAND=max_candidates, num_warps=8)
+                         out.tokens, out.logprobs, out.done, V, splits, MAX_SPLITS=MAX_SPLITS,
+                         MAX_CAND=max_candidates, num_warps=8)
     return out
 
 

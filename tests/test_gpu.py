@@ -145,8 +145,11 @@ def test_triton_sampler_at_the_real_vocabulary():
                                    steps=torch.full((n,), trial, device=dev), **mixed)
         drawn = draw(logits, p)
         tokens, chosen, *_ = sample(logits, p)
-        assert drawn.done.sum().item() == n  # these tails are short enough for the candidate set
-        assert torch.equal(drawn.tokens, tokens) and torch.allclose(drawn.logprobs, chosen, atol=1e-4)
+        done = drawn.done == 1
+        top_p_only = (mixed["top_k"] == 0) & (mixed["top_p"] < 1)
+        assert done[~top_p_only].all()  # only a top-p band can outgrow the candidate set
+        assert torch.equal(drawn.tokens[done], tokens[done])
+        assert torch.allclose(drawn.logprobs[done], chosen[done], atol=1e-4)
         assert torch.equal(sample_on_gpu(logits, p)[0], tokens)
 
 

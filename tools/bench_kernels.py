@@ -17,9 +17,13 @@ import triton.testing
 import kernels.reference as R
 import kernels.triton_ops as T
 from kernels.sampling import SamplingTensors, lm_like_logits, sample
-from kernels.triton_sampling import draw
+from kernels.triton_sampling import MAX_CANDIDATES, draw
 from model.config import ModelConfig
 from tools.make_checkpoint import text_config
+
+
+PREFILL_ATTN_SWEEP = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2),
+                      (64, 64, 8, 3), (128, 64, 8, 3)]  # (BLOCK_M, BLOCK_N, warps, stages)
 
 
 def bench(fn) -> float:
@@ -131,8 +135,11 @@ def run(size: str) -> list[tuple]:
         table3 = torch.arange(total // 16, device=dev, dtype=torch.int32)[None]
         cu3 = torch.tensor([0, L], device=dev, dtype=torch.int32)
         ctx3 = torch.tensor([ctx_len], device=dev)
-        t = bench(lambda: T.prefill_attention(qp, kc3, vc3, table3, cu3, ctx3, D**-0.5))
         fl = 4 * nh * D * (L * ctx_len + L * L / 2)  # QK^T and PV over the causal half
+        for config in PREFILL_ATTN_SWEEP if ctx_len == 0 else ():
+            t = bench(lambda: T.prefill_attention(qp, kc3, vc3, table3, cu3, ctx3, D**-0.5, config=config))
+            rows.append((f"prefill_attention config {config}", f"{L} tokens", t, f"{fl / t / 1e12:.0f} TFLOP/s", ""))
+        t = bench(lambda: T.prefill_attention(qp, kc3, vc3, table3, cu3, ctx3, D**-0.5))
         kk = kc3[:-1].flatten(0, 1).transpose(0, 1)[None]  # peer: torch SDPA on contiguous K/V, no paging
         vv = vc3[:-1].flatten(0, 1).transpose(0, 1)[None]
         qq = qp.transpose(0, 1)[None]
@@ -170,13 +177,15 @@ def run(size: str) -> list[tuple]:
              "top-p 0.95": dict(temperature=1.0, top_p=0.95), "min-p 0.05": dict(temperature=1.0, min_p=0.05)}
     for name, kw in modes.items():
         p = SamplingTensors.filled(n, dev, seeds=torch.arange(n, device=dev), **kw)
-        flagged = int((draw(logits, p).done == 0).sum())
-        t = bench(lambda: draw(logits, p))
-        t_ref = bench(lambda: sample(logits, p, all_greedy=kw["temperature"] == 0,
-                                     max_top_k=kw.get("top_k", 0)))
-        rows.append((f"sampling, {name} (ours)", f"batch {n} x {V}", t, f"{n * V * 4 / t / 1e12:.2f} TB/s",
-                     f"target <= 100 us; torch reference {t_ref * 1e6:.0f} us ({t_ref / t:.1f}x); "
-                     f"{flagged}/{n} rows left to the reference"))
+        for cands in (MAX_CANDIDATES, 8192) if "top-p" in name else (MAX_CANDIDATES,):
+            flagged = int((draw(logits, p, max_candidates=cands).done == 0).sum())
+            t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p, max_candidates=cands)) / 1e3
+            t_eager = bench(lambda: draw(logits, p, max_candidates=cands))
+            t_ref = bench(lambda: sample(logits, p, all_greedy=kw["temperature"] == 0, max_top_k=kw.get("top_k", 0)))
+            rows.append((f"sampling, {name}, {cands} candidates (ours, graph replay)", f"batch {n} x {V}", t_gpu,
+                         f"{n * V * 4 / t_gpu / 1e12:.2f} TB/s", f"target <= 100 us; eager call {t_eager * 1e6:.0f} us; "
+                         f"torch reference {t_ref * 1e6:.0f} us ({t_ref / t_gpu:.1f}x); {flagged}/{n} rows left to "
+                         f"the reference"))
     return rows
 
 
