@@ -7,6 +7,7 @@ CI runs these kernels under TRITON_INTERPRET=1 against the references on small s
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -504,21 +505,22 @@ def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens,
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Gated DeltaNet prefill, chunked (64-token chunks, the WY form), over packed variable-length requests.
-# Kernel 1, parallel over (chunk, value head): l2-norm, gates, the chunk's cumulative decay c, and the WY
-#   factors W = T (beta V), Kd = T (beta exp(c) K) with T = (I + A)^-1, A_ij = beta_i exp(c_i - c_j) k_i.k_j (j < i).
-#   A is strictly lower triangular (nilpotent), so T = (I - A)(I + A^2)(I + A^4)(I + A^8)(I + A^16)(I + A^32):
-#   eleven 64x64 matmuls instead of a sequential substitution.
-# Kernel 2, parallel over (request, value head, block of dv), sequential over the request's chunks: the state
-#   S [dk, block] stays in registers; per chunk u = W - Kd S, o = (q exp(c)) S + (q k^T exp(c_i - c_j))_{j<=i} u,
-#   S = exp(c_last) S + (k exp(c_last - c))^T u. The initial state comes from the request's slot and the final
-#   state is written back there (fp32).
+# Kernel 1, parallel over (chunk, value head): l2-norm, gates, the chunk's cumulative decay c, the WY factors
+#   W = T (beta V), Kd = T (beta exp(c) K) with T = (I + A)^-1, A_ij = beta_i exp(c_i - c_j) k_i.k_j (j < i)
+#   (A is nilpotent, so T = (I - A)(I + A^2)(I + A^4)(I + A^8)(I + A^16)(I + A^32): eleven 64x64 matmuls), and
+#   what only the output needs: Qd = q exp(c), the causal intra-chunk scores P = (q k^T exp(c_i - c_j))_{j<=i},
+#   and Ke = k exp(c_last - c) for the state update.
+# Kernel 2, parallel over (request, value head, block of dv), sequential over the request's chunks, with only the
+#   state recurrence on that path: keep the chunk's entry state H, u = W - Kd S, S = exp(c_last) S + Ke^T u. The
+#   initial state comes from the request's slot and the final state is written back there (fp32).
+# Kernel 3, parallel over (chunk, value head, block of dv): o = Qd H + P u.
 
 CHUNK = 64
 
 
 @triton.jit
-def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr, qn_ptr, kn_ptr, w_ptr, kd_ptr,
-                           gc_ptr, C, ab_row_stride, HV, GROUP, scale,
+def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr, qd_ptr, ke_ptr, w_ptr, kd_ptr,
+                           p_ptr, glast_ptr, C, ab_row_stride, HV, GROUP, scale,
                            DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr, BT: tl.constexpr,
                            BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
     ch = tl.program_id(0)
@@ -543,6 +545,7 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
     beta = tl.where(tmask, 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + t * ab_row_stride + h, mask=tmask, other=0.0)
                                                 .to(tl.float32))), 0.0)
     c = tl.cumsum(g, axis=0)
+    c_last = tl.min(c, axis=0)  # c never increases; padding rows repeat the last value
     i = tl.arange(0, BT)[:, None]
     j = tl.arange(0, BT)[None, :]
     diff = tl.where(i > j, c[:, None] - c[None, :], float("-inf"))
@@ -556,23 +559,24 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
             power = tl.dot(power, power, input_precision=PRECISION)
     w = tl.dot(inv, beta[:, None] * v, input_precision=PRECISION)
     kd = tl.dot(inv, (beta * tl.exp(c))[:, None] * k, input_precision=PRECISION)
+    P = tl.dot(q, tl.trans(k), input_precision=PRECISION) * tl.exp(tl.where(i >= j, c[:, None] - c[None, :],
+                                                                           float("-inf")))
     row_k = (t[:, None] * HV + h) * DK + ks[None, :]
-    tl.store(qn_ptr + row_k, q, mask=kmask)
-    tl.store(kn_ptr + row_k, k, mask=kmask)
+    tl.store(qd_ptr + row_k, (q * tl.exp(c)[:, None]).to(qd_ptr.dtype.element_ty), mask=kmask)
+    tl.store(ke_ptr + row_k, k * tl.exp(c_last - c)[:, None], mask=kmask)
     tl.store(kd_ptr + row_k, kd, mask=kmask)
     tl.store(w_ptr + (t[:, None] * HV + h) * DV + vs[None, :], w, mask=vmask)
-    tl.store(gc_ptr + t * HV + h, c, mask=tmask)
+    tl.store(p_ptr + (t[:, None] * HV + h) * BT + j, P.to(p_ptr.dtype.element_ty), mask=tmask[:, None])
+    tl.store(glast_ptr + ch * HV + h, c_last)
 
 
 @triton.jit
-def _gdn_chunk_scan_kernel(qn_ptr, kn_ptr, w_ptr, kd_ptr, gc_ptr, cu_ptr, slot_ptr, state_ptr, out_ptr, trash, HV,
-                           DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                           BVB: tl.constexpr, PRECISION: tl.constexpr):
+def _gdn_chunk_scan_kernel(ke_ptr, w_ptr, kd_ptr, glast_ptr, chunk_ptr, req_chunk_ptr, slot_ptr, state_ptr,
+                           hs_ptr, u_ptr, trash, HV, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+                           BK: tl.constexpr, BVB: tl.constexpr, PRECISION: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    start = tl.load(cu_ptr + r).to(tl.int64)
-    end = tl.load(cu_ptr + r + 1).to(tl.int64)
     slot = tl.load(slot_ptr + r)
     slot = tl.where(slot < 0, trash, slot).to(tl.int64)
     ks = tl.arange(0, BK)
@@ -580,29 +584,40 @@ def _gdn_chunk_scan_kernel(qn_ptr, kn_ptr, w_ptr, kd_ptr, gc_ptr, cu_ptr, slot_p
     smask = (ks[:, None] < DK) & (vs[None, :] < DV)
     sptr = state_ptr + ((slot * HV + h) * DK + ks[:, None]) * DV + vs[None, :]
     S = tl.load(sptr, mask=smask, other=0.0)
-    i = tl.arange(0, BT)[:, None]
-    j = tl.arange(0, BT)[None, :]
-    for c0 in range(start, end, BT):
-        t = c0 + tl.arange(0, BT)
-        tmask = t < end
+    for ch in range(tl.load(req_chunk_ptr + r), tl.load(req_chunk_ptr + r + 1)):
+        t = tl.load(chunk_ptr + 2 * ch).to(tl.int64) + tl.arange(0, BT)
+        tmask = t < tl.load(chunk_ptr + 2 * ch + 1)
         kmask = tmask[:, None] & (ks[None, :] < DK)
         vmask = tmask[:, None] & (vs[None, :] < DV)
         row_k = (t[:, None] * HV + h) * DK + ks[None, :]
-        q = tl.load(qn_ptr + row_k, mask=kmask, other=0.0)
-        k = tl.load(kn_ptr + row_k, mask=kmask, other=0.0)
         kd = tl.load(kd_ptr + row_k, mask=kmask, other=0.0)
+        ke = tl.load(ke_ptr + row_k, mask=kmask, other=0.0)
         w = tl.load(w_ptr + (t[:, None] * HV + h) * DV + vs[None, :], mask=vmask, other=0.0)
-        c = tl.load(gc_ptr + t * HV + h, mask=tmask, other=float("inf"))
-        c_last = tl.min(c, axis=0)  # c never increases along the chunk; padding rows hold +inf
-        c = tl.where(tmask, c, c_last)
+        tl.store(hs_ptr + ((ch * HV + h) * DK + ks[:, None]) * DV + vs[None, :], S.to(hs_ptr.dtype.element_ty),
+                 mask=smask)
         u = w - tl.dot(kd, S, input_precision=PRECISION)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        scores = scores * tl.exp(tl.where(i >= j, c[:, None] - c[None, :], float("-inf")))
-        o = tl.dot(q * tl.exp(c)[:, None], S, input_precision=PRECISION) + tl.dot(scores, u, input_precision=PRECISION)
-        tl.store(out_ptr + (t[:, None] * HV + h) * DV + vs[None, :], o.to(out_ptr.dtype.element_ty), mask=vmask)
-        k_to_end = k * tl.exp(c_last - c)[:, None]
-        S = S * tl.exp(c_last) + tl.dot(tl.trans(k_to_end), u, input_precision=PRECISION)
+        tl.store(u_ptr + (t[:, None] * HV + h) * DV + vs[None, :], u.to(u_ptr.dtype.element_ty), mask=vmask)
+        S = S * tl.exp(tl.load(glast_ptr + ch * HV + h)) + tl.dot(tl.trans(ke), u, input_precision=PRECISION)
     tl.store(sptr, S, mask=smask)
+
+
+@triton.jit
+def _gdn_chunk_out_kernel(qd_ptr, p_ptr, hs_ptr, u_ptr, chunk_ptr, out_ptr, HV, DK: tl.constexpr, DV: tl.constexpr,
+                          BT: tl.constexpr, BK: tl.constexpr, BVO: tl.constexpr, PRECISION: tl.constexpr):
+    ch, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = tl.load(chunk_ptr + 2 * ch).to(tl.int64) + tl.arange(0, BT)
+    tmask = t < tl.load(chunk_ptr + 2 * ch + 1)
+    ks = tl.arange(0, BK)
+    vs = vb * BVO + tl.arange(0, BVO)
+    j = tl.arange(0, BT)
+    vmask = tmask[:, None] & (vs[None, :] < DV)
+    qd = tl.load(qd_ptr + (t[:, None] * HV + h) * DK + ks[None, :], mask=tmask[:, None] & (ks[None, :] < DK), other=0.0)
+    P = tl.load(p_ptr + (t[:, None] * HV + h) * BT + j[None, :], mask=tmask[:, None], other=0.0)
+    H = tl.load(hs_ptr + ((ch * HV + h) * DK + ks[:, None]) * DV + vs[None, :],
+                mask=(ks[:, None] < DK) & (vs[None, :] < DV), other=0.0)
+    u = tl.load(u_ptr + (t[:, None] * HV + h) * DV + vs[None, :], mask=vmask, other=0.0)
+    o = tl.dot(qd, H, input_precision=PRECISION) + tl.dot(P, u, input_precision=PRECISION)
+    tl.store(out_ptr + (t[:, None] * HV + h) * DV + vs[None, :], o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
 def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads: int, head_k_dim: int,
@@ -611,7 +626,7 @@ def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k
     T, C = mixed.shape
     HV = a.shape[1]
     bounds = cu_seqlens.tolist()
-    chunks = [(s, min(s + CHUNK, e)) for s0, e in zip(bounds, bounds[1:]) for s in range(s0, e, CHUNK)]
+    chunks = [[(s, min(s + CHUNK, e)) for s in range(s0, e, CHUNK)] for s0, e in zip(bounds, bounds[1:])]
     mixed = mixed.contiguous()
     if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
         a, b = a.contiguous(), b.contiguous()
@@ -636,19 +651,31 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slot
                         dk, dv):
     T, C = mixed.shape
     HV = a.shape[1]
-    dev = mixed.device
-    chunk_table = torch.tensor(chunks, dtype=torch.int32, device=dev)
-    qn = torch.empty(T, HV, dk, dtype=torch.float32, device=dev)
-    kn, kd = torch.empty_like(qn), torch.empty_like(qn)
+    dev, dt = mixed.device, mixed.dtype
+    spans = [span for request in chunks for span in request]
+    chunk_table = torch.tensor(spans, dtype=torch.int32, device=dev)
+    req_chunks = torch.tensor([0] + list(itertools.accumulate(len(r) for r in chunks)), dtype=torch.int32, device=dev)
+    n = len(spans)
+    # The state path (Kd, Ke, W, S) stays fp32; what only feeds the output (Qd, P, H, u) is in the model dtype.
+    kd = torch.empty(T, HV, dk, dtype=torch.float32, device=dev)
+    ke = torch.empty_like(kd)
     w = torch.empty(T, HV, dv, dtype=torch.float32, device=dev)
-    gc = torch.empty(T, HV, dtype=torch.float32, device=dev)
-    _gdn_chunk_prep_kernel[(len(chunks), HV)](
-        mixed, a, b, A_log, dt_bias, chunk_table, qn, kn, w, kd, gc, C, a.stride(0), HV, HV // num_k_heads,
+    qd = torch.empty(T, HV, dk, dtype=dt, device=dev)
+    P = torch.empty(T, HV, CHUNK, dtype=dt, device=dev)
+    glast = torch.empty(n, HV, dtype=torch.float32, device=dev)
+    _gdn_chunk_prep_kernel[(n, HV)](
+        mixed, a, b, A_log, dt_bias, chunk_table, qd, ke, w, kd, P, glast, C, a.stride(0), HV, HV // num_k_heads,
         dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BV=_pow2(dv),
         PRECISION=precision, num_warps=4, num_stages=1)
-    out = torch.empty(T, HV, dv, dtype=mixed.dtype, device=dev)
+    hs = torch.empty(n, HV, dk, dv, dtype=dt, device=dev)
+    u = torch.empty(T, HV, dv, dtype=dt, device=dev)
     BVB = min(32, _pow2(dv))
-    _gdn_chunk_scan_kernel[(len(cu_seqlens) - 1, HV, triton.cdiv(dv, BVB))](
-        qn, kn, w, kd, gc, cu_seqlens, slots, ssm_state, out, ssm_state.shape[0] - 1, HV,
-        DK=dk, DV=dv, BT=CHUNK, BK=_pow2(dk), BVB=BVB, PRECISION=precision, num_warps=4, num_stages=1)
+    _gdn_chunk_scan_kernel[(len(chunks), HV, triton.cdiv(dv, BVB))](
+        ke, w, kd, glast, chunk_table, req_chunks, slots, ssm_state, hs, u, ssm_state.shape[0] - 1, HV,
+        DK=dk, DV=dv, BT=CHUNK, BK=_pow2(dk), BVB=BVB, PRECISION=precision, num_warps=4, num_stages=2)
+    out = torch.empty(T, HV, dv, dtype=dt, device=dev)
+    BVO = min(64, _pow2(dv))
+    _gdn_chunk_out_kernel[(n, HV, triton.cdiv(dv, BVO))](
+        qd, P, hs, u, chunk_table, out, HV, DK=dk, DV=dv, BT=CHUNK, BK=_pow2(dk), BVO=BVO, PRECISION=precision,
+        num_warps=4)
     return out
