@@ -482,7 +482,7 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_
                  mask=q_live[:, None] & dmask[None, :])
 
 
-PREFILL_ATTN_CONFIG = (64, 64, 8, 2)  # (BLOCK_M, BLOCK_N, warps, stages): the H200 sweep's best for D = 256
+PREFILL_ATTN_CONFIG = (128, 64, 8, 3)  # (BLOCK_M, BLOCK_N, warps, stages): the H200 sweep's best for D = 256
 
 
 def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale: float, config=None):
@@ -620,9 +620,13 @@ def _gdn_chunk_out_kernel(qd_ptr, p_ptr, hs_ptr, u_ptr, chunk_ptr, out_ptr, HV, 
     tl.store(out_ptr + (t[:, None] * HV + h) * DV + vs[None, :], o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
+GDN_SCAN_CONFIG = (32, 4, 2)  # (block of dv, warps, stages) of the sequential kernel
+
+
 def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads: int, head_k_dim: int,
-                head_v_dim: int):
-    """Same contract as reference.gdn_prefill (chunked WY GDN from each request's slot state)."""
+                head_v_dim: int, scan_config=None):
+    """Same contract as reference.gdn_prefill (chunked WY GDN from each request's slot state); `scan_config`
+    overrides GDN_SCAN_CONFIG (the benchmark sweeps it)."""
     T, C = mixed.shape
     HV = a.shape[1]
     bounds = cu_seqlens.tolist()
@@ -636,7 +640,7 @@ def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k
                                      head_k_dim, head_v_dim)
     try:
         return _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads,
-                                   chunks, precision, head_k_dim, head_v_dim)
+                                   chunks, precision, head_k_dim, head_v_dim, scan_config or GDN_SCAN_CONFIG)
     except OutOfResources as exc:  # a capability gate, decided once per process
         log.warning("Triton chunked GDN prefill does not fit this GPU (%s); using the torch chunked form", exc)
         _PREFILL_FALLBACK.append(True)
@@ -648,7 +652,7 @@ _PREFILL_FALLBACK: list[bool] = []
 
 
 def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads, chunks, precision,
-                        dk, dv):
+                        dk, dv, scan_config):
     T, C = mixed.shape
     HV = a.shape[1]
     dev, dt = mixed.device, mixed.dtype
@@ -669,10 +673,11 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slot
         PRECISION=precision, num_warps=4, num_stages=1)
     hs = torch.empty(n, HV, dk, dv, dtype=dt, device=dev)
     u = torch.empty(T, HV, dv, dtype=dt, device=dev)
-    BVB = min(32, _pow2(dv))
+    block_v, warps, stages = scan_config
+    BVB = min(block_v, _pow2(dv))
     _gdn_chunk_scan_kernel[(len(chunks), HV, triton.cdiv(dv, BVB))](
         ke, w, kd, glast, chunk_table, req_chunks, slots, ssm_state, hs, u, ssm_state.shape[0] - 1, HV,
-        DK=dk, DV=dv, BT=CHUNK, BK=_pow2(dk), BVB=BVB, PRECISION=precision, num_warps=4, num_stages=2)
+        DK=dk, DV=dv, BT=CHUNK, BK=_pow2(dk), BVB=BVB, PRECISION=precision, num_warps=warps, num_stages=stages)
     out = torch.empty(T, HV, dv, dtype=dt, device=dev)
     BVO = min(64, _pow2(dv))
     _gdn_chunk_out_kernel[(n, HV, triton.cdiv(dv, BVO))](

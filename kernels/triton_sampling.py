@@ -11,8 +11,8 @@ i.e. argmax (s - max s) - log(-log u). No full sort is needed for that:
            bound on the mass before them is under top_p are kept for sure (raced here, their mass summed),
            bins whose lower bound already reaches it are dropped, and only the band between is copied out.
            Rows with neither filter race every id that min-p keeps.
-4. finish  (row): sort the candidates, apply top-k / top-p / min-p exactly as the reference does, race, and
-           compare with the sure ids' winner.
+4. finish  (row): rank the candidates by comparing every pair (cheaper than a sort for a band of this size),
+           apply top-k / top-p / min-p exactly as the reference does, race, and compare with the sure ids' winner.
 
 A row whose candidate band would exceed MAX_CANDIDATES (top-k in the thousands, or a flat distribution's mass
 spread past 32 nats) is flagged, and the caller samples that row with the reference. Nothing here synchronises
@@ -239,16 +239,28 @@ def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
 
 
 @triton.jit
-def _float_order(s):
-    """int32 whose signed order is the float order of s."""
-    b = s.to(tl.int32, bitcast=True)
-    return b ^ ((b >> 31) & 0x7FFFFFFF)
+def _ahead_of(cand_s_ptr, cand_i_ptr, row, n_band, s_i, id_i, s_m,
+              MAX_CAND: tl.constexpr, TILE: tl.constexpr):
+    """For candidates i: how many candidates sort before them (s descending, then id descending) and the exp mass
+    of those: ranks and exclusive prefix sums in sorted order, by comparing every pair instead of sorting."""
+    rank = tl.zeros([TILE], tl.int32)
+    before = tl.zeros([TILE], tl.float32)
+    for j0 in range(0, n_band, TILE):
+        j = j0 + tl.arange(0, TILE)
+        live = j < n_band
+        s_j = tl.load(cand_s_ptr + row * MAX_CAND + j, mask=live, other=NEG)
+        id_j = tl.load(cand_i_ptr + row * MAX_CAND + j, mask=live, other=-1)
+        ahead = live[None, :] & ((s_j[None, :] > s_i[:, None]) |
+                                 ((s_j[None, :] == s_i[:, None]) & (id_j[None, :] > id_i[:, None])))
+        rank += tl.sum(ahead.to(tl.int32), 1)
+        before += tl.sum(tl.where(ahead, tl.exp(s_j - s_m)[None, :], 0.0), 1)
+    return rank, before
 
 
 @triton.jit
 def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
                    hist_ptr, cand_s_ptr, cand_i_ptr, token_ptr, logprob_ptr, done_ptr, V, splits,
-                   MAX_SPLITS: tl.constexpr, MAX_CAND: tl.constexpr):
+                   MAX_SPLITS: tl.constexpr, MAX_CAND: tl.constexpr, TILE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     raw_m, raw_l, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
     parts = tl.arange(0, MAX_SPLITS)
@@ -267,23 +279,36 @@ def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
             lo, hi, n_band = _band(hist_ptr, row, top_k, top_p, min_p, s_l)
             if (hi < BINS - 1) & (n_band <= MAX_CAND):
                 sure_mass = tl.sum(tl.load(part_ptr + part_at * 8 + 6, mask=parts < splits, other=0.0), 0)
-                i = tl.arange(0, MAX_CAND)
-                live = i < n_band
-                s = tl.load(cand_s_ptr + row * MAX_CAND + i, mask=live, other=NEG)
-                ids = tl.load(cand_i_ptr + row * MAX_CAND + i, mask=live, other=0)
-                packed = tl.sort((_float_order(s).to(tl.int64) << 32) | ids.to(tl.int64), 0, descending=True)
-                ids = (packed & 0xFFFFFFFF).to(tl.int32)
-                o = (packed >> 32).to(tl.int32)
-                s = (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-                e = tl.where(live, tl.exp(s - s_m), 0.0)
-                in_k = i < tl.where(top_k > 0, top_k, V)  # with top-k on, lo = 0: i is the id's rank
-                z = tl.where(top_k > 0, tl.sum(tl.where(in_k, e, 0.0), 0), s_l)
-                probs = e / z
-                before = sure_mass / z + tl.cumsum(probs, 0) - probs
-                keep = in_k & live & (before < tl.where(top_p >= 1.0, float("inf"), top_p)) & (e >= min_p)
-                r = tl.where(keep, _race_key(s - s_m, ids, _row_key(seed_ptr, step_ptr, row)), NEG)
-                if tl.max(r, 0) > tl.max(races, 0):
-                    token = tl.sum(tl.where(i == tl.argmax(r, 0), ids, 0), 0)
+                k_eff = tl.where(top_k > 0, top_k, V)  # with top-k on, lo = 0 and the band starts at rank 0
+                key = _row_key(seed_ptr, step_ptr, row)
+                z = s_l
+                if top_k > 0:  # top-p normalises by the top-k mass
+                    z = 0.0
+                    for i0 in range(0, n_band, TILE):
+                        i = i0 + tl.arange(0, TILE)
+                        s_i = tl.load(cand_s_ptr + row * MAX_CAND + i, mask=i < n_band, other=NEG)
+                        id_i = tl.load(cand_i_ptr + row * MAX_CAND + i, mask=i < n_band, other=-1)
+                        e_i = tl.exp(s_i - s_m)
+                        rank, _ = _ahead_of(cand_s_ptr, cand_i_ptr, row, n_band, s_i, id_i, s_m,
+                                            MAX_CAND, TILE)
+                        z += tl.sum(tl.where((i < n_band) & (rank < k_eff), e_i, 0.0), 0)
+                best, best_id = tl.max(races, 0), token
+                for i0 in range(0, n_band, TILE):
+                    i = i0 + tl.arange(0, TILE)
+                    live = i < n_band
+                    s_i = tl.load(cand_s_ptr + row * MAX_CAND + i, mask=live, other=NEG)
+                    id_i = tl.load(cand_i_ptr + row * MAX_CAND + i, mask=live, other=-1)
+                    e_i = tl.exp(s_i - s_m)
+                    rank, ahead_mass = _ahead_of(cand_s_ptr, cand_i_ptr, row, n_band, s_i, id_i, s_m,
+                                                 MAX_CAND, TILE)
+                    before = (sure_mass + ahead_mass) / z
+                    keep = live & (rank < k_eff) & (before < tl.where(top_p >= 1.0, float("inf"), top_p))
+                    keep = keep & (e_i >= min_p)
+                    r = tl.where(keep, _race_key(s_i - s_m, id_i, key), NEG)
+                    tile_best, tile_id = _lanes_best(r, id_i)
+                    if tile_best > best:
+                        best, best_id = tile_best, tile_id
+                token = best_id
             else:
                 done = tl.full([], 0, tl.int32)
     x = tl.load(raw_ptr + row * V + token).to(tl.float32)
@@ -337,7 +362,7 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
                          cand_s, cand_i, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=BLOCK, MAX_CAND=max_candidates)
     _finish_kernel[(N,)](logits, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, cand_s, cand_i,
                          out.tokens, out.logprobs, out.done, V, splits, MAX_SPLITS=MAX_SPLITS,
-                         MAX_CAND=max_candidates, num_warps=8)
+                         MAX_CAND=max_candidates, TILE=64, num_warps=4)
     return out
 
 

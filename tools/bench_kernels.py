@@ -22,8 +22,9 @@ from model.config import ModelConfig
 from tools.make_checkpoint import text_config
 
 
-PREFILL_ATTN_SWEEP = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2),
-                      (64, 64, 8, 3), (128, 64, 8, 3)]  # (BLOCK_M, BLOCK_N, warps, stages)
+PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3),
+                      (128, 64, 4, 3)]  # (BLOCK_M, BLOCK_N, warps, stages)
+GDN_SCAN_SWEEP = [(16, 4, 2), (32, 4, 1), (32, 4, 3), (32, 8, 2), (64, 4, 2), (64, 8, 2)]  # (block of dv, warps, stages)
 
 
 def bench(fn) -> float:
@@ -101,6 +102,16 @@ def run(size: str) -> list[tuple]:
         one = torch.tensor([0], device=dev)
         pool = torch.zeros(2, hv, dk, dv, device=dev)
         t_pre = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv)
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            if "gdn_chunk" in e.key:
+                rows.append((f"gdn_prefill phase {e.key[:40]}", f"{L} tokens",
+                             getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 1e6, "", ""))
+        for config in GDN_SCAN_SWEEP:
+            t = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, config))
+            rows.append((f"gdn_prefill scan config {config}", f"{L} tokens", t, "", ""))
         qp, kp, vp = R.gdn_split_qkv(mixed_p, hk, dk, hv, dv)
         gp, betap = R.gdn_gates(ap, bp, A_log, dt_bias)
         qp, kp, vp = ((x / dk**-0.5 if i == 0 else x).to(bf)[None] for i, x in enumerate((qp, kp, vp)))
@@ -177,7 +188,7 @@ def run(size: str) -> list[tuple]:
              "top-p 0.95": dict(temperature=1.0, top_p=0.95), "min-p 0.05": dict(temperature=1.0, min_p=0.05)}
     for name, kw in modes.items():
         p = SamplingTensors.filled(n, dev, seeds=torch.arange(n, device=dev), **kw)
-        for cands in (MAX_CANDIDATES, 8192) if "top-p" in name else (MAX_CANDIDATES,):
+        for cands in (MAX_CANDIDATES, 8192) if name == "top-p 0.95" else (MAX_CANDIDATES,):
             flagged = int((draw(logits, p, max_candidates=cands).done == 0).sum())
             t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p, max_candidates=cands)) / 1e3
             t_eager = bench(lambda: draw(logits, p, max_candidates=cands))
