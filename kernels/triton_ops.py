@@ -620,13 +620,14 @@ def _gdn_chunk_out_kernel(qd_ptr, p_ptr, hs_ptr, u_ptr, chunk_ptr, out_ptr, HV, 
     tl.store(out_ptr + (t[:, None] * HV + h) * DV + vs[None, :], o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
+GDN_PREP_CONFIG = (4, 1)  # (warps, stages) of the parallel prep kernel
 GDN_SCAN_CONFIG = (64, 4, 2)  # (block of dv, warps, stages) of the sequential kernel: the H200 sweep's best
 
 
 def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads: int, head_k_dim: int,
-                head_v_dim: int, scan_config=None):
-    """Same contract as reference.gdn_prefill (chunked WY GDN from each request's slot state); `scan_config`
-    overrides GDN_SCAN_CONFIG (the benchmark sweeps it)."""
+                head_v_dim: int, scan_config=None, prep_config=None):
+    """Same contract as reference.gdn_prefill (chunked WY GDN from each request's slot state); `scan_config` and
+    `prep_config` override GDN_SCAN_CONFIG and GDN_PREP_CONFIG (the benchmark sweeps them)."""
     T, C = mixed.shape
     HV = a.shape[1]
     bounds = cu_seqlens.tolist()
@@ -640,7 +641,8 @@ def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k
                                      head_k_dim, head_v_dim)
     try:
         return _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads,
-                                   chunks, precision, head_k_dim, head_v_dim, scan_config or GDN_SCAN_CONFIG)
+                                   chunks, precision, head_k_dim, head_v_dim, scan_config or GDN_SCAN_CONFIG,
+                                   prep_config or GDN_PREP_CONFIG)
     except OutOfResources as exc:  # a capability gate, decided once per process
         log.warning("Triton chunked GDN prefill does not fit this GPU (%s); using the torch chunked form", exc)
         _PREFILL_FALLBACK.append(True)
@@ -652,7 +654,7 @@ _PREFILL_FALLBACK: list[bool] = []
 
 
 def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads, chunks, precision,
-                        dk, dv, scan_config):
+                        dk, dv, scan_config, prep_config):
     T, C = mixed.shape
     HV = a.shape[1]
     dev, dt = mixed.device, mixed.dtype
@@ -670,7 +672,7 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slot
     _gdn_chunk_prep_kernel[(n, HV)](
         mixed, a, b, A_log, dt_bias, chunk_table, qd, ke, w, kd, P, glast, C, a.stride(0), HV, HV // num_k_heads,
         dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BV=_pow2(dv),
-        PRECISION=precision, num_warps=4, num_stages=1)
+        PRECISION=precision, num_warps=prep_config[0], num_stages=prep_config[1])
     hs = torch.empty(n, HV, dk, dv, dtype=dt, device=dev)
     u = torch.empty(T, HV, dv, dtype=dt, device=dev)
     block_v, warps, stages = scan_config

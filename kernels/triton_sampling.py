@@ -340,14 +340,15 @@ def default_splits(rows: int, vocab: int, device: torch.device) -> int:
 
 
 def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
-         max_candidates: int = MAX_CANDIDATES) -> Drawn:
+         max_candidates: int = MAX_CANDIDATES, block: int = BLOCK, warps: int = 4) -> Drawn:
     """Greedy / temperature / top-k / top-p / min-p with penalties, for every row at once (see the module doc).
-    `splits` (programs per row) and `max_candidates` (a power of two) are exposed for tests."""
+    `splits` (programs per row), `max_candidates` (a power of two), `block` and `warps` (the passes' tile) are
+    exposed for tests and the benchmark's sweep."""
     N, V = logits.shape
     dev = logits.device
     adjusted = apply_penalties(logits, p)
     splits = splits or default_splits(N, V, dev)
-    chunk = triton.cdiv(triton.cdiv(V, splits), BLOCK) * BLOCK
+    chunk = triton.cdiv(triton.cdiv(V, splits), block) * block
     part = torch.empty(N, splits, 8, dtype=torch.float32, device=dev)
     part_i = torch.empty(N, splits, 2, dtype=torch.int32, device=dev)
     hist = torch.empty(N, BINS.value, dtype=torch.int32, device=dev)
@@ -360,10 +361,12 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     top_k = torch.where(p.top_k >= V, 0, p.top_k)  # keeping the whole vocabulary is no top-k
     grid = (N, splits)
     _stats_kernel[grid](logits, adjusted, temp, part, part_i, hist, count, V, chunk, splits,
-                        PENALISED=adjusted is not logits, BLOCK=BLOCK)
-    _hist_kernel[grid](adjusted, temp, top_k, top_p, part, hist, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=BLOCK)
+                        PENALISED=adjusted is not logits, BLOCK=block, num_warps=warps)
+    _hist_kernel[grid](adjusted, temp, top_k, top_p, part, hist, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block,
+                       num_warps=warps)
     _gather_kernel[grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, count,
-                         cand_s, cand_i, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=BLOCK, MAX_CAND=max_candidates)
+                         cand_s, cand_i, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block, MAX_CAND=max_candidates,
+                         num_warps=warps)
     _finish_kernel[(N,)](logits, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, cand_s, cand_i,
                          out.tokens, out.logprobs, out.done, V, splits, MAX_SPLITS=MAX_SPLITS,
                          MAX_CAND=max_candidates, TILE=64, num_warps=4)

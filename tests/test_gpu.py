@@ -77,6 +77,22 @@ def test_kernels_at_real_shapes_in_bf16(T, size):
     ref = R.qk_norm_rope_cache(qkv, qn, kn, 1e-6, pos, cos, sin, caches[2], caches[3], mapping, nh, nkv)
     assert rel(got, ref) <= BF16_TOL and rel(caches[0], caches[2]) <= BF16_TOL and torch.equal(caches[1], caches[3])
 
+    # Prefill attention over paged context: a fresh request, a chunk after cached pages, one token.
+    lens_p, ctx_p = [700, 300, 1], [0, 1500, 2999]
+    q = torch.randn(sum(lens_p), nh, D, device=dev, dtype=bf)
+    cu = torch.tensor([0, 700, 1000, 1001], dtype=torch.int32, device=dev)
+    ctx_t = torch.tensor(ctx_p, device=dev)
+    got = T.prefill_attention(q, kc, vc, table[:3], cu, ctx_t, D**-0.5)
+    assert rel(got, R.prefill_attention(q, kc, vc, table[:3], cu, ctx_t, D**-0.5)) <= BF16_TOL
+
+    conv_state = torch.randn(5, 3, C, device=dev, dtype=bf)
+    ref_state = conv_state.clone()
+    x = torch.randn(1001, C, device=dev, dtype=bf)
+    slots3 = torch.tensor([3, 0, 1], device=dev)
+    got = T.conv1d_prefill(x, wc, conv_state, cu, slots3)
+    assert rel(got, R.conv1d_prefill(x, wc, ref_state, cu, slots3)) <= BF16_TOL
+    assert torch.equal(conv_state, ref_state)
+
 
 def test_gdn_matches_fla_core():
     fla = pytest.importorskip("fla.ops.gated_delta_rule")

@@ -23,7 +23,9 @@ from tools.make_checkpoint import text_config
 
 
 PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)]  # (BLOCK_M, BLOCK_N, warps, stages)
-GDN_SCAN_SWEEP = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)]  # (block of dv, warps, stages)
+GDN_SCAN_SWEEP = [(32, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)]  # (block of dv, warps, stages)
+GDN_PREP_SWEEP = [(8, 1), (8, 2), (16, 1)]  # (warps, stages)
+SAMPLER_SWEEP = [(1024, 8), (2048, 4), (2048, 8), (4096, 8)]  # (block, warps) of the sampler's passes
 
 
 def bench(fn) -> float:
@@ -111,6 +113,10 @@ def run(size: str) -> list[tuple]:
         for config in GDN_SCAN_SWEEP:
             t = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, config))
             rows.append((f"gdn_prefill scan config {config}", f"{L} tokens", t, "", ""))
+        for config in GDN_PREP_SWEEP:
+            t = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv,
+                                            prep_config=config))
+            rows.append((f"gdn_prefill prep config {config}", f"{L} tokens", t, "", ""))
         qp, kp, vp = R.gdn_split_qkv(mixed_p, hk, dk, hv, dv)
         gp, betap = R.gdn_gates(ap, bp, A_log, dt_bias)
         qp, kp, vp = ((x / dk**-0.5 if i == 0 else x).to(bf)[None] for i, x in enumerate((qp, kp, vp)))
@@ -187,6 +193,9 @@ def run(size: str) -> list[tuple]:
              "top-p 0.95": dict(temperature=1.0, top_p=0.95), "min-p 0.05": dict(temperature=1.0, min_p=0.05)}
     for name, kw in modes.items():
         p = SamplingTensors.filled(n, dev, seeds=torch.arange(n, device=dev), **kw)
+        for block, warps in SAMPLER_SWEEP if name in ("greedy", "Qwen default (T 0.7, top-k 20, top-p 0.8)") else ():
+            t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p, block=block, warps=warps)) / 1e3
+            rows.append((f"sampling, {name}, block {block}, {warps} warps", f"batch {n} x {V}", t_gpu, "", ""))
         for cands in (MAX_CANDIDATES, 2048) if name == "top-p 0.95" else (MAX_CANDIDATES,):
             flagged = int((draw(logits, p, max_candidates=cands).done == 0).sum())
             t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p, max_candidates=cands)) / 1e3
