@@ -534,10 +534,8 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
     vs = tl.arange(0, BV)
     kmask = tmask[:, None] & (ks[None, :] < DK)
     vmask = tmask[:, None] & (vs[None, :] < DV)
-    q = tl.load(mixed_ptr + t[:, None] * C + hk * DK + ks[None, :], mask=kmask, other=0.0).to(tl.float32)
+    # Loads are placed late and stores early, so that few [64, 128] fp32 tiles are live at once (registers).
     k = tl.load(mixed_ptr + t[:, None] * C + KEY_DIM + hk * DK + ks[None, :], mask=kmask, other=0.0).to(tl.float32)
-    v = tl.load(mixed_ptr + t[:, None] * C + 2 * KEY_DIM + h * DV + vs[None, :], mask=vmask, other=0.0).to(tl.float32)
-    q = q / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
     k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
     a = tl.load(a_ptr + t * ab_row_stride + h, mask=tmask, other=0.0).to(tl.float32) + tl.load(dtb_ptr + h)
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
@@ -557,15 +555,18 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
         inv = tl.dot(inv, eye + power, input_precision=PRECISION)
         if step < 4:
             power = tl.dot(power, power, input_precision=PRECISION)
-    w = tl.dot(inv, beta[:, None] * v, input_precision=PRECISION)
+    row_k = (t[:, None] * HV + h) * DK + ks[None, :]
     kd = tl.dot(inv, (beta * tl.exp(c))[:, None] * k, input_precision=PRECISION)
+    tl.store(kd_ptr + row_k, kd, mask=kmask)
+    tl.store(ke_ptr + row_k, k * tl.exp(c_last - c)[:, None], mask=kmask)
+    v = tl.load(mixed_ptr + t[:, None] * C + 2 * KEY_DIM + h * DV + vs[None, :], mask=vmask, other=0.0).to(tl.float32)
+    w = tl.dot(inv, beta[:, None] * v, input_precision=PRECISION)
+    tl.store(w_ptr + (t[:, None] * HV + h) * DV + vs[None, :], w, mask=vmask)
+    q = tl.load(mixed_ptr + t[:, None] * C + hk * DK + ks[None, :], mask=kmask, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
+    tl.store(qd_ptr + row_k, (q * tl.exp(c)[:, None]).to(qd_ptr.dtype.element_ty), mask=kmask)
     P = tl.dot(q, tl.trans(k), input_precision=PRECISION) * tl.exp(tl.where(i >= j, c[:, None] - c[None, :],
                                                                            float("-inf")))
-    row_k = (t[:, None] * HV + h) * DK + ks[None, :]
-    tl.store(qd_ptr + row_k, (q * tl.exp(c)[:, None]).to(qd_ptr.dtype.element_ty), mask=kmask)
-    tl.store(ke_ptr + row_k, k * tl.exp(c_last - c)[:, None], mask=kmask)
-    tl.store(kd_ptr + row_k, kd, mask=kmask)
-    tl.store(w_ptr + (t[:, None] * HV + h) * DV + vs[None, :], w, mask=vmask)
     tl.store(p_ptr + (t[:, None] * HV + h) * BT + j, P.to(p_ptr.dtype.element_ty), mask=tmask[:, None])
     tl.store(glast_ptr + ch * HV + h, c_last)
 
