@@ -1,7 +1,7 @@
 """Kernel benchmark on a GPU: time, achieved bandwidth or FLOP rate, and the ratio to ceilings measured in the
 same run (a large device-to-device copy; a large bf16 matmul), and for GDN the ratio to fla-core.
 
-    python -m tools.bench_kernels [--size 4b|9b|27b] [--out FILE]
+    python -m tools.bench_kernels [--size 4b|9b|27b] [--out FILE] [--sweeps decode,scan,prep,attention,sampler]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tools.make_checkpoint import text_config
 PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)]  # (BLOCK_M, BLOCK_N, warps, stages)
 GDN_SCAN_SWEEP = [(32, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)]  # (block of dv, warps, stages)
 GDN_PREP_SWEEP = [(8, 1), (8, 2), (16, 1)]  # (warps, stages)
-SAMPLER_SWEEP = [(1024, 8), (2048, 4), (2048, 8), (4096, 8)]  # (block, warps) of the sampler's passes
+SAMPLER_SWEEP = [(2048, 8), (4096, 8)]  # (block, warps) of the sampler's passes
 
 
 def bench(fn) -> float:
@@ -44,7 +44,10 @@ def ceilings(dev):
     return copy_bw, flops
 
 
-def run(size: str) -> list[tuple]:
+SWEEPS = ("decode", "scan", "prep", "attention", "sampler")
+
+
+def run(size: str, sweeps=SWEEPS) -> list[tuple]:
     dev = torch.device("cuda")
     cfg = ModelConfig.from_dict(text_config(size, 248320))
     bw, flops = ceilings(dev)
@@ -75,7 +78,7 @@ def run(size: str) -> list[tuple]:
     t_ours = memory_row("gdn_decode (fused)", f"batch {N}, Hv {hv}", lambda: T.gdn_decode(
         mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv), state_bytes, "(state traffic; target 80%)")
 
-    for block_v in (16, 32, 64):  # the launch configuration sweep behind the default (block_v 64, 4 warps)
+    for block_v in (16, 32, 64) if "decode" in sweeps else ():  # the sweep behind the default (64, 4 warps)
         for warps in (2, 4, 8):
             memory_row(f"gdn_decode block_v={block_v} warps={warps}", f"batch {N}", lambda: T.gdn_decode(
                 mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv, block_v, warps), state_bytes)
@@ -110,10 +113,10 @@ def run(size: str) -> list[tuple]:
             if "gdn_chunk" in e.key:
                 rows.append((f"gdn_prefill phase {e.key[:40]}", f"{L} tokens",
                              getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 1e6, "", ""))
-        for config in GDN_SCAN_SWEEP:
+        for config in GDN_SCAN_SWEEP if "scan" in sweeps else ():
             t = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, config))
             rows.append((f"gdn_prefill scan config {config}", f"{L} tokens", t, "", ""))
-        for config in GDN_PREP_SWEEP:
+        for config in GDN_PREP_SWEEP if "prep" in sweeps else ():
             t = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv,
                                             prep_config=config))
             rows.append((f"gdn_prefill prep config {config}", f"{L} tokens", t, "", ""))
@@ -152,7 +155,7 @@ def run(size: str) -> list[tuple]:
         cu3 = torch.tensor([0, L], device=dev, dtype=torch.int32)
         ctx3 = torch.tensor([ctx_len], device=dev)
         fl = 4 * nh * D * (L * ctx_len + L * L / 2)  # QK^T and PV over the causal half
-        for config in PREFILL_ATTN_SWEEP if ctx_len == 0 else ():
+        for config in PREFILL_ATTN_SWEEP if ctx_len == 0 and "attention" in sweeps else ():
             t = bench(lambda: T.prefill_attention(qp, kc3, vc3, table3, cu3, ctx3, D**-0.5, config=config))
             rows.append((f"prefill_attention config {config}", f"{L} tokens", t, f"{fl / t / 1e12:.0f} TFLOP/s", ""))
         t = bench(lambda: T.prefill_attention(qp, kc3, vc3, table3, cu3, ctx3, D**-0.5))
@@ -193,7 +196,7 @@ def run(size: str) -> list[tuple]:
              "top-p 0.95": dict(temperature=1.0, top_p=0.95), "min-p 0.05": dict(temperature=1.0, min_p=0.05)}
     for name, kw in modes.items():
         p = SamplingTensors.filled(n, dev, seeds=torch.arange(n, device=dev), **kw)
-        for block, warps in SAMPLER_SWEEP if name in ("greedy", "Qwen default (T 0.7, top-k 20, top-p 0.8)") else ():
+        for block, warps in SAMPLER_SWEEP if "sampler" in sweeps and name in ("greedy", "Qwen default (T 0.7, top-k 20, top-p 0.8)") else ():
             t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p, block=block, warps=warps)) / 1e3
             rows.append((f"sampling, {name}, block {block}, {warps} warps", f"batch {n} x {V}", t_gpu, "", ""))
         for cands in (MAX_CANDIDATES, 2048) if name == "top-p 0.95" else (MAX_CANDIDATES,):
@@ -212,11 +215,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="27b")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--sweeps", default=",".join(SWEEPS), help="launch-configuration sweeps to run: any of "
+                        f"{', '.join(SWEEPS)}, comma-separated (none: '')")
     ns = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA device")
         return 2
-    rows = run(ns.size)
+    rows = run(ns.size, ns.sweeps.split(","))
     lines = [f"### {datetime.date.today()} {torch.cuda.get_device_name()} `python -m tools.bench_kernels "
              f"{' '.join(argv or sys.argv[1:])}` ({ns.size} shapes)", "",
              "| kernel | shape | time us | rate | vs ceiling / peer |", "|---|---|---:|---:|---|"]
