@@ -196,7 +196,8 @@ def run(size: str, sweeps=SWEEPS) -> list[tuple]:
              "top-p 0.95": dict(temperature=1.0, top_p=0.95), "min-p 0.05": dict(temperature=1.0, min_p=0.05)}
     for name, kw in modes.items():
         p = SamplingTensors.filled(n, dev, seeds=torch.arange(n, device=dev), **kw)
-        for block, warps in SAMPLER_SWEEP if "sampler" in sweeps and name in ("greedy", "Qwen default (T 0.7, top-k 20, top-p 0.8)") else ():
+        swept = "sampler" in sweeps and name in ("greedy", "Qwen default (T 0.7, top-k 20, top-p 0.8)")
+        for block, warps in SAMPLER_SWEEP if swept else ():
             t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p, block=block, warps=warps)) / 1e3
             rows.append((f"sampling, {name}, block {block}, {warps} warps", f"batch {n} x {V}", t_gpu, "", ""))
         for cands in (MAX_CANDIDATES, 2048) if name == "top-p 0.95" else (MAX_CANDIDATES,):
