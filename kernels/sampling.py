@@ -30,8 +30,13 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, ids: torch.Tensor 
     row = _mix32((seeds & _MASK32) ^ _mix32((steps * 0x9E3779B9) & _MASK32)) ^ (seeds >> 32 & _MASK32)
     if isinstance(ids, int):
         ids = torch.arange(ids, device=seeds.device, dtype=torch.int64)[None, :]
-    bits = _mix32((row[:, None] + ids.long() * 0x27D4EB2F) & _MASK32)
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return bits_to_uniform(_mix32((row[:, None] + ids.long() * 0x27D4EB2F) & _MASK32))
+
+
+def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """32 hash bits to u in (0, 1): 23 bits, as (k + 0.5) / 2^23, which fp32 holds exactly. (With 24 bits the
+    top value rounds to 1.0, and a dropped id's 0 / -log(1) is a NaN that argmax picks.)"""
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass

@@ -61,7 +61,7 @@ def _row_key(seed_ptr, step_ptr, row):
 def _race_key(d, ids, row_key):
     """(s - max s) - log(-log u): the exponential race in the log domain (d = s - max s)."""
     bits = _mix32(row_key + ids.to(tl.uint32) * 0x27D4EB2F)
-    u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as counter_uniform: exact, strictly below 1
     # The GPU's fast log is accurate in absolute, not relative, terms: near u = 1 it would get -log(u) wrong by
     # orders of magnitude. There v = 1 - u is exact and -log(1 - v) = v + v^2/2 + ... converges fast.
     v = 1.0 - u

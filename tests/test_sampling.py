@@ -2,7 +2,7 @@
 
 import torch
 
-from kernels.sampling import SamplingTensors, counter_uniform, sample
+from kernels.sampling import SamplingTensors, bits_to_uniform, counter_uniform, sample
 
 
 def params(n, **kw):
@@ -12,6 +12,8 @@ def params(n, **kw):
 def test_uniforms_are_in_range_and_depend_only_on_seed_step_and_id():
     u = counter_uniform(torch.tensor([1, 2, 1]), torch.tensor([5, 5, 5]), 1000)
     assert (u > 0).all() and (u < 1).all()
+    extremes = bits_to_uniform(torch.tensor([0, 0xFFFFFFFF]))
+    assert extremes[0] > 0 and extremes[1] < 1  # strictly inside, in fp32
     assert torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
     assert abs(u.mean().item() - 0.5) < 0.02
 
