@@ -445,7 +445,7 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_
     first_block = tl.load(cu_ptr + rs, mask=rs < R, other=0) // BLOCK_M + rs
     r = tl.sum(((first_block <= p) & (rs < R)).to(tl.int32), 0) - 1
     start, stop = tl.load(cu_ptr + r), tl.load(cu_ptr + r + 1)
-    q0 = start + (p - (tl.load(cu_ptr + r) // BLOCK_M + r)) * BLOCK_M
+    q0 = start + (p - (start // BLOCK_M + r)) * BLOCK_M  # this program's block within request r
     if q0 < stop:
         ctx = tl.load(ctx_ptr + r)
         kvh = head // GROUP
