@@ -150,3 +150,19 @@ def test_a_row_whose_candidates_overflow_is_flagged_for_the_reference():
     tokens, *_ = sample(logits, p)
     assert got.tokens[1] == tokens[1]
     assert torch.equal(T.sample_on_gpu(logits, p, max_candidates=64)[0], tokens)  # flagged rows: the reference
+
+
+def test_top_p_keeps_more_ids_than_it_copies():
+    """Bins surely inside the nucleus are raced where they lie; only the band the histogram can't place is copied."""
+    T = _draw_module()
+    from kernels.sampling import _filter_sorted
+
+    n, vocab = 4, 3000
+    logits = torch.randn(n, vocab, device=DEVICE)
+    p = params(n, device=DEVICE, top_p=0.5, seeds=torch.arange(n, device=DEVICE) + 5,
+               steps=torch.arange(n, device=DEVICE))
+    kept = (_filter_sorted(logits.sort(descending=True).values, p, vocab) > 0).sum(-1)
+    assert (kept > 256).all()  # the nucleus is larger than the candidate buffer
+    got = T.draw(logits, p, splits=3, max_candidates=256)
+    assert got.done.tolist() == [1] * n
+    assert torch.equal(got.tokens, sample(logits, p)[0])
