@@ -243,6 +243,14 @@ def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
 
 
 @triton.jit
+def _band_tile(cand_s_ptr, cand_i_ptr, row, i, n_band, MAX_CAND: tl.constexpr):
+    """Scaled logits and ids of band candidates i (-inf and id -1 past the band's end)."""
+    live = i < n_band
+    return (tl.load(cand_s_ptr + row * MAX_CAND + i, mask=live, other=NEG),
+            tl.load(cand_i_ptr + row * MAX_CAND + i, mask=live, other=-1))
+
+
+@triton.jit
 def _ahead_of(cand_s_ptr, cand_i_ptr, row, n_band, s_i, id_i, s_m,
               MAX_CAND: tl.constexpr, TILE: tl.constexpr):
     """For candidates i: how many candidates sort before them (s descending, then id descending) and the exp mass
@@ -251,10 +259,8 @@ def _ahead_of(cand_s_ptr, cand_i_ptr, row, n_band, s_i, id_i, s_m,
     before = tl.zeros([TILE], tl.float32)
     for j0 in range(0, n_band, TILE):
         j = j0 + tl.arange(0, TILE)
-        live = j < n_band
-        s_j = tl.load(cand_s_ptr + row * MAX_CAND + j, mask=live, other=NEG)
-        id_j = tl.load(cand_i_ptr + row * MAX_CAND + j, mask=live, other=-1)
-        ahead = live[None, :] & ((s_j[None, :] > s_i[:, None]) |
+        s_j, id_j = _band_tile(cand_s_ptr, cand_i_ptr, row, j, n_band, MAX_CAND)
+        ahead = (j < n_band)[None, :] & ((s_j[None, :] > s_i[:, None]) |
                                  ((s_j[None, :] == s_i[:, None]) & (id_j[None, :] > id_i[:, None])))
         rank += tl.sum(ahead.to(tl.int32), 1)
         before += tl.sum(tl.where(ahead, tl.exp(s_j - s_m)[None, :], 0.0), 1)
@@ -290,8 +296,7 @@ def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
                     z = 0.0
                     for i0 in range(0, n_band, TILE):
                         i = i0 + tl.arange(0, TILE)
-                        s_i = tl.load(cand_s_ptr + row * MAX_CAND + i, mask=i < n_band, other=NEG)
-                        id_i = tl.load(cand_i_ptr + row * MAX_CAND + i, mask=i < n_band, other=-1)
+                        s_i, id_i = _band_tile(cand_s_ptr, cand_i_ptr, row, i, n_band, MAX_CAND)
                         e_i = tl.exp(s_i - s_m)
                         rank, _ = _ahead_of(cand_s_ptr, cand_i_ptr, row, n_band, s_i, id_i, s_m,
                                             MAX_CAND, TILE)
@@ -300,8 +305,7 @@ def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
                 for i0 in range(0, n_band, TILE):
                     i = i0 + tl.arange(0, TILE)
                     live = i < n_band
-                    s_i = tl.load(cand_s_ptr + row * MAX_CAND + i, mask=live, other=NEG)
-                    id_i = tl.load(cand_i_ptr + row * MAX_CAND + i, mask=live, other=-1)
+                    s_i, id_i = _band_tile(cand_s_ptr, cand_i_ptr, row, i, n_band, MAX_CAND)
                     e_i = tl.exp(s_i - s_m)
                     rank, ahead_mass = _ahead_of(cand_s_ptr, cand_i_ptr, row, n_band, s_i, id_i, s_m,
                                                  MAX_CAND, TILE)
