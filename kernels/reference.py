@@ -50,6 +50,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate.float()) * up.float()).to(gate_up.dtype)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A projection: x [T, K] @ weight [N, K]^T."""
+    return x @ weight.t()
+
+
+def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's fused [gate; up] projection followed by its activation."""
+    return silu_mul(linear(x, gate_up_weight))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Causal depthwise conv1d + SiLU
 

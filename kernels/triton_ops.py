@@ -7,6 +7,7 @@ CI runs these kernels under TRITON_INTERPRET=1 against the references on small s
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 
@@ -109,6 +110,87 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     BLOCK = 1024
     _silu_mul_kernel[(T, triton.cdiv(inner, BLOCK))](gate_up, out, inner, gate_up.stride(0), BLOCK=BLOCK)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Projections for few rows (decode): weight-bandwidth bound, so each program streams a block of weight rows once
+# for every input row, and the MLP's activation is applied in the epilogue. More rows go to cuBLAS.
+
+SKINNY_MAX_ROWS = 0  # cuBLAS measured faster at every row count with the first tiles (docs/benchmarks/decode.md)
+SKINNY_CONFIG = (16, 256, 4, 3)  # (BLOCK_N, BLOCK_K, warps, stages)
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, M, N_OUT, K, x_row_stride,
+                          SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """out [M, N_OUT] = x @ w.t(); with SILU_MUL, w = [gate; up] (2 N_OUT rows) and out = silu(gate) * up."""
+    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = ns < N_OUT
+    ms = tl.arange(0, BLOCK_M)
+    mmask = ms < M
+    w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
+    up_rows = w_rows + N_OUT * K
+    if BLOCK_M == 1:  # one row: multiply-accumulate in registers, one reduction at the end
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        up2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            wmask = nmask[:, None]
+            xmask = mmask[:, None]
+        else:
+            wmask = nmask[:, None] & (ks < K)[None, :]
+            xmask = mmask[:, None] & (ks < K)[None, :]
+        x = tl.load(x_ptr + ms[:, None] * x_row_stride + ks[None, :], mask=xmask, other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0)
+        if BLOCK_M == 1:
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        if SILU_MUL:
+            wu = tl.load(up_rows + ks[None, :], mask=wmask, other=0.0)
+            if BLOCK_M == 1:
+                up2 += wu.to(tl.float32) * x.to(tl.float32)
+            else:
+                up = tl.dot(x, tl.trans(wu), up)
+    if BLOCK_M == 1:
+        acc = tl.sum(acc2, axis=1)[None, :]
+        up = tl.sum(up2, axis=1)[None, :]
+    out_ty = out_ptr.dtype.element_ty
+    if SILU_MUL:  # the projections are rounded to the model dtype first, as the unfused path rounds them
+        g = acc.to(out_ty).to(tl.float32)
+        acc = g / (1.0 + tl.exp(-g)) * up.to(out_ty).to(tl.float32)
+    tl.store(out_ptr + ms[:, None] * N_OUT + ns[None, :], acc.to(out_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def _skinny_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, config=None) -> torch.Tensor:
+    M, K = x.shape
+    n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    block_n, block_k, warps, stages = config or SKINNY_CONFIG
+    block_m = 1 if M == 1 else max(16, _pow2(M))
+    out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    _skinny_linear_kernel[(triton.cdiv(n_out, block_n),)](
+        x, weight, out, M, n_out, K, x.stride(0), SILU_MUL=silu_mul, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] > SKINNY_MAX_ROWS:
+        return x @ weight.t()
+    return _skinny_linear(x, weight, silu_mul=False)
+
+
+def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] > SKINNY_MAX_ROWS:
+        return silu_mul(x @ gate_up_weight.t())
+    return _skinny_linear(x, gate_up_weight, silu_mul=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -336,12 +418,14 @@ def qk_norm_rope_cache(qkv, q_norm, k_norm, eps, positions, cos, sin, k_cache, v
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Decode attention over paged KV, split-K (flash decoding), any GQA group; a second kernel merges the splits.
-# Program (row, kv head, split): all query heads of the group at once, 64 cached tokens per iteration.
+# Program (row, kv head, split): all query heads of the group at once, 64 cached tokens per iteration. Each row's
+# actual length is shared out evenly over the splits when the kernel runs, so a graph captured with a fixed
+# split count still spreads a short context over many programs; the count is chosen to fill the GPU.
 
 
 @triton.jit
 def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, part_o_ptr, part_ml_ptr,
-                        NH, NKV, WIDTH, scale, TOKENS_PER_SPLIT,
+                        NH, NKV, WIDTH, scale,
                         GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                         PRECISION: tl.constexpr):
@@ -358,8 +442,9 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, part_o_ptr, p
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    start = split * TOKENS_PER_SPLIT
-    stop = tl.minimum(start + TOKENS_PER_SPLIT, seq_len)
+    share = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * share
+    stop = tl.minimum(start + share, seq_len)
     for t0 in range(start, stop, BLOCK_N):
         tok = t0 + tl.arange(0, BLOCK_N)
         tmask = tok < stop
@@ -405,18 +490,35 @@ def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, gate_ptr, NH, gate_ro
     tl.store(out_ptr + rh * D + d, total.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, gate=None, tokens_per_split: int = 512):
+DECODE_ATTN_BLOCK_N = 64  # cached tokens per iteration
+MAX_DECODE_SPLITS = 64
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def decode_splits(rows: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
+    """Splits per (row, kv head): enough programs for two per multiprocessor, no more than the longest
+    possible context can use."""
+    wanted = _pow2(triton.cdiv(2 * _multiprocessors(device), rows * kv_heads))
+    return max(1, min(wanted, MAX_DECODE_SPLITS, triton.cdiv(max_tokens, DECODE_ATTN_BLOCK_N)))
+
+
+def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, gate=None, splits: int | None = None):
     N, NH, D = q.shape
     NKV, PAGE = k_cache.shape[2], k_cache.shape[1]
     group = NH // NKV
     width = page_table.shape[1]
-    splits = max(1, triton.cdiv(width * PAGE, tokens_per_split))
+    splits = splits or decode_splits(N, NKV, width * PAGE, q.device)
     part_o = torch.empty(N, NH, splits, D, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(N, NH, splits, 2, dtype=torch.float32, device=q.device)
     _decode_attn_kernel[(N, NKV, splits)](
         q.contiguous(), k_cache, v_cache, page_table, seq_lens, part_o, part_ml,
-        NH, NKV, width, scale, tokens_per_split,
-        GROUP=group, D=D, PAGE=PAGE, SPLITS=splits, BLOCK_G=max(16, _pow2(group)), BLOCK_D=_pow2(D), BLOCK_N=64,
+        NH, NKV, width, scale,
+        GROUP=group, D=D, PAGE=PAGE, SPLITS=splits, BLOCK_G=max(16, _pow2(group)), BLOCK_D=_pow2(D),
+        BLOCK_N=DECODE_ATTN_BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )
     out = torch.empty_like(q)

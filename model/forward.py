@@ -68,13 +68,13 @@ class Qwen35Shard:
 
     # Layers ----------------------------------------------------------------------------------------------------------
     def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        w = self.w
-        h = self.ops.silu_mul(x @ w[p + "mlp.gate_up_proj.weight"].t())
-        return self.all_reduce(h @ w[p + "mlp.down_proj.weight"].t())
+        w, ops = self.w, self.ops
+        h = ops.linear_silu_mul(x, w[p + "mlp.gate_up_proj.weight"])
+        return self.all_reduce(ops.linear(h, w[p + "mlp.down_proj.weight"]))
 
     def _gdn_inputs(self, x: torch.Tensor, p: str):
         """Views of the fused [qkv | z | b | a] projection."""
-        y = x @ self.w[p + "in_proj_all.weight"].t()
+        y = self.ops.linear(x, self.w[p + "in_proj_all.weight"])
         C, hv = self.local.gdn_conv_dim, self.local.gdn_value_heads
         vd = hv * self.cfg.linear_value_head_dim
         mixed, z, b, a = y.split([C, vd, hv, hv], dim=1)
@@ -84,7 +84,7 @@ class Qwen35Shard:
         T = o.shape[0]
         dv = self.cfg.linear_value_head_dim
         normed = self.ops.gated_rms_norm(o, z.reshape(T, -1, dv), self.w[p + "norm.weight"], self.cfg.rms_norm_eps)
-        return self.all_reduce(normed.reshape(T, -1) @ self.w[p + "out_proj.weight"].t())
+        return self.all_reduce(self.ops.linear(normed.reshape(T, -1), self.w[p + "out_proj.weight"]))
 
     def _gdn_prefill(self, x, p, state: ModelState, batch: PrefillBatch, j: int):
         cfg, w = self.cfg, self.w
@@ -109,7 +109,7 @@ class Qwen35Shard:
     def _attn_inputs(self, x, p, state: ModelState, j: int, positions, slot_mapping):
         """The fused q/k/v projection, then q/k norms, RoPE and the paged K/V write; (rotated q, gate view)."""
         cfg, w = self.cfg, self.w
-        qkv = x @ w[p + "qkv_proj.weight"].t()
+        qkv = self.ops.linear(x, w[p + "qkv_proj.weight"])
         nh, nkv = self.local.num_heads, self.local.num_kv_heads
         q = self.ops.qk_norm_rope_cache(
             qkv, w[p + "q_norm.weight"], w[p + "k_norm.weight"], cfg.rms_norm_eps, positions, self.cos, self.sin,
@@ -119,7 +119,7 @@ class Qwen35Shard:
         return q, gate
 
     def _attn_output(self, o: torch.Tensor, p: str) -> torch.Tensor:
-        return self.all_reduce(o.reshape(o.shape[0], -1) @ self.w[p + "o_proj.weight"].t())
+        return self.all_reduce(self.ops.linear(o.reshape(o.shape[0], -1), self.w[p + "o_proj.weight"]))
 
     def _attn_prefill(self, x, p, state: ModelState, batch: PrefillBatch, j: int):
         q, gate = self._attn_inputs(x, p, state, j, batch.positions, batch.slot_mapping)
@@ -156,7 +156,7 @@ class Qwen35Shard:
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden @ self.w["lm_head.weight"].t()).float()
+        return self.ops.linear(hidden, self.w["lm_head.weight"]).float()
 
     @torch.inference_mode()
     def prefill(self, state: ModelState, batch: PrefillBatch, all_logits: bool = False) -> torch.Tensor:

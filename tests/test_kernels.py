@@ -117,14 +117,22 @@ def test_decode_attention_any_group(nh, nkv):
     q = randn(3, nh, D)
     table = torch.randint(0, pages, (3, 8), dtype=torch.int32, device=DEVICE)
     lens = torch.tensor([1, 77, 128], device=DEVICE)
-    with poisoned_outputs():
-        got = T.decode_attention(q, kc, vc, table, lens, D**-0.5, tokens_per_split=32)  # several splits
-    assert rel(got, R.decode_attention(q, kc, vc, table, lens, D**-0.5)) <= REDUCTION
+    for splits in (1, 3):  # one split; several, some of them empty for the short rows
+        with poisoned_outputs():
+            got = T.decode_attention(q, kc, vc, table, lens, D**-0.5, splits=splits)
+        assert rel(got, R.decode_attention(q, kc, vc, table, lens, D**-0.5)) <= REDUCTION
     qg = randn(3, nh, 2 * D)  # the gate as a strided view, as the fused projection gives it
     gate = qg[..., D:]
     with poisoned_outputs():
-        got = T.decode_attention(q, kc, vc, table, lens, D**-0.5, gate, tokens_per_split=32)
+        got = T.decode_attention(q, kc, vc, table, lens, D**-0.5, gate)
     assert rel(got, R.decode_attention(q, kc, vc, table, lens, D**-0.5, gate)) <= REDUCTION
+
+
+def test_decode_splits_fill_the_gpu_within_the_context():
+    cpu = torch.device("cpu")  # counts 4 multiprocessors
+    assert T.decode_splits(1, 1, 10_000, cpu) == 8
+    assert T.decode_splits(1, 1, 100, cpu) == 2  # two blocks of 64 tokens at most
+    assert T.decode_splits(64, 4, 10_000, cpu) == 1
 
 
 def test_chunked_gdn_reference_matches_the_recurrence():
@@ -238,3 +246,17 @@ def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv):
     assert rel(got, ref) <= REDUCTION
     assert rel(state[:5], ref_state[:5]) <= REDUCTION
     assert torch.equal(state[2], ref_state[2])  # a slot no request uses is untouched
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("k", [256, 200])
+def test_skinny_linear_and_its_activation_epilogue(rows, k, monkeypatch):
+    monkeypatch.setattr(T, "SKINNY_MAX_ROWS", 64)  # route every row count here to the kernel
+    x, w = randn(rows, k), randn(2 * 40, k) * 0.1
+    with poisoned_outputs():
+        got = T.linear(x, w)
+        got_act = T.linear_silu_mul(x, w)
+        strided = T.linear(torch.cat([x, x], dim=1)[:, :k], w)  # a view with a row stride
+    ref = R.linear(x, w)
+    assert rel(got, ref) <= REDUCTION and rel(strided, ref) <= REDUCTION
+    assert rel(got_act, R.linear_silu_mul(x, w)) <= REDUCTION

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import logging
-import os
 import sys
 import tempfile
 
 import torch
 
+from kernels import triton_ops
+from kernels.sampling import SamplingTensors
+from kernels.triton_sampling import draw
 from model.state import StateSizes
 from model.weights import weight_bytes
 from runtime import AsyncEngine, EngineArgs
@@ -49,15 +52,22 @@ def step_bytes(cfg, weights, tp: int, dtype, rows: int, context: int) -> int:
     return read + state + kv
 
 
+@contextlib.asynccontextmanager
+async def open_engine(size: str, layers: int | None, batches: list[int], context: int, tp: int):
+    """An engine on random bf16 weights of a `size`-shaped config, with a graph bucket for each batch size."""
+    with tempfile.TemporaryDirectory(prefix="bench_decode_") as folder:
+        write_checkpoint(folder, size, layers=layers, weights=False)
+        args = EngineArgs(model=folder, device="cuda", tp=tp, load_format="random", max_batch=max(batches),
+                          max_model_len=context * 2, buckets=sorted(set(batches)), prefill_slots=1,
+                          prefill_token_budget=512)
+        async with AsyncEngine(args) as engine:
+            yield engine
+
+
 async def run(ns) -> list[dict]:
-    folder = tempfile.mkdtemp(prefix="bench_decode_")
-    write_checkpoint(folder, ns.size, layers=ns.layers, weights=False)
     batches = [int(b) for b in ns.batches.split(",")]
-    args = EngineArgs(model=folder, device="cuda", tp=ns.tp, load_format="random", max_batch=max(batches),
-                      max_model_len=ns.context * 2, buckets=sorted(set(batches)), prefill_slots=1,
-                      prefill_token_budget=512)
     results = []
-    async with AsyncEngine(args) as engine:
+    async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp) as engine:
         replica = engine.replica
         bw = await replica.group.call(lambda rank: copy_bandwidth(replica.ranks[rank].backend.device))
         for rows in batches:
@@ -80,12 +90,11 @@ def _measure(replica, rank, rows, context):
         eager = time_per_call(lambda: model.decode(runtime.state, batch), r.backend.device, iters=10)
         replay = time_per_call(lambda: graphs(rows, batch), r.backend.device, iters=50)
         logits = graphs(rows, batch)
-        from kernels.sampling import SamplingTensors, sample
-
-        n = rows
-        p = SamplingTensors.filled(n, logits.device, temperature=0.8, top_k=50, top_p=0.95, seeds=1)
-        sampled = time_per_call(lambda: sample(logits, p), r.backend.device, iters=20)
-        greedy = time_per_call(lambda: sample(logits, p, all_greedy=True), r.backend.device, iters=20)
+        # What the engine runs after the replay: the Triton sampler (Qwen's default filters, and greedy).
+        p = SamplingTensors.filled(rows, logits.device, temperature=0.7, top_k=20, top_p=0.8, seeds=1)
+        sampled = time_per_call(lambda: draw(logits, p), r.backend.device, iters=20)
+        p = SamplingTensors.filled(rows, logits.device, temperature=0.0)
+        greedy = time_per_call(lambda: draw(logits, p), r.backend.device, iters=20)
         restore(runtime.state, saved)
         return {"batch": rows, "eager_s": eager, "replay_s": replay, "sample_s": sampled, "greedy_s": greedy}
 
@@ -93,10 +102,11 @@ def _measure(replica, rank, rows, context):
 def table(ns, results) -> str:
     lines = [
         f"{ns.size} ({ns.layers or 'all'} layers), tp={ns.tp}, bf16, context {ns.context}, "
-        f"copy bandwidth {results[0]['copy_tbps']:.2f} TB/s",
+        f"copy bandwidth {results[0]['copy_tbps']:.2f} TB/s, projections of up to "
+        f"{triton_ops.SKINNY_MAX_ROWS} rows by the skinny Triton kernel, larger ones by cuBLAS",
         "",
         "| batch | graph step ms | eager step ms | graph/eager speed-up | tokens/s (graph) | HBM floor ms "
-        "| graph / floor | sampling ms (top-p/k) | greedy pick ms |",
+        "| graph / floor | sampling ms (T 0.7, top-k 20, top-p 0.8) | greedy ms |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
@@ -115,11 +125,16 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
+    parser.add_argument("--skinny-max-rows", type=int, default=None,
+                        help="projections of up to this many rows use the skinny Triton kernel, larger ones cuBLAS "
+                        f"(default {triton_ops.SKINNY_MAX_ROWS}; 0: cuBLAS only)")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA device")
         return 2
+    if ns.skinny_max_rows is not None:
+        triton_ops.SKINNY_MAX_ROWS = ns.skinny_max_rows
     results = asyncio.run(run(ns))
     text = table(ns, results)
     stamp = f"{datetime.date.today()} {torch.cuda.get_device_name()} `python -m tools.bench_decode {' '.join(argv or sys.argv[1:])}`"

@@ -1,7 +1,8 @@
 """Kernel benchmark on a GPU: time, achieved bandwidth or FLOP rate, and the ratio to ceilings measured in the
 same run (a large device-to-device copy; a large bf16 matmul), and for GDN the ratio to fla-core.
 
-    python -m tools.bench_kernels [--size 4b|9b|27b] [--out FILE] [--sweeps decode,scan,prep,attention,sampler]
+    python -m tools.bench_kernels [--size 4b|9b|27b] [--out FILE] [--only-projections]
+        [--sweeps decode,scan,prep,attention,sampler,skinny]
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton.testing
+from triton.runtime.errors import OutOfResources
 
 import kernels.reference as R
 import kernels.triton_ops as T
@@ -26,6 +28,9 @@ PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32
 GDN_SCAN_SWEEP = [(32, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)]  # (block of dv, warps, stages)
 GDN_PREP_SWEEP = [(8, 1), (8, 2), (16, 1)]  # (warps, stages)
 SAMPLER_SWEEP = [(2048, 8), (4096, 8)]  # (block, warps) of the sampler's passes
+SKINNY_SWEEP = [(16, 256, 4, 3), (16, 512, 4, 2), (32, 256, 4, 4), (16, 1024, 8, 1), (64, 128, 4, 4)]
+SKINNY_SWEEP_ONE_ROW = [(8, 1024, 4, 1), (8, 2048, 8, 1), (4, 2048, 4, 1), (4, 4096, 8, 1), (16, 2048, 8, 1),
+                        (2, 4096, 4, 1)]  # BLOCK_N < 16 only without tl.dot (one row)
 
 
 def bench(fn) -> float:
@@ -44,15 +49,68 @@ def ceilings(dev):
     return copy_bw, flops
 
 
-SWEEPS = ("decode", "scan", "prep", "attention", "sampler")
+SWEEPS = ("decode", "scan", "prep", "attention", "sampler", "skinny")
 
 
-def run(size: str, sweeps=SWEEPS) -> list[tuple]:
+def graph_time_per_call(make_call, weights: list[torch.Tensor]) -> float:
+    """Seconds per call of `make_call(w)` replayed in one CUDA graph that cycles through `weights` (together
+    larger than L2), as a decode step streams its weights: no launch gaps, no warm cache."""
+    calls = [make_call(w) for w in weights]
+    for call in calls:
+        call()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    return bench(graph.replay) / len(calls)
+
+
+def projections(cfg, rows: list, bw: float, sweep: bool) -> None:
+    """Decode projections (few rows): ours (`linear`, `linear_silu_mul`) against cuBLAS on the same shapes, each
+    timed inside a CUDA graph over copies of the weight that do not fit in L2."""
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    shapes = {"gdn in_proj (qkv|z|b|a)": (2 * hk * dk + 2 * hv * dv + 2 * hv, H), "gdn out_proj": (H, hv * dv),
+              "attn qkv_proj": ((2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D, H),
+              "attn o_proj": (H, cfg.num_attention_heads * D), "mlp gate_up (+ silu_mul)": (2 * I, H),
+              "mlp down_proj": (H, I), "lm_head": (cfg.vocab_size, H)}
+    for name, (n, k) in shapes.items():
+        copies = max(2, -(-(512 << 20) // (n * k * 2)))
+        weights = [torch.randn(n, k, device=dev, dtype=bf) * 0.02 for _ in range(copies)]
+        act = name.startswith("mlp gate_up")
+        for m in (1, 8, 64):
+            x = torch.randn(m, k, device=dev, dtype=bf)
+            nbytes = n * k * 2 + m * k * 2 + m * (n // 2 if act else n) * 2
+            ours = (lambda w: lambda: T.linear_silu_mul(x, w)) if act else (lambda w: lambda: T.linear(x, w))
+            peer = (lambda w: lambda: T.silu_mul(x @ w.t())) if act else (lambda w: lambda: x @ w.t())
+            t, t_peer = graph_time_per_call(ours, weights), graph_time_per_call(peer, weights)
+            rows.append((f"projection {name}", f"{m} x {k} -> {n}", t, f"{nbytes / t / 1e12:.2f} TB/s",
+                         f"{nbytes / t / bw:.0%} of copy; cuBLAS {nbytes / t_peer / bw:.0%} "
+                         f"({t_peer / t:.2f}x our time)"))
+            configs = SKINNY_SWEEP + (SKINNY_SWEEP_ONE_ROW if m == 1 else []) if sweep and m in (1, 8) else []
+            for config in configs:
+                try:
+                    t = graph_time_per_call(lambda w: lambda: T._skinny_linear(x, w, act, config), weights)
+                except OutOfResources:
+                    continue
+                rows.append((f"projection {name} config {config}", f"{m} x {k} -> {n}", t,
+                             f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy"))
+        del weights
+
+
+def run(size: str, sweeps=SWEEPS, only_projections: bool = False) -> list[tuple]:
     dev = torch.device("cuda")
     cfg = ModelConfig.from_dict(text_config(size, 248320))
     bw, flops = ceilings(dev)
     rows = [("copy (ceiling)", "4 GiB read + written", None, f"{bw / 1e12:.2f} TB/s", ""),
             ("bf16 matmul 8192^3 (ceiling)", "", None, f"{flops / 1e12:.0f} TFLOP/s", "")]
+    if only_projections:
+        projections(cfg, rows, bw, "skinny" in sweeps)
+        return rows
     bf = torch.bfloat16
 
     def memory_row(name, shape_note, fn, nbytes, note=""):
@@ -68,6 +126,7 @@ def run(size: str, sweeps=SWEEPS) -> list[tuple]:
 
     hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     C = 2 * hk * dk + hv * dv
+    projections(cfg, rows, bw, "skinny" in sweeps)
     N, S = 64, 64
     mixed = torch.randn(N, C, device=dev, dtype=bf)
     a, b = torch.randn(N, hv, device=dev, dtype=bf), torch.randn(N, hv, device=dev, dtype=bf)
@@ -218,11 +277,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--sweeps", default=",".join(SWEEPS), help="launch-configuration sweeps to run: any of "
                         f"{', '.join(SWEEPS)}, comma-separated (none: '')")
+    parser.add_argument("--only-projections", action="store_true", help="time only the decode projections")
     ns = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA device")
         return 2
-    rows = run(ns.size, ns.sweeps.split(","))
+    rows = run(ns.size, ns.sweeps.split(","), ns.only_projections)
     lines = [f"### {datetime.date.today()} {torch.cuda.get_device_name()} `python -m tools.bench_kernels "
              f"{' '.join(argv or sys.argv[1:])}` ({ns.size} shapes)", "",
              "| kernel | shape | time us | rate | vs ceiling / peer |", "|---|---|---:|---:|---|"]
