@@ -60,6 +60,12 @@ def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tens
     return silu_mul(linear(x, gate_up_weight))
 
 
+def add_rms_norm_linear(x, residual, norm_weight, eps: float, weight, silu_mul: bool = False):
+    """A block's input norm (with the residual add) and its first projection: (projection, new residual)."""
+    h, summed = add_rms_norm(x, residual, norm_weight, eps)
+    return (linear_silu_mul if silu_mul else linear)(h, weight), summed
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Causal depthwise conv1d + SiLU
 

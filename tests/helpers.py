@@ -47,10 +47,11 @@ class CpuRunner:
     """Our model on one rank with a state pool and a trivial page allocator, for tests."""
 
     def __init__(self, checkpoint_dir: str, dtype=torch.float32, num_slots: int = 16, num_pages: int = 256, tp=1,
-                 rank=0, all_reduce=None):
+                 rank=0, all_reduce=None, ops=None):
         self.cfg = load_model_config(checkpoint_dir)
         weights = load_rank_weights(checkpoint_dir, self.cfg, rank=rank, tp=tp, dtype=dtype, progress=False)
-        self.model = Qwen35Shard(self.cfg, weights, tp=tp, all_reduce=all_reduce)
+        kw = {"ops": ops} if ops is not None else {}
+        self.model = Qwen35Shard(self.cfg, weights, tp=tp, all_reduce=all_reduce, **kw)
         self.state = ModelState(self.cfg, tp, num_slots, num_pages, dtype)
         self.next_page = 0
         self.pages: dict[int, list[int]] = {}

@@ -85,12 +85,27 @@ def projections(cfg, rows: list, bw: float, sweep: bool) -> None:
         for m in (1, 8, 64):
             x = torch.randn(m, k, device=dev, dtype=bf)
             nbytes = n * k * 2 + m * k * 2 + m * (n // 2 if act else n) * 2
-            ours = (lambda w: lambda: T.linear_silu_mul(x, w)) if act else (lambda w: lambda: T.linear(x, w))
-            peer = (lambda w: lambda: T.silu_mul(x @ w.t())) if act else (lambda w: lambda: x @ w.t())
-            t, t_peer = graph_time_per_call(ours, weights), graph_time_per_call(peer, weights)
+
+            def ours(w, x=x):  # our kernel whatever the routing flags say
+                return lambda: T._skinny_linear(x, w, act)
+
+            def cublas(w, x=x, norm=None):
+                def call():
+                    h = x if norm is None else T.add_rms_norm(x, norm[0], norm[1], 1e-6)[0]
+                    return T.silu_mul(h @ w.t()) if act else h @ w.t()
+                return call
+
+            t, t_peer = graph_time_per_call(ours, weights), graph_time_per_call(cublas, weights)
             rows.append((f"projection {name}", f"{m} x {k} -> {n}", t, f"{nbytes / t / 1e12:.2f} TB/s",
                          f"{nbytes / t / bw:.0%} of copy; cuBLAS {nbytes / t_peer / bw:.0%} "
                          f"({t_peer / t:.2f}x our time)"))
+            if m == 1 and k == H:  # a block's first projection: its input norm fused, against norm + cuBLAS
+                norm = (torch.randn(1, k, device=dev, dtype=bf), torch.randn(k, device=dev, dtype=bf) * 0.1)
+                t = graph_time_per_call(lambda w: lambda: T._gemv(x, w, act, *norm, 1e-6), weights)
+                t_peer = graph_time_per_call(lambda w: cublas(w, norm=norm), weights)
+                rows.append((f"projection {name}, input norm fused", f"{m} x {k} -> {n}", t,
+                             f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy; Triton norm + "
+                             f"cuBLAS {nbytes / t_peer / bw:.0%} ({t_peer / t:.2f}x our time)"))
             configs = SKINNY_SWEEP + (SKINNY_SWEEP_ONE_ROW if m == 1 else []) if sweep and m in (1, 8) else []
             for config in configs:
                 try:
