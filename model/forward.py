@@ -108,11 +108,13 @@ class Qwen35Shard:
         cfg, w, la = self.cfg, self.w, p + "linear_attn."
         mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
         mixed = self.ops.conv1d_decode(mixed, w[la + "conv1d.weight"], state.conv[j], batch.slots)
-        o = self.ops.gdn_decode(
+        dv = cfg.linear_value_head_dim
+        normed = self.ops.gdn_decode(  # the gated output norm is fused in
             mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], batch.slots,
-            self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+            self.local.gdn_key_heads, cfg.linear_key_head_dim, dv,
+            z=z.reshape(z.shape[0], -1, dv), norm_weight=w[la + "norm.weight"], eps=cfg.rms_norm_eps,
         )
-        return self._gdn_output(o, z, la), residual
+        return self.all_reduce(self.ops.linear(normed.reshape(normed.shape[0], -1), w[la + "out_proj.weight"])), residual
 
     def _attn_inputs(self, x, residual, p, state: ModelState, j: int, positions, slot_mapping):
         """The fused q/k/v projection, then q/k norms, RoPE and the paged K/V write; (rotated q, gate view,

@@ -152,10 +152,23 @@ def run(size: str, sweeps=SWEEPS, only_projections: bool = False) -> list[tuple]
     t_ours = memory_row("gdn_decode (fused)", f"batch {N}, Hv {hv}", lambda: T.gdn_decode(
         mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv), state_bytes, "(state traffic; target 80%)")
 
+    z, nw = torch.randn(N, hv, dv, device=dev, dtype=bf), torch.randn(dv, device=dev, dtype=bf)
+    for rows_ in (N, 1):  # as the forward runs it: the gated norm fused in, against the two kernels apart
+        m_, a_, b_, z_, s_ = mixed[:rows_], a[:rows_], b[:rows_], z[:rows_], slots[:rows_]
+        t_apart = bench(lambda: T.gated_rms_norm(T.gdn_decode(m_, a_, b_, A_log, dt_bias, state, s_, hk, dk, dv),
+                                                 z_, nw, 1e-6))
+        for warps in (4, 8, 16) if "decode" in sweeps else (T.GDN_DECODE_GATED_WARPS,):
+            t = bench(lambda: T.gdn_decode(m_, a_, b_, A_log, dt_bias, state, s_, hk, dk, dv, z=z_, norm_weight=nw,
+                                           config=(dv, warps)))
+            nbytes = 2 * rows_ * hv * dk * dv * 4
+            rows.append((f"gdn_decode + gated norm fused, {warps} warps", f"batch {rows_}", t,
+                         f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy; decode and norm "
+                         f"apart {t_apart * 1e6:.1f} us"))
+
     for block_v in (16, 32, 64) if "decode" in sweeps else ():  # the sweep behind the default (64, 4 warps)
         for warps in (2, 4, 8):
             memory_row(f"gdn_decode block_v={block_v} warps={warps}", f"batch {N}", lambda: T.gdn_decode(
-                mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv, block_v, warps), state_bytes)
+                mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv, config=(block_v, warps)), state_bytes)
 
     conv_state = torch.randn(S + 1, 3, C, device=dev, dtype=bf)
     wc = torch.randn(C, 4, device=dev, dtype=bf)
