@@ -55,16 +55,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.t()
 
 
-def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
-    """The MLP's fused [gate; up] projection followed by its activation."""
-    return silu_mul(linear(x, gate_up_weight))
-
-
-def add_rms_norm_linear(x, residual, norm_weight, eps: float, weight, silu_mul: bool = False):
-    """A block's input norm (with the residual add) and its first projection: (projection, new residual)."""
-    h, summed = add_rms_norm(x, residual, norm_weight, eps)
-    return (linear_silu_mul if silu_mul else linear)(h, weight), summed
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Causal depthwise conv1d + SiLU

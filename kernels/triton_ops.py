@@ -113,141 +113,45 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Projections for few rows (decode): weight-bandwidth bound, so each program streams a block of weight rows once
-# for every input row. One row goes to a GEMV that can also apply the block's input RMSNorm (with the residual add)
-# in its prologue, each program normalising the short input row itself; the MLP's activation is applied in the
-# epilogue. 2..SKINNY_MAX_ROWS rows go to a tl.dot kernel, more to cuBLAS.
+# One-row projections (batch-1 decode) that do not widen their input (out_proj, o_proj, down_proj: N <= K).
+# cuBLAS reaches about half the copy bandwidth on these small matrices at one row; a GEMV whose programs each
+# stream two weight rows in 4096-wide tiles reaches about two thirds (docs/benchmarks/kernels.md). cuBLAS keeps
+# the widening projections and every larger batch, where it measured faster.
 
-GEMV_ONE_ROW = False  # set from measurements (docs/benchmarks/decode.md)
-GEMV_CONFIG = (8, 1024, 4, 1)  # (BLOCK_N, BLOCK_K, warps, stages)
-SKINNY_MAX_ROWS = 0  # cuBLAS measured faster at 8 and 64 rows with the first tiles (docs/benchmarks/decode.md)
-SKINNY_CONFIG = (16, 256, 4, 3)  # (BLOCK_N, BLOCK_K, warps, stages)
+GEMV_ONE_ROW = True
+GEMV_CONFIG = (2, 4096, 4, 1)  # (BLOCK_N, BLOCK_K, warps, stages): the H200 sweep's best for N <= K
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, out_ptr, N_OUT, K, eps,
-                 NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """out [N_OUT] = h @ w.t() for one row h: h = x, or with NORM h = rms_norm(x (+ res)) * (1 + nw), the sum
-    written to res_out by program 0. With SILU_MUL, w = [gate; up] (2 N_OUT rows) and out = silu(gate) * up."""
-    pid = tl.program_id(0)
-    ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = ns < N_OUT
-    w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
-    out_ty = out_ptr.dtype.element_ty
-    inv = 1.0
-    if NORM:  # a first pass over the row for its mean square (the row is short and stays in cache)
-        sq = tl.zeros((BLOCK_K,), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
-            if HAS_RES:
-                x = x + tl.load(res_ptr + ks, mask=ks < K, other=0.0)  # in the model dtype, as the reference adds
-                if pid == 0:
-                    tl.store(res_out_ptr + ks, x, mask=ks < K)
-            sq += x.to(tl.float32) * x.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        wmask = nmask[:, None] if EVEN_K else nmask[:, None] & kmask[None, :]
-        x = tl.load(x_ptr + ks, mask=kmask, other=0.0)
-        if NORM:
-            if HAS_RES:
-                x = x + tl.load(res_ptr + ks, mask=kmask, other=0.0)
-            nw = tl.load(nw_ptr + ks, mask=kmask, other=0.0).to(tl.float32) + 1.0
-            x = (x.to(tl.float32) * inv * nw).to(x.dtype)  # rounded as the separate norm rounds its output
-        x = x.to(tl.float32)[None, :]
-        acc += tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32) * x
-        if SILU_MUL:
-            up += tl.load(w_rows + N_OUT * K + ks[None, :], mask=wmask, other=0.0).to(tl.float32) * x
-    y = tl.sum(acc, axis=1)
-    if SILU_MUL:  # the projections are rounded to the model dtype first, as the unfused path rounds them
-        g = y.to(out_ty).to(tl.float32)
-        y = g / (1.0 + tl.exp(-g)) * tl.sum(up, axis=1).to(out_ty).to(tl.float32)
-    tl.store(out_ptr + ns, y.to(out_ty), mask=nmask)
-
-
-def _gemv(x, weight, silu_mul: bool, residual=None, norm_weight=None, eps: float = 0.0, config=None):
-    """One row. With norm_weight: (projection of the normalised x (+ residual), x (+ residual))."""
-    K = x.shape[-1]
-    n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    block_n, block_k, warps, stages = config or GEMV_CONFIG
-    x = x.contiguous()
-    out = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
-    norm = norm_weight is not None
-    summed = torch.empty_like(x) if residual is not None else x
-    _gemv_kernel[(triton.cdiv(n_out, block_n),)](
-        x, residual.contiguous() if residual is not None else x, norm_weight if norm else x, summed, weight, out,
-        n_out, K, eps, NORM=norm, HAS_RES=residual is not None, SILU_MUL=silu_mul, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages)
-    return (out, summed) if norm else out
-
-
-@triton.jit
-def _skinny_dot_kernel(x_ptr, w_ptr, out_ptr, M, N_OUT, K, x_row_stride,
-                       SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """out [M, N_OUT] = x @ w.t() for 2..64 rows; SILU_MUL as in `_gemv_kernel`."""
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """out [N] = x @ w.t() for one row x."""
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = ns < N_OUT
-    ms = tl.arange(0, BLOCK_M)
-    mmask = ms < M
+    nmask = ns < N
     w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # reduced once, at the end
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
         wmask = nmask[:, None] if EVEN_K else nmask[:, None] & kmask[None, :]
-        xmask = mmask[:, None] if EVEN_K else mmask[:, None] & kmask[None, :]
-        x = tl.load(x_ptr + ms[:, None] * x_row_stride + ks[None, :], mask=xmask, other=0.0)
-        acc = tl.dot(x, tl.trans(tl.load(w_rows + ks[None, :], mask=wmask, other=0.0)), acc)
-        if SILU_MUL:
-            up = tl.dot(x, tl.trans(tl.load(w_rows + N_OUT * K + ks[None, :], mask=wmask, other=0.0)), up)
-    out_ty = out_ptr.dtype.element_ty
-    if SILU_MUL:
-        g = acc.to(out_ty).to(tl.float32)
-        acc = g / (1.0 + tl.exp(-g)) * up.to(out_ty).to(tl.float32)
-    tl.store(out_ptr + ms[:, None] * N_OUT + ns[None, :], acc.to(out_ty), mask=mmask[:, None] & nmask[None, :])
+        x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32) * x
+    tl.store(out_ptr + ns, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=nmask)
 
 
-def _skinny_linear(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool, config=None) -> torch.Tensor:
-    M, K = x.shape
-    if M == 1:
-        return _gemv(x, weight, silu_mul, config=config)
-    n_out = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    block_n, block_k, warps, stages = config or SKINNY_CONFIG
-    out = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    _skinny_dot_kernel[(triton.cdiv(n_out, block_n),)](
-        x, weight, out, M, n_out, K, x.stride(0), SILU_MUL=silu_mul, BLOCK_M=max(16, _pow2(M)), BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages)
+def gemv(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
+    """x [1, K] @ weight [N, K].t()."""
+    K, N = x.shape[1], weight.shape[0]
+    block_n, block_k, warps, stages = config or GEMV_CONFIG
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](x.contiguous(), weight, out, N, K, BLOCK_N=block_n, BLOCK_K=block_k,
+                                             EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages)
     return out
 
 
-def _ours(rows: int) -> bool:
-    return (rows == 1 and GEMV_ONE_ROW) or 1 < rows <= SKINNY_MAX_ROWS
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return _skinny_linear(x, weight, silu_mul=False) if _ours(x.shape[0]) else x @ weight.t()
-
-
-def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
-    if _ours(x.shape[0]):
-        return _skinny_linear(x, gate_up_weight, silu_mul=True)
-    return silu_mul(x @ gate_up_weight.t())
-
-
-def add_rms_norm_linear(x, residual, norm_weight, eps: float, weight, silu_mul: bool = False):
-    if x.shape[0] == 1 and GEMV_ONE_ROW:
-        return _gemv(x, weight, silu_mul, residual, norm_weight, eps)
-    h, summed = add_rms_norm(x, residual, norm_weight, eps)
-    return (linear_silu_mul if silu_mul else linear)(h, weight), summed
+    if GEMV_ONE_ROW and x.shape[0] == 1 and weight.shape[0] <= weight.shape[1]:
+        return gemv(x, weight)
+    return x @ weight.t()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

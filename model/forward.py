@@ -67,115 +67,108 @@ class Qwen35Shard:
                     w[p + fused] = torch.cat([w.pop(p + part) for part in parts], dim=0)
 
     # Layers ----------------------------------------------------------------------------------------------------------
-    # Each block adds its input x to the residual stream and normalises the sum; the ops fuse that norm into the
-    # block's first projection (`add_rms_norm_linear`), so a block takes (x, residual), returns (output, residual),
-    # and p is its layer's prefix ("layers.{i}.").
-    def _norm_and_project(self, x, residual, norm: str, proj: str, silu_mul: bool = False):
-        w = self.w
-        return self.ops.add_rms_norm_linear(x, residual, w[norm], self.cfg.rms_norm_eps, w[proj], silu_mul)
+    def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        w, ops = self.w, self.ops
+        h = ops.silu_mul(ops.linear(x, w[p + "mlp.gate_up_proj.weight"]))
+        return self.all_reduce(ops.linear(h, w[p + "mlp.down_proj.weight"]))
 
-    def _mlp(self, x: torch.Tensor, residual, p: str):
-        h, residual = self._norm_and_project(x, residual, p + "post_attention_layernorm.weight",
-                                             p + "mlp.gate_up_proj.weight", silu_mul=True)
-        return self.all_reduce(self.ops.linear(h, self.w[p + "mlp.down_proj.weight"])), residual
-
-    def _gdn_inputs(self, x: torch.Tensor, residual, p: str):
-        """Views of the fused [qkv | z | b | a] projection, and the new residual."""
-        y, residual = self._norm_and_project(x, residual, p + "input_layernorm.weight",
-                                             p + "linear_attn.in_proj_all.weight")
+    def _gdn_inputs(self, x: torch.Tensor, p: str):
+        """Views of the fused [qkv | z | b | a] projection."""
+        y = self.ops.linear(x, self.w[p + "in_proj_all.weight"])
         C, hv = self.local.gdn_conv_dim, self.local.gdn_value_heads
         vd = hv * self.cfg.linear_value_head_dim
         mixed, z, b, a = y.split([C, vd, hv, hv], dim=1)
-        return mixed, z, a, b, residual
+        return mixed, z, a, b
 
-    def _gdn_output(self, o: torch.Tensor, z: torch.Tensor, la: str) -> torch.Tensor:
+    def _gdn_output(self, o: torch.Tensor, z: torch.Tensor, p: str) -> torch.Tensor:
         T = o.shape[0]
         dv = self.cfg.linear_value_head_dim
-        normed = self.ops.gated_rms_norm(o, z.reshape(T, -1, dv), self.w[la + "norm.weight"], self.cfg.rms_norm_eps)
-        return self.all_reduce(self.ops.linear(normed.reshape(T, -1), self.w[la + "out_proj.weight"]))
+        normed = self.ops.gated_rms_norm(o, z.reshape(T, -1, dv), self.w[p + "norm.weight"], self.cfg.rms_norm_eps)
+        return self.all_reduce(self.ops.linear(normed.reshape(T, -1), self.w[p + "out_proj.weight"]))
 
-    def _gdn_prefill(self, x, residual, p, state: ModelState, batch: PrefillBatch, j: int):
-        cfg, w, la = self.cfg, self.w, p + "linear_attn."
-        mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
-        mixed = self.ops.conv1d_prefill(mixed, w[la + "conv1d.weight"], state.conv[j], batch.cu_seqlens, batch.slots)
+    def _gdn_prefill(self, x, p, state: ModelState, batch: PrefillBatch, j: int):
+        cfg, w = self.cfg, self.w
+        mixed, z, a, b = self._gdn_inputs(x, p)
+        mixed = self.ops.conv1d_prefill(mixed, w[p + "conv1d.weight"], state.conv[j], batch.cu_seqlens, batch.slots)
         o = self.ops.gdn_prefill(
-            mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], batch.cu_seqlens, batch.slots,
+            mixed, a, b, w[p + "A_log"], w[p + "dt_bias"], state.ssm[j], batch.cu_seqlens, batch.slots,
             self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
         )
-        return self._gdn_output(o, z, la), residual
+        return self._gdn_output(o, z, p)
 
-    def _gdn_decode(self, x, residual, p, state: ModelState, batch: DecodeBatch, j: int):
-        cfg, w, la = self.cfg, self.w, p + "linear_attn."
-        mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
-        mixed = self.ops.conv1d_decode(mixed, w[la + "conv1d.weight"], state.conv[j], batch.slots)
+    def _gdn_decode(self, x, p, state: ModelState, batch: DecodeBatch, j: int):
+        cfg, w = self.cfg, self.w
+        mixed, z, a, b = self._gdn_inputs(x, p)
+        mixed = self.ops.conv1d_decode(mixed, w[p + "conv1d.weight"], state.conv[j], batch.slots)
         dv = cfg.linear_value_head_dim
-        normed = self.ops.gdn_decode(  # the gated output norm is fused in
-            mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], batch.slots,
+        normed = self.ops.gdn_decode(  # the gated output norm applied inside
+            mixed, a, b, w[p + "A_log"], w[p + "dt_bias"], state.ssm[j], batch.slots,
             self.local.gdn_key_heads, cfg.linear_key_head_dim, dv,
-            z=z.reshape(z.shape[0], -1, dv), norm_weight=w[la + "norm.weight"], eps=cfg.rms_norm_eps,
+            z=z.reshape(z.shape[0], -1, dv), norm_weight=w[p + "norm.weight"], eps=cfg.rms_norm_eps,
         )
-        return self.all_reduce(self.ops.linear(normed.reshape(normed.shape[0], -1), w[la + "out_proj.weight"])), residual
+        return self.all_reduce(self.ops.linear(normed.reshape(normed.shape[0], -1), w[p + "out_proj.weight"]))
 
-    def _attn_inputs(self, x, residual, p, state: ModelState, j: int, positions, slot_mapping):
-        """The fused q/k/v projection, then q/k norms, RoPE and the paged K/V write; (rotated q, gate view,
-        new residual)."""
-        cfg, w, sa = self.cfg, self.w, p + "self_attn."
-        qkv, residual = self._norm_and_project(x, residual, p + "input_layernorm.weight", sa + "qkv_proj.weight")
+    def _attn_inputs(self, x, p, state: ModelState, j: int, positions, slot_mapping):
+        """The fused q/k/v projection, then q/k norms, RoPE and the paged K/V write; (rotated q, gate view)."""
+        cfg, w = self.cfg, self.w
+        qkv = self.ops.linear(x, w[p + "qkv_proj.weight"])
         nh, nkv = self.local.num_heads, self.local.num_kv_heads
         q = self.ops.qk_norm_rope_cache(
-            qkv, w[sa + "q_norm.weight"], w[sa + "k_norm.weight"], cfg.rms_norm_eps, positions, self.cos, self.sin,
+            qkv, w[p + "q_norm.weight"], w[p + "k_norm.weight"], cfg.rms_norm_eps, positions, self.cos, self.sin,
             state.k_cache[j], state.v_cache[j], slot_mapping, nh, nkv,
         )
         _, gate, _, _ = reference_ops.split_qkv(qkv, nh, nkv, cfg.head_dim)
-        return q, gate, residual
+        return q, gate
 
     def _attn_output(self, o: torch.Tensor, p: str) -> torch.Tensor:
-        return self.all_reduce(self.ops.linear(o.reshape(o.shape[0], -1), self.w[p + "self_attn.o_proj.weight"]))
+        return self.all_reduce(self.ops.linear(o.reshape(o.shape[0], -1), self.w[p + "o_proj.weight"]))
 
-    def _attn_prefill(self, x, residual, p, state: ModelState, batch: PrefillBatch, j: int):
-        q, gate, residual = self._attn_inputs(x, residual, p, state, j, batch.positions, batch.slot_mapping)
+    def _attn_prefill(self, x, p, state: ModelState, batch: PrefillBatch, j: int):
+        q, gate = self._attn_inputs(x, p, state, j, batch.positions, batch.slot_mapping)
         o = self.ops.prefill_attention(
             q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.cu_seqlens, batch.context_lens, self.scale
         )
-        return self._attn_output(reference_ops.apply_output_gate(o, gate), p), residual
+        return self._attn_output(reference_ops.apply_output_gate(o, gate), p)
 
-    def _attn_decode(self, x, residual, p, state: ModelState, batch: DecodeBatch, j: int):
-        q, gate, residual = self._attn_inputs(x, residual, p, state, j, batch.positions, batch.slot_mapping)
+    def _attn_decode(self, x, p, state: ModelState, batch: DecodeBatch, j: int):
+        q, gate = self._attn_inputs(x, p, state, j, batch.positions, batch.slot_mapping)
         o = self.ops.decode_attention(  # the sigmoid output gate is applied inside
             q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.seq_lens, self.scale, gate
         )
-        return self._attn_output(o, p), residual
+        return self._attn_output(o, p)
 
     # Whole model --------------------------------------------------------------------------------------------------
-    def _run(self, input_ids, state, batch, prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers: (last block's output, residual stream), the final norm not yet applied."""
-        x = self.w["embed_tokens.weight"][input_ids]
+    def _run(self, input_ids, state, batch, prefill: bool) -> torch.Tensor:
+        cfg, w, ops = self.cfg, self.w, self.ops
+        x = w["embed_tokens.weight"][input_ids]
         residual = None
-        for i, kind in enumerate(self.cfg.layer_types):
+        for i, kind in enumerate(cfg.layer_types):
+            p = f"layers.{i}."
+            h, residual = ops.add_rms_norm(x, residual, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            j = self.state_index[i]
             if kind == "full_attention":
                 mix = self._attn_prefill if prefill else self._attn_decode
+                x = mix(h, p + "self_attn.", state, batch, j)
             else:
                 mix = self._gdn_prefill if prefill else self._gdn_decode
-            x, residual = mix(x, residual, f"layers.{i}.", state, batch, self.state_index[i])
-            x, residual = self._mlp(x, residual, f"layers.{i}.")
-        return x, residual
+                x = mix(h, p + "linear_attn.", state, batch, j)
+            h, residual = ops.add_rms_norm(x, residual, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            x = self._mlp(h, p)
+        hidden, _ = ops.add_rms_norm(x, residual, w["norm.weight"], cfg.rms_norm_eps)
+        return hidden
 
-    def _logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """The final norm (per row, so rows may be picked before it) fused into the lm_head."""
-        logits, _ = self._norm_and_project(x, residual, "norm.weight", "lm_head.weight")
-        return logits.float()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(hidden, self.w["lm_head.weight"]).float()
 
     @torch.inference_mode()
     def prefill(self, state: ModelState, batch: PrefillBatch, all_logits: bool = False) -> torch.Tensor:
         """Run packed chunks; logits [R, V] at each request's last token (or [T, V] for every token)."""
         if batch.fresh_slots.numel():
             state.reset_slots(batch.fresh_slots)
-        x, residual = self._run(batch.input_ids, state, batch, prefill=True)
-        if not all_logits:
-            x, residual = x[batch.last_token], residual[batch.last_token]
-        return self._logits(x, residual)
+        hidden = self._run(batch.input_ids, state, batch, prefill=True)
+        return self.logits(hidden if all_logits else hidden[batch.last_token])
 
     @torch.inference_mode()
     def decode(self, state: ModelState, batch: DecodeBatch) -> torch.Tensor:
         """One token for each row; logits [N, V]."""
-        return self._logits(*self._run(batch.input_ids, state, batch, prefill=False))
+        return self.logits(self._run(batch.input_ids, state, batch, prefill=False))

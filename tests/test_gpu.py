@@ -97,16 +97,10 @@ def test_kernels_at_real_shapes_in_bf16(T, size):
     assert rel(got, R.conv1d_prefill(x, wc, ref_state, cu, slots3)) <= BF16_TOL
     assert torch.equal(conv_state, ref_state)
 
-    # Decode projections (the skinny kernel) at every row count up to its limit's powers of two.
-    I = cfg.intermediate_size
-    w_up, w_down = (torch.randn(2 * I, H, device=dev, dtype=bf) * 0.02,
-                    torch.randn(H, I, device=dev, dtype=bf) * 0.02)
-    for m in (1, 2, 5, 16, 33, 64):
-        x = torch.randn(m, H, device=dev, dtype=bf)
-        got = T._skinny_linear(x, w_up, silu_mul=True)
-        assert rel(got, R.linear_silu_mul(x.float(), w_up.float())) <= BF16_TOL
-        h = torch.randn(m, I, device=dev, dtype=bf)
-        assert rel(T._skinny_linear(h, w_down, silu_mul=False), R.linear(h.float(), w_down.float())) <= BF16_TOL
+    # One-row projections that do not widen (the GEMV): the 9B/27B-sized out_proj and down_proj shapes.
+    for n, k in ((H, hv * dv), (H, cfg.intermediate_size)):
+        w_, x_ = torch.randn(n, k, device=dev, dtype=bf) * 0.02, torch.randn(1, k, device=dev, dtype=bf)
+        assert rel(T.gemv(x_, w_), R.linear(x_.float(), w_.float())) <= BF16_TOL
 
 
 def test_gdn_matches_fla_core():

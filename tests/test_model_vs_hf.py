@@ -130,19 +130,18 @@ def test_tied_checkpoint_matches_hf(tmp_path, prompts):
     assert rel_err(ours, hf_logits(hf_model(ckpt), prompts[65])) <= 1e-4
 
 
-def test_triton_forward_with_the_fused_one_row_projections_matches_the_reference(tiny_ckpt, prompts, monkeypatch):
-    """The whole forward on the Triton ops (the interpreter on the CPU), with the one-row GEMV that fuses each
-    block's input norm and the skinny kernel for a few rows, against the reference ops."""
+def test_triton_forward_matches_the_reference(tiny_ckpt, prompts):
+    """The whole forward on the Triton ops (the interpreter on the CPU), with the one-row GEMV and the fused
+    gated norm in decode, against the reference ops."""
     T = pytest.importorskip("kernels.triton_ops")
-    monkeypatch.setattr(T, "GEMV_ONE_ROW", True)
-    monkeypatch.setattr(T, "SKINNY_MAX_ROWS", 64)
+    assert T.GEMV_ONE_ROW
     ours, ref = CpuRunner(tiny_ckpt, ops=T), CpuRunner(tiny_ckpt)
     prompt_a, prompt_b = prompts[5], prompts[63]
-    assert rel_err(ours.prefill({0: prompt_a}), ref.prefill({0: prompt_a})) <= 1e-4  # the last row: one-row GEMV
+    assert rel_err(ours.prefill({0: prompt_a}), ref.prefill({0: prompt_a})) <= 1e-4
     assert rel_err(ours.prefill({3: prompt_b}), ref.prefill({3: prompt_b})) <= 1e-4
     tokens, positions = {0: 7}, {0: len(prompt_a)}
     for step in range(3):
-        if step == 1:  # a second row joins: the skinny kernel for two rows
+        if step == 1:  # a second row joins
             tokens[3], positions[3] = 11, len(prompt_b)
         got, expected = ours.decode(tokens, positions), ref.decode(tokens, positions)
         assert rel_err(got, expected) <= 1e-4, step

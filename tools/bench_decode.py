@@ -102,9 +102,8 @@ def _measure(replica, rank, rows, context):
 def table(ns, results) -> str:
     lines = [
         f"{ns.size} ({ns.layers or 'all'} layers), tp={ns.tp}, bf16, context {ns.context}, "
-        f"copy bandwidth {results[0]['copy_tbps']:.2f} TB/s; projections: one row by "
-        f"{'the Triton GEMV (input norm fused)' if triton_ops.GEMV_ONE_ROW else 'cuBLAS'}, 2 to "
-        f"{triton_ops.SKINNY_MAX_ROWS} rows by the skinny Triton kernel, more by cuBLAS",
+        f"copy bandwidth {results[0]['copy_tbps']:.2f} TB/s; one-row projections that do not widen by "
+        f"{'the Triton GEMV' if triton_ops.GEMV_ONE_ROW else 'cuBLAS'}",
         "",
         "| batch | graph step ms | eager step ms | graph/eager speed-up | tokens/s (graph) | HBM floor ms "
         "| graph / floor | sampling ms (T 0.7, top-k 20, top-p 0.8) | greedy ms |",
@@ -127,18 +126,13 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
     parser.add_argument("--gemv", choices=["on", "off"], default=None,
-                        help="one-row projections (input norm fused) by the Triton GEMV, or cuBLAS "
+                        help="one-row projections that do not widen by the Triton GEMV, or all by cuBLAS "
                         f"(default {'on' if triton_ops.GEMV_ONE_ROW else 'off'})")
-    parser.add_argument("--skinny-max-rows", type=int, default=None,
-                        help="projections of up to this many rows use the skinny Triton kernel, larger ones cuBLAS "
-                        f"(default {triton_ops.SKINNY_MAX_ROWS}; 0: cuBLAS only)")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA device")
         return 2
-    if ns.skinny_max_rows is not None:
-        triton_ops.SKINNY_MAX_ROWS = ns.skinny_max_rows
     if ns.gemv is not None:
         triton_ops.GEMV_ONE_ROW = ns.gemv == "on"
     results = asyncio.run(run(ns))

@@ -1,8 +1,8 @@
 """Kernel benchmark on a GPU: time, achieved bandwidth or FLOP rate, and the ratio to ceilings measured in the
 same run (a large device-to-device copy; a large bf16 matmul), and for GDN the ratio to fla-core.
 
-    python -m tools.bench_kernels [--size 4b|9b|27b] [--out FILE] [--only-projections]
-        [--sweeps decode,scan,prep,attention,sampler,skinny]
+    python -m tools.bench_kernels [--size 4b|9b|27b] [--out FILE] [--only decode,projections,prefill,sampling]
+        [--sweeps decode,scan,prep,attention,sampler,gemv]
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32
 GDN_SCAN_SWEEP = [(32, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)]  # (block of dv, warps, stages)
 GDN_PREP_SWEEP = [(8, 1), (8, 2), (16, 1)]  # (warps, stages)
 SAMPLER_SWEEP = [(2048, 8), (4096, 8)]  # (block, warps) of the sampler's passes
-SKINNY_SWEEP = [(16, 256, 4, 3), (16, 512, 4, 2), (32, 256, 4, 4), (16, 1024, 8, 1), (64, 128, 4, 4)]
-SKINNY_SWEEP_ONE_ROW = [(8, 1024, 4, 1), (8, 2048, 8, 1), (4, 2048, 4, 1), (4, 4096, 8, 1), (16, 2048, 8, 1),
-                        (2, 4096, 4, 1)]  # BLOCK_N < 16 only without tl.dot (one row)
+GEMV_SWEEP = [(2, 4096, 4, 1), (1, 4096, 4, 1), (2, 2048, 4, 1), (2, 4096, 8, 1), (4, 4096, 8, 1), (2, 8192, 8, 1),
+              (1, 8192, 4, 1), (2, 2048, 2, 2)]  # (BLOCK_N, BLOCK_K, warps, stages)
 
 
 def bench(fn) -> float:
@@ -49,7 +48,7 @@ def ceilings(dev):
     return copy_bw, flops
 
 
-SWEEPS = ("decode", "scan", "prep", "attention", "sampler", "skinny")
+SWEEPS = ("decode", "scan", "prep", "attention", "sampler", "gemv")
 
 
 def graph_time_per_call(make_call, weights: list[torch.Tensor]) -> float:
@@ -69,63 +68,46 @@ def graph_time_per_call(make_call, weights: list[torch.Tensor]) -> float:
 
 
 def projections(cfg, rows: list, bw: float, sweep: bool) -> None:
-    """Decode projections (few rows): ours (`linear`, `linear_silu_mul`) against cuBLAS on the same shapes, each
-    timed inside a CUDA graph over copies of the weight that do not fit in L2."""
+    """One-row (batch-1 decode) projections: our GEMV against cuBLAS on every shape of the model, each timed
+    inside a CUDA graph over copies of the weight that together do not fit in L2. `linear` routes the shapes
+    that do not widen (N <= K) to the GEMV."""
     dev, bf = torch.device("cuda"), torch.bfloat16
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    shapes = {"gdn in_proj (qkv|z|b|a)": (2 * hk * dk + 2 * hv * dv + 2 * hv, H), "gdn out_proj": (H, hv * dv),
+    shapes = {"gdn in_proj (qkv,z,b,a)": (2 * hk * dk + 2 * hv * dv + 2 * hv, H), "gdn out_proj": (H, hv * dv),
               "attn qkv_proj": ((2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D, H),
-              "attn o_proj": (H, cfg.num_attention_heads * D), "mlp gate_up (+ silu_mul)": (2 * I, H),
-              "mlp down_proj": (H, I), "lm_head": (cfg.vocab_size, H)}
+              "attn o_proj": (H, cfg.num_attention_heads * D), "mlp gate_up": (2 * I, H), "mlp down_proj": (H, I),
+              "lm_head": (cfg.vocab_size, H)}
     for name, (n, k) in shapes.items():
         copies = max(2, -(-(512 << 20) // (n * k * 2)))
         weights = [torch.randn(n, k, device=dev, dtype=bf) * 0.02 for _ in range(copies)]
-        act = name.startswith("mlp gate_up")
-        for m in (1, 8, 64):
-            x = torch.randn(m, k, device=dev, dtype=bf)
-            nbytes = n * k * 2 + m * k * 2 + m * (n // 2 if act else n) * 2
-
-            def ours(w, x=x):  # our kernel whatever the routing flags say
-                return lambda: T._skinny_linear(x, w, act)
-
-            def cublas(w, x=x, norm=None):
-                def call():
-                    h = x if norm is None else T.add_rms_norm(x, norm[0], norm[1], 1e-6)[0]
-                    return T.silu_mul(h @ w.t()) if act else h @ w.t()
-                return call
-
-            t, t_peer = graph_time_per_call(ours, weights), graph_time_per_call(cublas, weights)
-            rows.append((f"projection {name}", f"{m} x {k} -> {n}", t, f"{nbytes / t / 1e12:.2f} TB/s",
-                         f"{nbytes / t / bw:.0%} of copy; cuBLAS {nbytes / t_peer / bw:.0%} "
-                         f"({t_peer / t:.2f}x our time)"))
-            if m == 1 and k == H:  # a block's first projection: its input norm fused, against norm + cuBLAS
-                norm = (torch.randn(1, k, device=dev, dtype=bf), torch.randn(k, device=dev, dtype=bf) * 0.1)
-                t = graph_time_per_call(lambda w: lambda: T._gemv(x, w, act, *norm, 1e-6), weights)
-                t_peer = graph_time_per_call(lambda w: cublas(w, norm=norm), weights)
-                rows.append((f"projection {name}, input norm fused", f"{m} x {k} -> {n}", t,
-                             f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy; Triton norm + "
-                             f"cuBLAS {nbytes / t_peer / bw:.0%} ({t_peer / t:.2f}x our time)"))
-            configs = SKINNY_SWEEP + (SKINNY_SWEEP_ONE_ROW if m == 1 else []) if sweep and m in (1, 8) else []
-            for config in configs:
-                try:
-                    t = graph_time_per_call(lambda w: lambda: T._skinny_linear(x, w, act, config), weights)
-                except OutOfResources:
-                    continue
-                rows.append((f"projection {name} config {config}", f"{m} x {k} -> {n}", t,
-                             f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy"))
+        x = torch.randn(1, k, device=dev, dtype=bf)
+        nbytes = (n * k + k + n) * 2
+        t = graph_time_per_call(lambda w: lambda: T.gemv(x, w), weights)
+        t_peer = graph_time_per_call(lambda w: lambda: x @ w.t(), weights)
+        routed = "ours" if n <= k else "cuBLAS"
+        rows.append((f"one-row projection {name} (runs on {routed})", f"1 x {k} -> {n}", t,
+                     f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy; cuBLAS {nbytes / t_peer / bw:.0%}"
+                     f" ({t_peer / t:.2f}x our time)"))
+        for config in GEMV_SWEEP if sweep and n <= k else ():
+            try:
+                t = graph_time_per_call(lambda w: lambda: T.gemv(x, w, config), weights)
+            except OutOfResources:
+                continue
+            rows.append((f"one-row projection {name} config {config}", f"1 x {k} -> {n}", t,
+                         f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy"))
         del weights
 
 
-def run(size: str, sweeps=SWEEPS, only_projections: bool = False) -> list[tuple]:
+SECTIONS = ("decode", "projections", "prefill", "sampling")
+
+
+def run(size: str, sweeps=SWEEPS, sections=SECTIONS) -> list[tuple]:
     dev = torch.device("cuda")
     cfg = ModelConfig.from_dict(text_config(size, 248320))
     bw, flops = ceilings(dev)
     rows = [("copy (ceiling)", "4 GiB read + written", None, f"{bw / 1e12:.2f} TB/s", ""),
             ("bf16 matmul 8192^3 (ceiling)", "", None, f"{flops / 1e12:.0f} TFLOP/s", "")]
-    if only_projections:
-        projections(cfg, rows, bw, "skinny" in sweeps)
-        return rows
     bf = torch.bfloat16
 
     def memory_row(name, shape_note, fn, nbytes, note=""):
@@ -134,32 +116,50 @@ def run(size: str, sweeps=SWEEPS, only_projections: bool = False) -> list[tuple]
         return t
 
     H = cfg.hidden_size
-    for n in (1, 64, 4096):
+    for n in (1, 64, 4096) if "decode" in sections else ():
         x, r = torch.randn(n, H, device=dev, dtype=bf), torch.randn(n, H, device=dev, dtype=bf)
         w = torch.randn(H, device=dev, dtype=bf)
         memory_row("add_rms_norm", f"{n}x{H}", lambda: T.add_rms_norm(x, r, w, 1e-6), 4 * n * H * 2)
 
     hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     C = 2 * hk * dk + hv * dv
-    projections(cfg, rows, bw, "skinny" in sweeps)
+    if "projections" in sections:
+        projections(cfg, rows, bw, "gemv" in sweeps)
     N, S = 64, 64
     mixed = torch.randn(N, C, device=dev, dtype=bf)
     a, b = torch.randn(N, hv, device=dev, dtype=bf), torch.randn(N, hv, device=dev, dtype=bf)
     A_log, dt_bias = torch.rand(hv, device=dev), torch.rand(hv, device=dev)
     state = torch.randn(S + 1, hv, dk, dv, device=dev) * 0.1
     slots = torch.arange(N, device=dev)
+    conv_state = torch.randn(S + 1, 3, C, device=dev, dtype=bf)
+    wc = torch.randn(C, 4, device=dev, dtype=bf)
+    if "decode" in sections:
+        decode_gdn(rows, memory_row, bw, sweeps, mixed, a, b, A_log, dt_bias, state, slots, conv_state, wc, hk, dk, dv)
+        decode_attention(cfg, rows, memory_row)
+    if "prefill" in sections:
+        prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc)
+    if "sampling" in sections:
+        sampling(cfg, rows, sweeps)
+    return rows
+
+
+def decode_gdn(rows, memory_row, bw, sweeps, mixed, a, b, A_log, dt_bias, state, slots, conv_state, wc, hk, dk, dv):
+    dev, bf = mixed.device, torch.bfloat16
+    N, C = mixed.shape
+    hv = a.shape[1]
     state_bytes = 2 * N * hv * dk * dv * 4
     t_ours = memory_row("gdn_decode (fused)", f"batch {N}, Hv {hv}", lambda: T.gdn_decode(
         mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv), state_bytes, "(state traffic; target 80%)")
 
     z, nw = torch.randn(N, hv, dv, device=dev, dtype=bf), torch.randn(dv, device=dev, dtype=bf)
-    for rows_ in (N, 1):  # as the forward runs it: the gated norm fused in, against the two kernels apart
+    in_graph = triton.testing.do_bench_cudagraph
+    for rows_ in (N, 1):  # the gated norm fused in, against the two kernels apart (graph replay, as in decode)
         m_, a_, b_, z_, s_ = mixed[:rows_], a[:rows_], b[:rows_], z[:rows_], slots[:rows_]
-        t_apart = bench(lambda: T.gated_rms_norm(T.gdn_decode(m_, a_, b_, A_log, dt_bias, state, s_, hk, dk, dv),
-                                                 z_, nw, 1e-6))
+        t_apart = in_graph(lambda: T.gated_rms_norm(T.gdn_decode(m_, a_, b_, A_log, dt_bias, state, s_, hk, dk, dv),
+                                                    z_, nw, 1e-6)) / 1e3
         for warps in (4, 8, 16) if "decode" in sweeps else (T.GDN_DECODE_GATED_WARPS,):
-            t = bench(lambda: T.gdn_decode(m_, a_, b_, A_log, dt_bias, state, s_, hk, dk, dv, z=z_, norm_weight=nw,
-                                           config=(dv, warps)))
+            t = in_graph(lambda: T.gdn_decode(m_, a_, b_, A_log, dt_bias, state, s_, hk, dk, dv, z=z_,
+                                              norm_weight=nw, config=(dv, warps))) / 1e3
             nbytes = 2 * rows_ * hv * dk * dv * 4
             rows.append((f"gdn_decode + gated norm fused, {warps} warps", f"batch {rows_}", t,
                          f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy; decode and norm "
@@ -170,22 +170,31 @@ def run(size: str, sweeps=SWEEPS, only_projections: bool = False) -> list[tuple]
             memory_row(f"gdn_decode block_v={block_v} warps={warps}", f"batch {N}", lambda: T.gdn_decode(
                 mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv, config=(block_v, warps)), state_bytes)
 
-    conv_state = torch.randn(S + 1, 3, C, device=dev, dtype=bf)
-    wc = torch.randn(C, 4, device=dev, dtype=bf)
     memory_row("conv1d_decode", f"batch {N}, C {C}", lambda: T.conv1d_decode(mixed, wc, conv_state, slots),
                N * C * 2 * (3 * 2 + 2))
-
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except ImportError:
+        rows.append(("fla-core", "not installed", float("nan"), "", "no GDN comparison"))
+        return
+    q, k, v = R.gdn_split_qkv(mixed, hk, dk, hv, dv)
+    g, beta = R.gdn_gates(a, b, A_log, dt_bias)
+    qf, kf, vf = (x.to(torch.bfloat16)[None] for x in (q / dk**-0.5, k, v))
+    s0 = state[:N].clone()
+    t_fla = bench(lambda: fused_recurrent_gated_delta_rule(qf.transpose(0, 1), kf.transpose(0, 1),
+                                                           vf.transpose(0, 1), g=g[:, None], beta=beta[:, None],
+                                                           initial_state=s0, output_final_state=True))
+    rows.append(("fla fused_recurrent (decode)", f"batch {N}", t_fla, "", f"ours/fla time {t_ours / t_fla:.2f}"))
 
-        q, k, v = R.gdn_split_qkv(mixed, hk, dk, hv, dv)
-        g, beta = R.gdn_gates(a, b, A_log, dt_bias)
-        qf, kf, vf = (x.to(bf)[None] for x in (q / dk**-0.5, k, v))
-        s0 = state[:N].clone()
-        t_fla = bench(lambda: fused_recurrent_gated_delta_rule(qf.transpose(0, 1), kf.transpose(0, 1),
-                                                               vf.transpose(0, 1), g=g[:, None], beta=beta[:, None],
-                                                               initial_state=s0, output_final_state=True))
-        rows.append(("fla fused_recurrent (decode)", f"batch {N}", t_fla, "", f"ours/fla time {t_ours / t_fla:.2f}"))
+
+def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    C = 2 * hk * dk + hv * dv
+    nh, nkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
         L = 8192
         mixed_p = torch.randn(L, C, device=dev, dtype=bf)
         ap, bp = torch.randn(L, hv, device=dev, dtype=bf), torch.randn(L, hv, device=dev, dtype=bf)
@@ -220,18 +229,6 @@ def run(size: str, sweeps=SWEEPS, only_projections: bool = False) -> list[tuple]
     except ImportError:
         rows.append(("fla-core", "not installed", float("nan"), "", "no GDN comparison"))
 
-    nh, nkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    N, ctx = 32, 4096
-    pages = N * ctx // 16
-    kc = torch.randn(pages + 1, 16, nkv, D, device=dev, dtype=bf)
-    vc = torch.randn_like(kc)
-    q = torch.randn(N, nh, D, device=dev, dtype=bf)
-    table = torch.randperm(pages, device=dev).view(N, ctx // 16).to(torch.int32)
-    lens = torch.full((N,), ctx, device=dev)
-    memory_row("decode_attention (split-K)", f"batch {N} x {ctx} ctx, group {nh // nkv}",
-               lambda: T.decode_attention(q, kc, vc, table, lens, D**-0.5), 2 * N * ctx * nkv * D * 2,
-               "(KV traffic; target 75%)")
-
     L = 8192  # prefill attention: one 8k request, and the same tokens as a chunk after 8k cached
     for ctx_len in (0, 8192):
         total = ctx_len + L
@@ -254,7 +251,7 @@ def run(size: str, sweeps=SWEEPS, only_projections: bool = False) -> list[tuple]
             t_sdpa = bench(lambda: F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True))
         else:
             t_sdpa = bench(lambda: F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True))
-        rows.append((f"prefill_attention (paged, causal)", f"{L} tokens after {ctx_len} cached, group {nh // nkv}",
+        rows.append(("prefill_attention (paged, causal)", f"{L} tokens after {ctx_len} cached, group {nh // nkv}",
                      t, f"{fl / t / 1e12:.0f} TFLOP/s", f"{fl / t / flops:.0%} of matmul; torch SDPA (contiguous "
                      f"K/V) {t_sdpa * 1e6:.0f} us = {t_sdpa / t:.2f}x ours"))
         del kc3, vc3
@@ -276,6 +273,31 @@ def run(size: str, sweeps=SWEEPS, only_projections: bool = False) -> list[tuple]
     memory_row("qk_norm_rope_cache", f"{T_} tokens", lambda: T.qk_norm_rope_cache(
         qkv, qn, kn, 1e-6, pos, cos, sin, kc2, vc2, mapping, nh, nkv), T_ * (2 * nh + 4 * nkv) * D * 2)
 
+
+def decode_attention(cfg, rows, memory_row):
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    nh, nkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    N, ctx = 32, 4096
+    pages = N * ctx // 16
+    kc = torch.randn(pages + 1, 16, nkv, D, device=dev, dtype=bf)
+    vc = torch.randn_like(kc)
+    q = torch.randn(N, nh, D, device=dev, dtype=bf)
+    table = torch.randperm(pages, device=dev).view(N, ctx // 16).to(torch.int32)
+    lens = torch.full((N,), ctx, device=dev)
+    memory_row("decode_attention (split-K)", f"batch {N} x {ctx} ctx, group {nh // nkv}",
+               lambda: T.decode_attention(q, kc, vc, table, lens, D**-0.5), 2 * N * ctx * nkv * D * 2,
+               "(KV traffic; target 75%)")
+    for n, ctx in ((1, 1024), (64, 1024)):  # the decode benchmark's shapes (page tables 2048 tokens wide)
+        q = torch.randn(n, nh, D, device=dev, dtype=bf)
+        table = torch.randperm(pages, device=dev)[: n * 128].view(n, 128).to(torch.int32)
+        lens = torch.full((n,), ctx, device=dev)
+        t = triton.testing.do_bench_cudagraph(lambda: T.decode_attention(q, kc, vc, table, lens, D**-0.5)) / 1e3
+        rows.append((f"decode_attention, {T.decode_splits(n, nkv, 128 * 16, dev)} splits (graph replay)",
+                     f"batch {n} x {ctx} ctx", t, f"{2 * n * ctx * nkv * D * 2 / t / 1e12:.2f} TB/s", ""))
+
+
+def sampling(cfg, rows, sweeps):
+    dev = torch.device("cuda")
     V, n = cfg.vocab_size, 64
     logits = lm_like_logits(n, V, dev)
     modes = {"greedy": dict(temperature=0.0), "temperature 0.8": dict(temperature=0.8),
@@ -296,7 +318,6 @@ def run(size: str, sweeps=SWEEPS, only_projections: bool = False) -> list[tuple]
                          f"{n * V * 4 / t_gpu / 1e12:.2f} TB/s", f"target <= 100 us; eager call {t_eager * 1e6:.0f} us; "
                          f"torch reference {t_ref * 1e6:.0f} us ({t_ref / t_gpu:.1f}x); {flagged}/{n} rows left to "
                          f"the reference"))
-    return rows
 
 
 def main(argv=None) -> int:
@@ -305,12 +326,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--sweeps", default=",".join(SWEEPS), help="launch-configuration sweeps to run: any of "
                         f"{', '.join(SWEEPS)}, comma-separated (none: '')")
-    parser.add_argument("--only-projections", action="store_true", help="time only the decode projections")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run: any of {', '.join(SECTIONS)}")
     ns = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA device")
         return 2
-    rows = run(ns.size, ns.sweeps.split(","), ns.only_projections)
+    rows = run(ns.size, ns.sweeps.split(","), ns.only.split(","))
     lines = [f"### {datetime.date.today()} {torch.cuda.get_device_name()} `python -m tools.bench_kernels "
              f"{' '.join(argv or sys.argv[1:])}` ({ns.size} shapes)", "",
              "| kernel | shape | time us | rate | vs ceiling / peer |", "|---|---|---:|---:|---|"]
