@@ -219,12 +219,8 @@ def gdn_decode(
     num_k_heads: int,
     head_k_dim: int,
     head_v_dim: int,
-    z: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
 ) -> torch.Tensor:
-    """One recurrent step for each row, state read and written in place through `slots` (-1: the trash entry).
-    With z [N, Hv, dv] and norm_weight, the output goes through the gated norm (`gated_rms_norm`) as well."""
+    """One recurrent step for each row, state read and written in place through `slots` (-1: the trash entry)."""
     num_v_heads = a.shape[1]
     q, k, v = gdn_split_qkv(mixed, num_k_heads, head_k_dim, num_v_heads, head_v_dim)
     g, beta = gdn_gates(a, b, A_log, dt_bias)
@@ -233,8 +229,7 @@ def gdn_decode(
     u = (v - torch.einsum("nhk,nhkv->nhv", k, S)) * beta[..., None]
     S = S + k[..., None] * u[:, :, None, :]
     ssm_state.index_copy_(0, rows, S)
-    o = torch.einsum("nhk,nhkv->nhv", q, S).to(mixed.dtype)
-    return o if z is None else gated_rms_norm(o, z, norm_weight, eps)
+    return torch.einsum("nhk,nhkv->nhv", q, S).to(mixed.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

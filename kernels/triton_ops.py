@@ -113,13 +113,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# One-row projections (batch-1 decode) that do not widen their input (out_proj, o_proj, down_proj: N <= K).
-# cuBLAS reaches about half the copy bandwidth on these small matrices at one row; a GEMV whose programs each
-# stream two weight rows in 4096-wide tiles reaches about two thirds (docs/benchmarks/kernels.md). cuBLAS keeps
-# the widening projections and every larger batch, where it measured faster.
+# One-row projections (batch-1 decode). cuBLAS reaches about half the copy bandwidth on the small matrices at one
+# row; a GEMV whose programs each stream two weight rows in 4096-wide tiles reaches 65-90% (docs/benchmarks/
+# kernels.md, inside a CUDA graph over weights larger than L2). It beat cuBLAS on every projection that does not
+# widen its input (N <= K) and, from K = 4096 up (9B, 27B), on every projection; on 2560-wide inputs (4B) cuBLAS
+# kept the widening ones. Larger batches stay on cuBLAS.
 
 GEMV_ONE_ROW = True
-GEMV_CONFIG = (2, 4096, 4, 1)  # (BLOCK_N, BLOCK_K, warps, stages): the H200 sweep's best for N <= K
+GEMV_CONFIG = (2, 4096, 4, 1)  # (BLOCK_N, BLOCK_K, warps, stages): the H200 sweep's best on every swept shape
+GEMV_WIDENING_MIN_K = 4096
 
 
 @triton.jit
@@ -149,7 +151,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if GEMV_ONE_ROW and x.shape[0] == 1 and weight.shape[0] <= weight.shape[1]:
+    N, K = weight.shape
+    if GEMV_ONE_ROW and x.shape[0] == 1 and (N <= K or K >= GEMV_WIDENING_MIN_K):
         return gemv(x, weight)
     return x @ weight.t()
 
@@ -265,16 +268,15 @@ def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tens
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Gated DeltaNet decode: one token per row; q/k l2-norm, gates, the delta-rule update and the read fused, and
-# optionally the gated output norm (then a program holds a whole head, BLOCK_V = dv).
+# Gated DeltaNet decode: one token per row; q/k l2-norm, gates, the delta-rule update and the read fused.
 # Program (row, value head, block of dv): the state tile [dk, BLOCK_V] stays in registers for the whole step.
 
 
 @triton.jit
 def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, out_ptr,
-                       z_ptr, nw_ptr, C, ab_row_stride, z_row_stride, trash, HV, GROUP, scale, eps,
+                       C, ab_row_stride, trash, HV, GROUP, scale,
                        DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED_NORM: tl.constexpr):
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -301,41 +303,23 @@ def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, sl
     S = S + k[:, None] * u[None, :]
     tl.store(sptr, S, mask=smask)
     o = tl.sum(S * q[:, None], axis=0)
-    out_ty = out_ptr.dtype.element_ty
-    if GATED_NORM:  # w * norm(o) * silu(z), rounded where the separate kernels round
-        o = o.to(out_ty).to(tl.float32)
-        o = tl.where(vmask, o, 0.0)
-        inv = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps)
-        z = tl.load(z_ptr + row * z_row_stride + h * DV + vs, mask=vmask, other=0.0).to(tl.float32)
-        nw = tl.load(nw_ptr + vs, mask=vmask, other=0.0).to(tl.float32)
-        normed = (o * inv).to(out_ty).to(tl.float32)
-        o = (nw * normed).to(out_ty).to(tl.float32) * (z / (1.0 + tl.exp(-z)))
-    tl.store(out_ptr + (row * HV + h) * DV + vs, o.to(out_ty), mask=vmask)
-
-
-GDN_DECODE_CONFIG = (64, 4)  # (block of dv, warps); a fused gated norm takes the whole head
-GDN_DECODE_GATED_WARPS = 8
+    tl.store(out_ptr + (row * HV + h) * DV + vs, o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
 def gdn_decode(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads: int, head_k_dim: int, head_v_dim: int,
-               z=None, norm_weight=None, eps: float = 1e-6, config=None):
+               block_v: int = 64, num_warps: int = 4):
     N, C = mixed.shape
     HV = a.shape[1]
     out = torch.empty(N, HV, head_v_dim, dtype=mixed.dtype, device=mixed.device)
-    gated = z is not None
-    block_v, warps = config or ((head_v_dim, GDN_DECODE_GATED_WARPS) if gated else GDN_DECODE_CONFIG)
-    BLOCK_V = _pow2(head_v_dim) if gated else min(block_v, _pow2(head_v_dim))
+    BLOCK_V = min(block_v, _pow2(head_v_dim))
     grid = (N, HV, triton.cdiv(head_v_dim, BLOCK_V))
     if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
         a, b = a.contiguous(), b.contiguous()
-    if gated and (z.stride(2) != 1 or z.stride(1) != head_v_dim):
-        z = z.contiguous()
     _gdn_decode_kernel[grid](
         mixed.contiguous(), a, b, A_log, dt_bias, ssm_state, slots, out,
-        z if gated else out, norm_weight if gated else out, C, a.stride(0), z.stride(0) if gated else 0,
-        ssm_state.shape[0] - 1, HV, HV // num_k_heads, head_k_dim**-0.5, eps,
+        C, a.stride(0), ssm_state.shape[0] - 1, HV, HV // num_k_heads, head_k_dim**-0.5,
         DK=head_k_dim, DV=head_v_dim, KEY_DIM=num_k_heads * head_k_dim,
-        BLOCK_K=_pow2(head_k_dim), BLOCK_V=BLOCK_V, GATED_NORM=gated, num_warps=warps,
+        BLOCK_K=_pow2(head_k_dim), BLOCK_V=BLOCK_V, num_warps=num_warps,
     )
     return out
 

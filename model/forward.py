@@ -100,13 +100,11 @@ class Qwen35Shard:
         cfg, w = self.cfg, self.w
         mixed, z, a, b = self._gdn_inputs(x, p)
         mixed = self.ops.conv1d_decode(mixed, w[p + "conv1d.weight"], state.conv[j], batch.slots)
-        dv = cfg.linear_value_head_dim
-        normed = self.ops.gdn_decode(  # the gated output norm applied inside
+        o = self.ops.gdn_decode(
             mixed, a, b, w[p + "A_log"], w[p + "dt_bias"], state.ssm[j], batch.slots,
-            self.local.gdn_key_heads, cfg.linear_key_head_dim, dv,
-            z=z.reshape(z.shape[0], -1, dv), norm_weight=w[p + "norm.weight"], eps=cfg.rms_norm_eps,
+            self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
         )
-        return self.all_reduce(self.ops.linear(normed.reshape(normed.shape[0], -1), w[p + "out_proj.weight"]))
+        return self._gdn_output(o, z, p)
 
     def _attn_inputs(self, x, p, state: ModelState, j: int, positions, slot_mapping):
         """The fused q/k/v projection, then q/k norms, RoPE and the paged K/V write; (rotated q, gate view)."""

@@ -69,8 +69,7 @@ def graph_time_per_call(make_call, weights: list[torch.Tensor]) -> float:
 
 def projections(cfg, rows: list, bw: float, sweep: bool) -> None:
     """One-row (batch-1 decode) projections: our GEMV against cuBLAS on every shape of the model, each timed
-    inside a CUDA graph over copies of the weight that together do not fit in L2. `linear` routes the shapes
-    that do not widen (N <= K) to the GEMV."""
+    inside a CUDA graph over copies of the weight that together do not fit in L2 (`linear` picks by shape)."""
     dev, bf = torch.device("cuda"), torch.bfloat16
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -85,11 +84,11 @@ def projections(cfg, rows: list, bw: float, sweep: bool) -> None:
         nbytes = (n * k + k + n) * 2
         t = graph_time_per_call(lambda w: lambda: T.gemv(x, w), weights)
         t_peer = graph_time_per_call(lambda w: lambda: x @ w.t(), weights)
-        routed = "ours" if n <= k else "cuBLAS"
+        routed = "ours" if n <= k or k >= T.GEMV_WIDENING_MIN_K else "cuBLAS"
         rows.append((f"one-row projection {name} (runs on {routed})", f"1 x {k} -> {n}", t,
                      f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy; cuBLAS {nbytes / t_peer / bw:.0%}"
                      f" ({t_peer / t:.2f}x our time)"))
-        for config in GEMV_SWEEP if sweep and n <= k else ():
+        for config in GEMV_SWEEP if sweep else ():
             try:
                 t = graph_time_per_call(lambda w: lambda: T.gemv(x, w, config), weights)
             except OutOfResources:
@@ -134,7 +133,7 @@ def run(size: str, sweeps=SWEEPS, sections=SECTIONS) -> list[tuple]:
     conv_state = torch.randn(S + 1, 3, C, device=dev, dtype=bf)
     wc = torch.randn(C, 4, device=dev, dtype=bf)
     if "decode" in sections:
-        decode_gdn(rows, memory_row, bw, sweeps, mixed, a, b, A_log, dt_bias, state, slots, conv_state, wc, hk, dk, dv)
+        decode_gdn(rows, memory_row, sweeps, mixed, a, b, A_log, dt_bias, state, slots, conv_state, wc, hk, dk, dv)
         decode_attention(cfg, rows, memory_row)
     if "prefill" in sections:
         prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc)
@@ -143,32 +142,17 @@ def run(size: str, sweeps=SWEEPS, sections=SECTIONS) -> list[tuple]:
     return rows
 
 
-def decode_gdn(rows, memory_row, bw, sweeps, mixed, a, b, A_log, dt_bias, state, slots, conv_state, wc, hk, dk, dv):
-    dev, bf = mixed.device, torch.bfloat16
+def decode_gdn(rows, memory_row, sweeps, mixed, a, b, A_log, dt_bias, state, slots, conv_state, wc, hk, dk, dv):
     N, C = mixed.shape
     hv = a.shape[1]
     state_bytes = 2 * N * hv * dk * dv * 4
     t_ours = memory_row("gdn_decode (fused)", f"batch {N}, Hv {hv}", lambda: T.gdn_decode(
         mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv), state_bytes, "(state traffic; target 80%)")
 
-    z, nw = torch.randn(N, hv, dv, device=dev, dtype=bf), torch.randn(dv, device=dev, dtype=bf)
-    in_graph = triton.testing.do_bench_cudagraph
-    for rows_ in (N, 1):  # the gated norm fused in, against the two kernels apart (graph replay, as in decode)
-        m_, a_, b_, z_, s_ = mixed[:rows_], a[:rows_], b[:rows_], z[:rows_], slots[:rows_]
-        t_apart = in_graph(lambda: T.gated_rms_norm(T.gdn_decode(m_, a_, b_, A_log, dt_bias, state, s_, hk, dk, dv),
-                                                    z_, nw, 1e-6)) / 1e3
-        for warps in (4, 8, 16) if "decode" in sweeps else (T.GDN_DECODE_GATED_WARPS,):
-            t = in_graph(lambda: T.gdn_decode(m_, a_, b_, A_log, dt_bias, state, s_, hk, dk, dv, z=z_,
-                                              norm_weight=nw, config=(dv, warps))) / 1e3
-            nbytes = 2 * rows_ * hv * dk * dv * 4
-            rows.append((f"gdn_decode + gated norm fused, {warps} warps", f"batch {rows_}", t,
-                         f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy; decode and norm "
-                         f"apart {t_apart * 1e6:.1f} us"))
-
     for block_v in (16, 32, 64) if "decode" in sweeps else ():  # the sweep behind the default (64, 4 warps)
         for warps in (2, 4, 8):
             memory_row(f"gdn_decode block_v={block_v} warps={warps}", f"batch {N}", lambda: T.gdn_decode(
-                mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv, config=(block_v, warps)), state_bytes)
+                mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv, block_v, warps), state_bytes)
 
     memory_row("conv1d_decode", f"batch {N}, C {C}", lambda: T.conv1d_decode(mixed, wc, conv_state, slots),
                N * C * 2 * (3 * 2 + 2))
