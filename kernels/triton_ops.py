@@ -114,13 +114,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # One-row projections (batch-1 decode). cuBLAS reaches about half the copy bandwidth on the small matrices at one
-# row; a GEMV whose programs each stream two weight rows in 4096-wide tiles reaches 65-90% (docs/benchmarks/
-# kernels.md, inside a CUDA graph over weights larger than L2). It beat cuBLAS on every projection that does not
-# widen its input (N <= K) and, from K = 4096 up (9B, 27B), on every projection; on 2560-wide inputs (4B) cuBLAS
-# kept the widening ones. Larger batches stay on cuBLAS.
+# row; a GEMV whose programs each stream two weight rows in 2048-wide tiles, two tiles in flight, reaches 62-106%
+# (docs/benchmarks/kernels.md: inside a CUDA graph over weights larger than L2, 4B/9B/27B shapes). It beat cuBLAS
+# on every projection that does not widen its input (N <= K) and, from K = 4096 up (9B, 27B), on every projection;
+# on 2560-wide inputs (4B) cuBLAS kept the widening ones. Larger batches stay on cuBLAS.
 
 GEMV_ONE_ROW = True
-GEMV_CONFIG = (2, 4096, 4, 1)  # (BLOCK_N, BLOCK_K, warps, stages): the H200 sweep's best on every swept shape
+GEMV_CONFIG = (2, 2048, 2, 2)  # (BLOCK_N, BLOCK_K, warps, stages): the H200 sweep's best across the three sizes
 GEMV_WIDENING_MIN_K = 4096
 
 

@@ -28,8 +28,8 @@ PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32
 GDN_SCAN_SWEEP = [(32, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)]  # (block of dv, warps, stages)
 GDN_PREP_SWEEP = [(8, 1), (8, 2), (16, 1)]  # (warps, stages)
 SAMPLER_SWEEP = [(2048, 8), (4096, 8)]  # (block, warps) of the sampler's passes
-GEMV_SWEEP = [(2, 4096, 4, 1), (1, 4096, 4, 1), (2, 2048, 4, 1), (2, 4096, 8, 1), (4, 4096, 8, 1), (2, 8192, 8, 1),
-              (1, 8192, 4, 1), (2, 2048, 2, 2)]  # (BLOCK_N, BLOCK_K, warps, stages)
+GEMV_SWEEP = [(2, 4096, 4, 1), (2, 2048, 2, 2), (2, 2048, 4, 2), (2, 1024, 2, 3), (4, 2048, 4, 2),
+              (1, 2048, 2, 2)]  # (BLOCK_N, BLOCK_K, warps, stages)
 
 
 def bench(fn) -> float:
