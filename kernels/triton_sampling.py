@@ -33,7 +33,7 @@ from .sampling import SamplingTensors, apply_penalties, sample, top_logprobs
 BINS = tl.constexpr(512)
 BINS_PER_NAT = tl.constexpr(16)  # bins cover d in [0, 32) nats; the last bin also holds everything further out
 MAX_CANDIDATES = 512  # the finish pass compares every pair: its cost grows with the square
-MAX_SPLITS = 32  # programs per row in the passes over the vocabulary (a runtime count up to this)
+MAX_SPLITS = 128  # programs per row in the passes over the vocabulary (a runtime count up to this)
 BLOCK = 1024
 NEG = tl.constexpr(float("-inf"))
 

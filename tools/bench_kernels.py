@@ -27,7 +27,8 @@ from tools.make_checkpoint import text_config
 PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)]  # (BLOCK_M, BLOCK_N, warps, stages)
 GDN_SCAN_SWEEP = [(32, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)]  # (block of dv, warps, stages)
 GDN_PREP_SWEEP = [(8, 1), (8, 2), (16, 1)]  # (warps, stages)
-SAMPLER_SWEEP = [(2048, 8), (4096, 8)]  # (block, warps) of the sampler's passes
+SAMPLER_SWEEP = [(1024, 4, 16), (1024, 4, 32), (1024, 4, 64), (512, 4, 64), (512, 2, 128), (2048, 4, 32),
+                 (256, 2, 128)]  # (block, warps, splits per row) of the sampler's passes
 GEMV_SWEEP = [(2, 4096, 4, 1), (2, 2048, 2, 2), (2, 2048, 4, 2), (2, 1024, 2, 3), (4, 2048, 4, 2),
               (1, 2048, 2, 2)]  # (BLOCK_N, BLOCK_K, warps, stages)
 
@@ -290,9 +291,19 @@ def sampling(cfg, rows, sweeps):
     for name, kw in modes.items():
         p = SamplingTensors.filled(n, dev, seeds=torch.arange(n, device=dev), **kw)
         swept = "sampler" in sweeps and name in ("greedy", "Qwen default (T 0.7, top-k 20, top-p 0.8)")
-        for block, warps in SAMPLER_SWEEP if swept else ():
-            t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p, block=block, warps=warps)) / 1e3
-            rows.append((f"sampling, {name}, block {block}, {warps} warps", f"batch {n} x {V}", t_gpu, "", ""))
+        for block, warps, splits in SAMPLER_SWEEP if swept else ():
+            t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p, splits, block=block, warps=warps)) / 1e3
+            rows.append((f"sampling, {name}, block {block}, {warps} warps, {splits} splits", f"batch {n} x {V}",
+                         t_gpu, "", ""))
+        if swept:  # GPU time of each pass, at the default tile
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    draw(logits, p)
+                torch.cuda.synchronize()
+            for e in prof.key_averages():
+                if e.key.startswith("_") and e.key.endswith("_kernel"):
+                    rows.append((f"sampling pass {e.key}, {name}", f"batch {n} x {V}",
+                                 e.device_time_total / 10 / 1e6, "", ""))
         for cands in (MAX_CANDIDATES, 2048) if name == "top-p 0.95" else (MAX_CANDIDATES,):
             flagged = int((draw(logits, p, max_candidates=cands).done == 0).sum())
             t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p, max_candidates=cands)) / 1e3
