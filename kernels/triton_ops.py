@@ -638,111 +638,6 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
 
 
 @triton.jit
-def _gdn_half_rows(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, t, end, h, hk, C, ab_row_stride,
-                   DK: tl.constexpr, KEY_DIM: tl.constexpr, BK: tl.constexpr):
-    """Rows t of one half-chunk: l2-normalised k, the log-decay g and beta (0 past the chunk's end)."""
-    tmask = t < end
-    ks = tl.arange(0, BK)
-    k = tl.load(mixed_ptr + t[:, None] * C + KEY_DIM + hk * DK + ks[None, :],
-                mask=tmask[:, None] & (ks[None, :] < DK), other=0.0).to(tl.float32)
-    k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    a = tl.load(a_ptr + t * ab_row_stride + h, mask=tmask, other=0.0).to(tl.float32) + tl.load(dtb_ptr + h)
-    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-    g = tl.where(tmask, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)
-    b = tl.load(b_ptr + t * ab_row_stride + h, mask=tmask, other=0.0).to(tl.float32)
-    return k, g, tl.where(tmask, 1.0 / (1.0 + tl.exp(-b)), 0.0)
-
-
-@triton.jit
-def _unit_lower_inverse(A, eye, PRECISION: tl.constexpr, STEPS: tl.constexpr):
-    """(I + A)^-1 for A strictly lower triangular of size 2^STEPS: (I - A)(I + A^2)(I + A^4)..., as A^size = 0."""
-    inv = eye - A
-    power = tl.dot(A, A, input_precision=PRECISION)
-    for step in tl.static_range(STEPS - 1):
-        inv = tl.dot(inv, eye + power, input_precision=PRECISION)
-        if step < STEPS - 2:
-            power = tl.dot(power, power, input_precision=PRECISION)
-    return inv
-
-
-@triton.jit
-def _gdn_chunk_prep_halves_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr, qd_ptr, ke_ptr, w_ptr,
-                                  kd_ptr, p_ptr, glast_ptr, C, ab_row_stride, HV, GROUP, scale,
-                                  DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr, BT: tl.constexpr,
-                                  BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
-    """The prep kernel's outputs, from the chunk's two halves of HB = BT / 2 rows. With A = [[A00, 0], [A10, A11]],
-    (I + A) X = R solves by blocks: X0 = D0 R0, X1 = D1 (R1 - A10 X0), D = (I + A_ii)^-1. Two HB-sized inverses
-    and half-sized tiles cost a quarter of the products of one BT-sized inverse, and fewer registers."""
-    HB: tl.constexpr = BT // 2
-    ch = tl.program_id(0)
-    h = tl.program_id(1)
-    start = tl.load(chunk_ptr + 2 * ch).to(tl.int64)
-    end = tl.load(chunk_ptr + 2 * ch + 1).to(tl.int64)
-    hk = h // GROUP
-    t0 = start + tl.arange(0, HB)
-    t1 = t0 + HB
-    ks = tl.arange(0, BK)
-    vs = tl.arange(0, BV)
-    i = tl.arange(0, HB)[:, None]
-    j = tl.arange(0, HB)[None, :]
-    eye = tl.where(i == j, 1.0, 0.0)
-    k0, g0, beta0 = _gdn_half_rows(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, t0, end, h, hk, C, ab_row_stride,
-                                   DK, KEY_DIM, BK)
-    k1, g1, beta1 = _gdn_half_rows(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, t1, end, h, hk, C, ab_row_stride,
-                                   DK, KEY_DIM, BK)
-    c0 = tl.cumsum(g0, axis=0)
-    c1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
-    c_last = tl.min(c1, axis=0)  # c never increases; padding rows repeat the last value
-    A00 = beta0[:, None] * tl.dot(k0, tl.trans(k0), input_precision=PRECISION) * tl.exp(
-        tl.where(i > j, c0[:, None] - c0[None, :], float("-inf")))
-    A11 = beta1[:, None] * tl.dot(k1, tl.trans(k1), input_precision=PRECISION) * tl.exp(
-        tl.where(i > j, c1[:, None] - c1[None, :], float("-inf")))
-    A10 = beta1[:, None] * tl.dot(k1, tl.trans(k0), input_precision=PRECISION) * tl.exp(c1[:, None] - c0[None, :])
-    D0 = _unit_lower_inverse(A00, eye, PRECISION, STEPS=5 if HB == 32 else 4)
-    D1 = _unit_lower_inverse(A11, eye, PRECISION, STEPS=5 if HB == 32 else 4)
-    m0 = (t0 < end)[:, None] & (ks[None, :] < DK)
-    m1 = (t1 < end)[:, None] & (ks[None, :] < DK)
-    row0 = (t0[:, None] * HV + h) * DK + ks[None, :]
-    row1 = (t1[:, None] * HV + h) * DK + ks[None, :]
-    kd0 = tl.dot(D0, (beta0 * tl.exp(c0))[:, None] * k0, input_precision=PRECISION)
-    kd1 = tl.dot(D1, (beta1 * tl.exp(c1))[:, None] * k1 - tl.dot(A10, kd0, input_precision=PRECISION),
-                 input_precision=PRECISION)
-    tl.store(kd_ptr + row0, kd0, mask=m0)
-    tl.store(kd_ptr + row1, kd1, mask=m1)
-    tl.store(ke_ptr + row0, k0 * tl.exp(c_last - c0)[:, None], mask=m0)
-    tl.store(ke_ptr + row1, k1 * tl.exp(c_last - c1)[:, None], mask=m1)
-    v_at = mixed_ptr + 2 * KEY_DIM + h * DV + vs[None, :]
-    vm0 = (t0 < end)[:, None] & (vs[None, :] < DV)
-    vm1 = (t1 < end)[:, None] & (vs[None, :] < DV)
-    v0 = tl.load(v_at + t0[:, None] * C, mask=vm0, other=0.0).to(tl.float32)
-    w0 = tl.dot(D0, beta0[:, None] * v0, input_precision=PRECISION)
-    tl.store(w_ptr + (t0[:, None] * HV + h) * DV + vs[None, :], w0, mask=vm0)
-    v1 = tl.load(v_at + t1[:, None] * C, mask=vm1, other=0.0).to(tl.float32)
-    w1 = tl.dot(D1, beta1[:, None] * v1 - tl.dot(A10, w0, input_precision=PRECISION), input_precision=PRECISION)
-    tl.store(w_ptr + (t1[:, None] * HV + h) * DV + vs[None, :], w1, mask=vm1)
-    q_at = mixed_ptr + hk * DK + ks[None, :]
-    q0 = tl.load(q_at + t0[:, None] * C, mask=m0, other=0.0).to(tl.float32)
-    q0 = q0 / tl.sqrt(tl.sum(q0 * q0, axis=1) + 1e-6)[:, None] * scale
-    q1 = tl.load(q_at + t1[:, None] * C, mask=m1, other=0.0).to(tl.float32)
-    q1 = q1 / tl.sqrt(tl.sum(q1 * q1, axis=1) + 1e-6)[:, None] * scale
-    tl.store(qd_ptr + row0, (q0 * tl.exp(c0)[:, None]).to(qd_ptr.dtype.element_ty), mask=m0)
-    tl.store(qd_ptr + row1, (q1 * tl.exp(c1)[:, None]).to(qd_ptr.dtype.element_ty), mask=m1)
-    p_ty = p_ptr.dtype.element_ty
-    P00 = tl.dot(q0, tl.trans(k0), input_precision=PRECISION) * tl.exp(
-        tl.where(i >= j, c0[:, None] - c0[None, :], float("-inf")))
-    P10 = tl.dot(q1, tl.trans(k0), input_precision=PRECISION) * tl.exp(c1[:, None] - c0[None, :])
-    P11 = tl.dot(q1, tl.trans(k1), input_precision=PRECISION) * tl.exp(
-        tl.where(i >= j, c1[:, None] - c1[None, :], float("-inf")))
-    p0 = p_ptr + (t0[:, None] * HV + h) * BT + j
-    p1 = p_ptr + (t1[:, None] * HV + h) * BT + j
-    tl.store(p0, P00.to(p_ty), mask=(t0 < end)[:, None])
-    tl.store(p0 + HB, tl.zeros([HB, HB], tl.float32).to(p_ty), mask=(t0 < end)[:, None])
-    tl.store(p1, P10.to(p_ty), mask=(t1 < end)[:, None])
-    tl.store(p1 + HB, P11.to(p_ty), mask=(t1 < end)[:, None])
-    tl.store(glast_ptr + ch * HV + h, c_last)
-
-
-@triton.jit
 def _gdn_chunk_scan_kernel(ke_ptr, w_ptr, kd_ptr, glast_ptr, chunk_ptr, req_chunk_ptr, slot_ptr, state_ptr,
                            hs_ptr, u_ptr, trash, HV, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
                            BK: tl.constexpr, BVB: tl.constexpr, PRECISION: tl.constexpr):
@@ -793,7 +688,6 @@ def _gdn_chunk_out_kernel(qd_ptr, p_ptr, hs_ptr, u_ptr, chunk_ptr, out_ptr, HV, 
 
 
 GDN_PREP_CONFIG = (4, 1)  # (warps, stages) of the parallel prep kernel
-GDN_PREP_HALVES = True  # the prep kernel that solves the chunk's system by halves
 GDN_SCAN_CONFIG = (64, 4, 2)  # (block of dv, warps, stages) of the sequential kernel: the H200 sweep's best
 
 
@@ -842,8 +736,7 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slot
     qd = torch.empty(T, HV, dk, dtype=dt, device=dev)
     P = torch.empty(T, HV, CHUNK, dtype=dt, device=dev)
     glast = torch.empty(n, HV, dtype=torch.float32, device=dev)
-    prep = _gdn_chunk_prep_halves_kernel if GDN_PREP_HALVES else _gdn_chunk_prep_kernel
-    prep[(n, HV)](
+    _gdn_chunk_prep_kernel[(n, HV)](
         mixed, a, b, A_log, dt_bias, chunk_table, qd, ke, w, kd, P, glast, C, a.stride(0), HV, HV // num_k_heads,
         dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BV=_pow2(dv),
         PRECISION=precision, num_warps=prep_config[0], num_stages=prep_config[1])

@@ -229,11 +229,9 @@ def test_the_forward_on_triton_ops_matches_the_reference_forward(tiny_ckpt):
         positions = {s: p + 1 for s, p in positions.items()}
 
 
-@pytest.mark.parametrize("halves", [True, False])
 @pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 16), (1, 2, 32, 16)])
-def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv, halves, monkeypatch):
-    monkeypatch.setattr(T, "GDN_PREP_HALVES", halves)
-    lens = [1, 64, 150, 37]  # chunks shorter than a half, of a half and a bit, and whole
+def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv):
+    lens = [1, 64, 150, 37]
     T_ = sum(lens)
     C = 2 * hk * dk + hv * dv
     mixed, a, b = randn(T_, C), randn(T_, hv), randn(T_, hv)

@@ -187,11 +187,6 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
         one = torch.tensor([0], device=dev)
         pool = torch.zeros(2, hv, dk, dv, device=dev)
         t_pre = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv))
-        T.GDN_PREP_HALVES = not T.GDN_PREP_HALVES  # the other prep kernel, for comparison
-        t_other = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv))
-        T.GDN_PREP_HALVES = not T.GDN_PREP_HALVES
-        rows.append((f"gdn_prefill with the {'whole-chunk' if T.GDN_PREP_HALVES else 'half-chunk'} prep kernel",
-                     f"{L} tokens", t_other, "", ""))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv)
             torch.cuda.synchronize()
