@@ -123,8 +123,11 @@ MIXED_ROWS = dict(  # one batch holding every mode: greedy, plain, min-p, top-k 
 def test_the_triton_sampler_draws_the_reference_tokens_and_logprobs():
     T = _draw_module()
     n, vocab = 6, 3000
-    for trial in range(4):
-        logits = torch.randn(n, vocab, device=DEVICE) * (2 + trial)
+    for trial in range(6):
+        logits = torch.randn(n, vocab, device=DEVICE) * (2 + trial % 4)
+        if trial >= 4:  # peaked: 30 ids far above the body, which falls past the histogram's last counted bin
+            picks = torch.randperm(vocab, device=DEVICE)[:30].expand(n, 30)
+            logits.scatter_add_(1, picks, 25 + 10 * torch.rand(n, 30, device=DEVICE))
         p = params(n, device=DEVICE, seeds=torch.randint(0, 2**62, (n,), device=DEVICE),
                    steps=torch.randint(0, 1000, (n,), device=DEVICE),
                    **{k: v.to(DEVICE) for k, v in MIXED_ROWS.items()})
