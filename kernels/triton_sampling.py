@@ -163,24 +163,13 @@ def _hist_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, hist_ptr, V, c
     if _filtered(temp_ptr, topk_ptr, topp_ptr, row):
         inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
         _, _, s_m, _ = _row_stats(part_ptr, row, splits, MAX_SPLITS)
-        # The last bin (32 nats or more below the max) is never counted: no band reaches it (a row whose band
-        # would is flagged). Most ids sit there, so a block usually has few ids to count: those go straight to
-        # the row's histogram by atomics, and only a block with many takes the (slower) block histogram.
         counts = tl.zeros([BINS], tl.int32)
-        bins = tl.arange(0, BINS)
-        ones = tl.full([BLOCK], 1, tl.int32)
         start = split * chunk
         for off in range(start, tl.minimum(start + chunk, V), BLOCK):
             cols = off + tl.arange(0, BLOCK)
             s = tl.load(adj_ptr + row * V + cols, mask=cols < V, other=NEG).to(tl.float32) * inv_t
-            b = _bin_of(s, s_m)
-            near = (cols < V) & (b < BINS - 1)
-            n_near = tl.sum(near.to(tl.int32), 0)
-            if n_near > BLOCK // 8:
-                counts += tl.histogram(tl.where(near, b, BINS - 1), BINS)
-            elif n_near > 0:
-                tl.atomic_add(hist_ptr + row * BINS + b, ones, mask=near, sem="relaxed")
-        tl.atomic_add(hist_ptr + row * BINS + bins, counts, mask=(bins < BINS - 1) & (counts > 0), sem="relaxed")
+            counts += tl.histogram(_bin_of(s, s_m), BINS)  # padding lanes count in the last bin, never kept
+        tl.atomic_add(hist_ptr + row * BINS + tl.arange(0, BINS), counts)
 
 
 @triton.jit
