@@ -55,7 +55,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.t()
 
 
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Causal depthwise conv1d + SiLU
 

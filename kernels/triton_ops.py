@@ -459,14 +459,15 @@ MAX_DECODE_SPLITS = 64
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
+def multiprocessors(device: torch.device) -> int:
+    """The device's SM count (4 on the CPU, where the interpreter runs the kernels), for sizing grids."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def decode_splits(rows: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
     """Splits per (row, kv head): enough programs for two per multiprocessor, no more than the longest
     possible context can use."""
-    wanted = _pow2(triton.cdiv(2 * _multiprocessors(device), rows * kv_heads))
+    wanted = _pow2(triton.cdiv(2 * multiprocessors(device), rows * kv_heads))
     return max(1, min(wanted, MAX_DECODE_SPLITS, triton.cdiv(max_tokens, DECODE_ATTN_BLOCK_N)))
 
 

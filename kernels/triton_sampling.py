@@ -21,7 +21,6 @@ with the host, so `draw` can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .sampling import SamplingTensors, apply_penalties, sample, top_logprobs
+from .triton_ops import multiprocessors
 
 BINS = tl.constexpr(512)
 BINS_PER_NAT = tl.constexpr(16)  # bins cover d in [0, 32) nats; the last bin also holds everything further out
@@ -332,14 +332,9 @@ class Drawn:
     done: torch.Tensor  # [N] int32: 0 where the row must be sampled by the reference instead
 
 
-@functools.lru_cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-
-
 def default_splits(rows: int, vocab: int, device: torch.device) -> int:
     """Enough programs per pass to fill the GPU (a few per SM), never a block less than BLOCK per split."""
-    want = max(1, triton.cdiv(4 * _sm_count(device), rows))
+    want = max(1, triton.cdiv(4 * multiprocessors(device), rows))
     return min(MAX_SPLITS, triton.next_power_of_2(want), max(1, triton.next_power_of_2(triton.cdiv(vocab, 8 * BLOCK))))
 
 
@@ -352,6 +347,8 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     dev = logits.device
     adjusted = apply_penalties(logits, p)
     splits = splits or default_splits(N, V, dev)
+    if splits > MAX_SPLITS:
+        raise ValueError(f"splits={splits}: at most MAX_SPLITS={MAX_SPLITS} programs per row")
     chunk = triton.cdiv(triton.cdiv(V, splits), block) * block
     part = torch.empty(N, splits, 8, dtype=torch.float32, device=dev)
     part_i = torch.empty(N, splits, 2, dtype=torch.int32, device=dev)

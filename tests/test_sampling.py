@@ -1,5 +1,6 @@
 """Batched sampling semantics (DESIGN §6) on the torch reference."""
 
+import pytest
 import torch
 
 from kernels.sampling import SamplingTensors, bits_to_uniform, counter_uniform, sample
@@ -125,7 +126,7 @@ def test_the_triton_sampler_draws_the_reference_tokens_and_logprobs():
     n, vocab = 6, 3000
     for trial in range(6):
         logits = torch.randn(n, vocab, device=DEVICE) * (2 + trial % 4)
-        if trial >= 4:  # peaked: 30 ids far above the body, which falls past the histogram's last counted bin
+        if trial >= 4:  # peaked: 30 ids far above a body that falls in the histogram's last bin (32+ nats down)
             picks = torch.randperm(vocab, device=DEVICE)[:30].expand(n, 30)
             logits.scatter_add_(1, picks, 25 + 10 * torch.rand(n, 30, device=DEVICE))
         p = params(n, device=DEVICE, seeds=torch.randint(0, 2**62, (n,), device=DEVICE),
@@ -169,3 +170,9 @@ def test_top_p_keeps_more_ids_than_it_copies():
     got = T.draw(logits, p, splits=3, max_candidates=256)
     assert got.done.tolist() == [1] * n
     assert torch.equal(got.tokens, sample(logits, p)[0])
+
+
+def test_more_splits_than_the_passes_combine_is_refused():
+    T = _draw_module()
+    with pytest.raises(ValueError, match="MAX_SPLITS"):
+        T.draw(torch.randn(2, 500, device=DEVICE), params(2, device=DEVICE), splits=T.MAX_SPLITS + 1)
