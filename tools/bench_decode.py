@@ -117,13 +117,18 @@ def table(ns, results) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_engine_args(parser: argparse.ArgumentParser, batches: str) -> None:
+    """The flags of `open_engine`: model size and layers, batch sizes (graph buckets), context, tp."""
     parser.add_argument("--size", default="4b")
     parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--batches", default=batches)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--tp", type=int, default=1)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(parser, batches="1,8,32,64")
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
     parser.add_argument("--gemv", choices=["on", "off"], default=None,
                         help="one-row projections by the Triton GEMV where it measured faster, or all by cuBLAS "

@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tools.bench_decode import open_engine
+from tools.bench_decode import add_engine_args, open_engine
 from tools.capture_check import time_per_call
 from tools.live_rows import fill_live_rows, restore, snapshot
 
@@ -82,11 +82,7 @@ async def run(ns) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="4b")
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--batches", default="1,64")
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--tp", type=int, default=1)
+    add_engine_args(parser, batches="1,64")
     parser.add_argument("--top", type=int, default=25)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
