@@ -4,9 +4,15 @@ The reference keeps, per row, a prefix of the vocabulary sorted by scaled logit 
 on the top-k distribution, then min-p) and races the kept ids with counter-based uniforms: argmax p / -log u,
 i.e. argmax (s - max s) - log(-log u). No full sort is needed for that:
 
-1. stats   (row x split): max and sum-exp of the raw logits (for logprobs) and of s; the argmax (greedy).
-2. hist    (row x split): rows with top-k or top-p count their ids in bins of d = max s - s, 1/16 nat wide.
-3. gather  (row x split): the bin counts bound where the kept prefix ends. Top-k: every id up to the bin holding
+1. stats   (row x split): max and sum-exp of the raw logits (for logprobs) and of s; the argmax (greedy). Rows
+           with top-k <= LANE_TOP_K also keep the split's k largest per-lane maxima (each lane's running max over
+           the split; k distinct ids).
+2. hist    (row x split): rows with top-k <= LANE_TOP_K take, as their threshold, the k-th largest of all the
+           splits' kept lane maxima: k distinct ids reach it, so the k-th id does, and only the ids in the k lanes
+           whose max reaches it can (at most k ids a lane, usually about k in all). Other rows with top-k or
+           top-p count their ids in bins of d = max s - s, 1/16 nat wide.
+3. gather  (row x split): threshold rows copy out every id at or above the threshold. For the others the bin
+           counts bound where the kept prefix ends. Top-k: every id up to the bin holding
            the k-th is a candidate (top-p then normalises by their exact mass). Top-p alone: bins whose upper
            bound on the mass before them is under top_p are kept for sure (raced here, their mass summed),
            bins whose lower bound already reaches it are dropped, and only the band between is copied out.
@@ -14,8 +20,8 @@ i.e. argmax (s - max s) - log(-log u). No full sort is needed for that:
 4. finish  (row): rank the candidates by comparing every pair (cheaper than a sort for a band of this size),
            apply top-k / top-p / min-p exactly as the reference does, race, and compare with the sure ids' winner.
 
-A row whose candidate band would exceed MAX_CANDIDATES (top-k in the thousands, or a flat distribution's mass
-spread past 32 nats) is flagged, and the caller samples that row with the reference. Nothing here synchronises
+A row whose candidate band would exceed MAX_CANDIDATES (top-k in the thousands, a flat distribution's mass
+spread past 32 nats, or ties that put more ids than that at a threshold) is flagged, and the caller samples that row with the reference. Nothing here synchronises
 with the host, so `draw` can be captured in a CUDA graph.
 """
 
@@ -33,6 +39,7 @@ from .triton_ops import multiprocessors
 BINS = tl.constexpr(512)
 BINS_PER_NAT = tl.constexpr(16)  # bins cover d in [0, 32) nats; the last bin also holds everything further out
 MAX_CANDIDATES = 512  # the finish pass compares every pair: its cost grows with the square
+LANE_TOP_K = tl.constexpr(64)  # top-k up to this finds its candidates by a threshold from per-lane maxima
 MAX_SPLITS = 128  # programs per row in the passes over the vocabulary (a runtime count up to this)
 BLOCK = 1024
 NEG = tl.constexpr(float("-inf"))
@@ -106,8 +113,8 @@ def _row_stats(part_ptr, row, splits, MAX_SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, part_ptr, part_i_ptr, hist_ptr, count_ptr, V, chunk, splits,
-                  PENALISED: tl.constexpr, BLOCK: tl.constexpr):
+def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, topk_ptr, part_ptr, part_i_ptr, lanes_ptr, hist_ptr, count_ptr, V,
+                  chunk, splits, PENALISED: tl.constexpr, BLOCK: tl.constexpr):
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
     # Running maxima are scalars; the exp sums stay per lane and are rescaled only when a block raises the max.
@@ -138,6 +145,13 @@ def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, part_ptr, part_i_ptr, hist_ptr, co
         l_s += tl.where(a > NEG, tl.exp((a - m_a) * inv_t), 0.0)
         best, best_i = _keep_best(best, best_i, a, cols)
     b, b_i = _lanes_best(best, best_i)
+    if _by_lanes(temp_ptr, topk_ptr, row):  # this split's top_k lane maxima, one lane a step so ties count apart
+        keys = _value_then_index_keys(best, tl.arange(0, BLOCK), BLOCK)
+        kept = lanes_ptr + (row * splits + split) * LANE_TOP_K
+        for i in range(0, tl.load(topk_ptr + row)):
+            top = tl.max(keys, 0)
+            tl.store(kept + i, _key_value(top) * inv_t)
+            keys = tl.where(keys == top, TAKEN, keys)
     base = part_ptr + (row * splits + split) * 8
     tl.store(base + 0, m_x)
     tl.store(base + 1, tl.sum(l_x, 0))
@@ -156,11 +170,53 @@ def _filtered(temp_ptr, topk_ptr, topp_ptr, row):
     return (tl.load(temp_ptr + row) > 0) & ((tl.load(topk_ptr + row) > 0) | (tl.load(topp_ptr + row) < 1.0))
 
 
+TAKEN = tl.constexpr(-(2**63))  # below every key
+
+
 @triton.jit
-def _hist_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, hist_ptr, V, chunk, splits,
-                 MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _value_then_index_keys(x, idx, COUNT: tl.constexpr):
+    """int64 keys, distinct, ordered by x and then by the lower index: one max a step takes one entry."""
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as int32 order
+    return (ordered.to(tl.int64) << 32) | (-idx.to(tl.int64) + (COUNT - 1))
+
+
+@triton.jit
+def _key_value(key):
+    ordered = (key >> 32).to(tl.int32)
+    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _by_lanes(temp_ptr, topk_ptr, row):
+    """True for sampled rows whose top-k is small enough to find its candidates from the kept lane maxima."""
+    top_k = tl.load(topk_ptr + row)
+    return (tl.load(temp_ptr + row) > 0) & (top_k > 0) & (top_k <= LANE_TOP_K)
+
+
+@triton.jit
+def _kth_of_kept_lanes(lanes_ptr, row, splits, top_k, BLOCK_S: tl.constexpr):
+    """The top_k-th largest of every split's kept lane maxima (scaled), one entry a step as in the stats pass."""
+    sp = tl.arange(0, BLOCK_S)[:, None]
+    i = tl.arange(0, LANE_TOP_K)[None, :]
+    flat = sp * LANE_TOP_K + i
+    vals = tl.load(lanes_ptr + row * splits * LANE_TOP_K + flat, mask=(sp < splits) & (i < top_k), other=NEG)
+    keys = _value_then_index_keys(vals, flat, BLOCK_S * LANE_TOP_K)
+    top = tl.max(keys)
+    for _ in range(1, top_k):
+        keys = tl.where(keys == top, TAKEN, keys)
+        top = tl.max(keys)
+    return _key_value(top)
+
+
+@triton.jit
+def _hist_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, lanes_ptr, kth_ptr, hist_ptr, V, chunk, splits,
+                 MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    if _filtered(temp_ptr, topk_ptr, topp_ptr, row):
+    if _by_lanes(temp_ptr, topk_ptr, row):
+        if split == 0:
+            tl.store(kth_ptr + row, _kth_of_kept_lanes(lanes_ptr, row, splits, tl.load(topk_ptr + row), BLOCK_S))
+    elif _filtered(temp_ptr, topk_ptr, topp_ptr, row):
         inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
         _, _, s_m, _ = _row_stats(part_ptr, row, splits, MAX_SPLITS)
         counts = tl.zeros([BINS], tl.int32)
@@ -196,7 +252,7 @@ def _band(hist_ptr, row, top_k, top_p, min_p, s_l):
 
 @triton.jit
 def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
-                   hist_ptr, count_ptr, cand_s_ptr, cand_i_ptr, V, chunk, splits,
+                   hist_ptr, kth_ptr, count_ptr, cand_s_ptr, cand_i_ptr, V, chunk, splits,
                    MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, MAX_CAND: tl.constexpr):
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t = tl.load(temp_ptr + row)
@@ -210,8 +266,13 @@ def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
         best, best_i = tl.full([BLOCK], NEG, tl.float32), tl.zeros([BLOCK], tl.int32)
         sure_mass = tl.zeros([BLOCK], tl.float32)
         if _filtered(temp_ptr, topk_ptr, topp_ptr, row):
-            lo, hi, n_band = _band(hist_ptr, row, tl.load(topk_ptr + row), tl.load(topp_ptr + row), min_p, s_l)
-            if (hi < BINS - 1) & (n_band <= MAX_CAND):
+            by_lanes = _by_lanes(temp_ptr, topk_ptr, row)
+            if by_lanes:  # every id at or above the threshold; the finish pass flags the row if they overflow
+                kth, lo, hi, placed = tl.load(kth_ptr + row), 0, 0, True
+            else:
+                lo, hi, n_band = _band(hist_ptr, row, tl.load(topk_ptr + row), tl.load(topp_ptr + row), min_p, s_l)
+                kth, placed = NEG, (hi < BINS - 1) & (n_band <= MAX_CAND)
+            if placed:
                 for off in range(start, stop, BLOCK):
                     cols = off + tl.arange(0, BLOCK)
                     mask = cols < V
@@ -223,12 +284,12 @@ def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
                         sure_mass += tl.where(sure, e, 0.0)
                         r = tl.where(sure & (e >= min_p), _race_key(s - s_m, cols, key), NEG)
                         best, best_i = _keep_best(best, best_i, r, cols)
-                    take = mask & (b >= lo) & (b <= hi)
+                    take = mask & tl.where(by_lanes, s >= kth, (b >= lo) & (b <= hi))
                     n = tl.sum(take.to(tl.int32), 0)
                     if n > 0:
                         at = tl.atomic_add(count_ptr + row, n) + tl.cumsum(take.to(tl.int32), 0) - 1
-                        tl.store(cand_s_ptr + row * MAX_CAND + at, s, mask=take)
-                        tl.store(cand_i_ptr + row * MAX_CAND + at, cols, mask=take)
+                        tl.store(cand_s_ptr + row * MAX_CAND + at, s, mask=take & (at < MAX_CAND))
+                        tl.store(cand_i_ptr + row * MAX_CAND + at, cols, mask=take & (at < MAX_CAND))
         else:  # no top-k / top-p: race every id that min-p keeps
             for off in range(start, stop, BLOCK):
                 cols = off + tl.arange(0, BLOCK)
@@ -269,7 +330,7 @@ def _ahead_of(cand_s_ptr, cand_i_ptr, row, n_band, s_i, id_i, s_m,
 
 @triton.jit
 def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
-                   hist_ptr, cand_s_ptr, cand_i_ptr, token_ptr, logprob_ptr, done_ptr, V, splits,
+                   hist_ptr, count_ptr, cand_s_ptr, cand_i_ptr, token_ptr, logprob_ptr, done_ptr, V, splits,
                    MAX_SPLITS: tl.constexpr, MAX_CAND: tl.constexpr, TILE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     raw_m, raw_l, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
@@ -286,8 +347,13 @@ def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
         token = tl.load(part_i_ptr + (row * splits + winner) * 2 + 1)  # the sure ids' (or every id's) winner
         if _filtered(temp_ptr, topk_ptr, topp_ptr, row):
             top_k, top_p, min_p = tl.load(topk_ptr + row), tl.load(topp_ptr + row), tl.load(minp_ptr + row)
-            lo, hi, n_band = _band(hist_ptr, row, top_k, top_p, min_p, s_l)
-            if (hi < BINS - 1) & (n_band <= MAX_CAND):
+            if _by_lanes(temp_ptr, topk_ptr, row):
+                n_band = tl.load(count_ptr + row)  # every id at or above the threshold, as the gather pass took
+                placed = n_band <= MAX_CAND
+            else:
+                lo, hi, n_band = _band(hist_ptr, row, top_k, top_p, min_p, s_l)
+                placed = (hi < BINS - 1) & (n_band <= MAX_CAND)
+            if placed:
                 sure_mass = tl.sum(tl.load(part_ptr + part_at * 8 + 6, mask=parts < splits, other=0.0), 0)
                 k_eff = tl.where(top_k > 0, top_k, V)  # with top-k on, lo = 0 and the band starts at rank 0
                 key = _row_key(seed_ptr, step_ptr, row)
@@ -353,6 +419,8 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     part = torch.empty(N, splits, 8, dtype=torch.float32, device=dev)
     part_i = torch.empty(N, splits, 2, dtype=torch.int32, device=dev)
     hist = torch.empty(N, BINS.value, dtype=torch.int32, device=dev)
+    lanes = torch.empty(N, splits, LANE_TOP_K.value, dtype=torch.float32, device=dev)
+    kth = torch.empty(N, dtype=torch.float32, device=dev)
     count = torch.empty(N, dtype=torch.int32, device=dev)
     cand_s = torch.empty(N, max_candidates, dtype=torch.float32, device=dev)
     cand_i = torch.empty(N, max_candidates, dtype=torch.int32, device=dev)
@@ -361,14 +429,14 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     temp, top_p, min_p = p.temperature.float(), p.top_p.float(), p.min_p.float()
     top_k = torch.where(p.top_k >= V, 0, p.top_k)  # keeping the whole vocabulary is no top-k
     grid = (N, splits)
-    _stats_kernel[grid](logits, adjusted, temp, part, part_i, hist, count, V, chunk, splits,
+    _stats_kernel[grid](logits, adjusted, temp, top_k, part, part_i, lanes, hist, count, V, chunk, splits,
                         PENALISED=adjusted is not logits, BLOCK=block, num_warps=warps)
-    _hist_kernel[grid](adjusted, temp, top_k, top_p, part, hist, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block,
-                       num_warps=warps)
-    _gather_kernel[grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, count,
+    _hist_kernel[grid](adjusted, temp, top_k, top_p, part, lanes, kth, hist, V, chunk, splits, MAX_SPLITS=MAX_SPLITS,
+                       BLOCK=block, BLOCK_S=triton.next_power_of_2(splits), num_warps=warps)
+    _gather_kernel[grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, kth, count,
                          cand_s, cand_i, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block, MAX_CAND=max_candidates,
                          num_warps=warps)
-    _finish_kernel[(N,)](logits, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, cand_s, cand_i,
+    _finish_kernel[(N,)](logits, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, count, cand_s, cand_i,
                          out.tokens, out.logprobs, out.done, V, splits, MAX_SPLITS=MAX_SPLITS,
                          MAX_CAND=max_candidates, TILE=64, num_warps=4)
     return out

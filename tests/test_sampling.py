@@ -146,14 +146,34 @@ def test_the_triton_sampler_draws_the_reference_tokens_and_logprobs():
 
 def test_a_row_whose_candidates_overflow_is_flagged_for_the_reference():
     T = _draw_module()
-    logits = torch.randn(3, 2000, device=DEVICE) * 0.01  # nearly flat: top-p 0.9 keeps ~1800 ids
-    p = params(3, device=DEVICE, top_p=torch.tensor([0.9, 1.0, 0.9], device=DEVICE),
-               top_k=torch.tensor([0, 0, 3], device=DEVICE), seeds=7)
+    logits = torch.randn(4, 2000, device=DEVICE) * 0.01  # nearly flat: top-p 0.9 keeps ~1800 ids
+    logits[3] = 0.5  # exactly flat: all 2000 ids tie at the top-k threshold
+    p = params(4, device=DEVICE, top_p=torch.tensor([0.9, 1.0, 1.0, 1.0], device=DEVICE),
+               top_k=torch.tensor([0, 0, 3, 3], device=DEVICE), seeds=7)
     got = T.draw(logits, p, splits=2, max_candidates=64)
-    assert got.done.tolist() == [0, 1, 0]  # top-p over ~1800 ids; top-k 3 among ids in one 1/16-nat bin
+    # top-p over ~1800 ids, and 2000 tied ids, overflow 64 candidates; top-k 3 of distinct values does not
+    assert got.done.tolist() == [0, 1, 1, 0]
     tokens, *_ = sample(logits, p)
-    assert got.tokens[1] == tokens[1]
+    assert torch.equal(got.tokens[1:3], tokens[1:3])
     assert torch.equal(T.sample_on_gpu(logits, p, max_candidates=64)[0], tokens)  # flagged rows: the reference
+
+
+def test_top_k_rows_draw_the_reference_tokens_however_spread_their_top_is():
+    """Top-k rows take their candidates from a threshold on per-lane maxima, whether the k-th id is a fraction of
+    a nat below the max or many nats, with one split or several, and with k up to LANE_TOP_K."""
+    T = _draw_module()
+    vocab = 3000
+    logits = torch.stack([torch.randn(vocab, device=DEVICE),  # the 20th id ~1 nat down
+                          -0.5 * torch.randperm(vocab, device=DEVICE).float(),  # the 20th id 9.5 nats down
+                          torch.randn(vocab, device=DEVICE) * 8])
+    top_k = torch.tensor([20, 20, T.LANE_TOP_K.value], device=DEVICE)
+    for splits in (1, 3):
+        for step in range(3):
+            p = params(3, device=DEVICE, top_k=top_k, top_p=0.9, temperature=0.8, seeds=step + 11,
+                       steps=torch.full((3,), step, device=DEVICE))
+            got = T.draw(logits, p, splits=splits, max_candidates=512)
+            assert got.done.tolist() == [1, 1, 1]
+            assert torch.equal(got.tokens, sample(logits, p)[0]), (splits, step)
 
 
 def test_top_p_keeps_more_ids_than_it_copies():
