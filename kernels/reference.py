@@ -356,7 +356,7 @@ def decode_attention(
     """One query token per row over its first seq_lens[n] cached tokens, times sigmoid(gate) when given.
     q, gate [N, nH, D]; page_table [N, P]."""
     N, nH, D = q.shape
-    n_kv, page_size = k_cache.shape[2], k_cache.shape[1]
+    n_kv = k_cache.shape[2]
     group = nH // n_kv
     keys = k_cache[page_table.long()].reshape(N, -1, n_kv, D).float()  # [N, P*page, n_kv, D]
     values = v_cache[page_table.long()].reshape(N, -1, n_kv, D).float()

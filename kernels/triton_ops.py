@@ -697,7 +697,6 @@ def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k
     """Same contract as reference.gdn_prefill (chunked WY GDN from each request's slot state); `scan_config` and
     `prep_config` override GDN_SCAN_CONFIG and GDN_PREP_CONFIG (the benchmark sweeps them)."""
     T, C = mixed.shape
-    HV = a.shape[1]
     bounds = cu_seqlens.tolist()
     chunks = [[(s, min(s + CHUNK, e)) for s in range(s0, e, CHUNK)] for s0, e in zip(bounds, bounds[1:])]
     mixed = mixed.contiguous()

@@ -58,7 +58,7 @@ class LocalSizes:
 
 def gdn_channel_ranges(cfg: ModelConfig, rank: int, tp: int) -> tuple[tuple[int, int], ...]:
     """The rank's channels of the [q | k | v] segments of `in_proj_qkv` and `conv1d`, in that order."""
-    kd, vd = cfg.gdn_key_dim, cfg.gdn_value_dim
+    kd = cfg.gdn_key_dim
     q = _part(cfg.linear_num_key_heads, rank, tp, cfg.linear_key_head_dim)
     k = _part(cfg.linear_num_key_heads, rank, tp, cfg.linear_key_head_dim)
     v = _part(cfg.linear_num_value_heads, rank, tp, cfg.linear_value_head_dim)

@@ -24,7 +24,7 @@ def capacity(**kw):
 
 
 def check_fits(plan, **kw):
-    free, slot, page = kw["free_bytes"], kw["bytes_per_slot"], kw["bytes_per_page"]
+    free = kw["free_bytes"]
     total = plan.state_bytes + plan.graph_reserve_bytes + kw["prefill_scratch_bytes"]
     assert total <= free, "the allocation would exceed what was measured free"
     assert plan.max_batch <= plan.largest_bucket

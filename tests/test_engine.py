@@ -3,7 +3,6 @@
 import asyncio
 
 import pytest
-import torch
 from helpers import CpuRunner
 
 from runtime import AsyncEngine, EngineArgs, SamplingParams

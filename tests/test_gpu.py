@@ -58,7 +58,7 @@ def test_kernels_at_real_shapes_in_bf16(T, size):
     assert rel(T.add_rms_norm(x, r, w, 1e-6)[0], R.add_rms_norm(x.float(), r.float(), w, 1e-6)[0]) <= BF16_TOL
 
     nh, nkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    ctx, pages = 3000, 6000
+    pages = 6000
     kc = torch.randn(pages + 1, 16, nkv, D, device=dev, dtype=bf)
     vc = torch.randn_like(kc)
     q = torch.randn(8, nh, D, device=dev, dtype=bf)

@@ -6,7 +6,6 @@ import socket
 
 import aiohttp
 import openai
-import pytest
 
 from runtime import AsyncEngine, EngineArgs
 from runtime.server import serve

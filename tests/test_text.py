@@ -66,7 +66,7 @@ def test_reasoning_splitter_holds_back_partial_markers():
 
 
 def test_the_demo_checkpoint_is_made_on_first_use(tmp_path, monkeypatch):
-    from runtime import AsyncEngine, EngineArgs, SamplingParams
+    from runtime import AsyncEngine, SamplingParams
     from runtime.cli import engine_args, serve_parser
 
     monkeypatch.setenv("DELTASERVE_CACHE", str(tmp_path))
