@@ -202,7 +202,7 @@ def _by_lanes(temp_ptr, topk_ptr, row):
 
 @triton.jit
 def _kth_of_kept_lanes(lanes_ptr, row, splits, top_k, BLOCK_S: tl.constexpr):
-    """The top_k-th largest of every split's kept lane maxima (scaled), one entry a step as in the stats pass."""
+    """The top_k-th largest of every split's kept lane maxima (scaled), one entry a step so ties count apart."""
     sp = tl.arange(0, BLOCK_S)[:, None]
     i = tl.arange(0, LANE_TOP_K)[None, :]
     flat = sp * LANE_TOP_K + i

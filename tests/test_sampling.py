@@ -192,6 +192,37 @@ def test_top_p_keeps_more_ids_than_it_copies():
     assert torch.equal(got.tokens, sample(logits, p)[0])
 
 
+def test_top_p_keeps_exactly_the_reference_nucleus():
+    """The two ids either side of the nucleus boundary, 1e-5 apart in logit, get the two largest race bonuses
+    (-log -log u), in a layout where the reference draws the last id it keeps and would draw the first one it
+    drops had it kept it: keeping one id too many, or one too few, changes the token."""
+    T = _draw_module()
+    from kernels.sampling import _filter_sorted
+
+    vocab = 3000
+    for top_p in (0.9, 0.5):
+        for seed in range(200):
+            p = params(1, device=DEVICE, top_p=top_p, temperature=1.0, seeds=seed)
+            values = (torch.randn(vocab, device=DEVICE) * 0.2).sort(descending=True).values
+            kept = int((_filter_sorted(values[None], p, vocab) > 0).sum())
+            values[kept] = values[kept - 1] - 1e-5  # the first id dropped all but ties the last kept
+            mass_before = values.softmax(0).cumsum(0)
+            if kept != int((_filter_sorted(values[None], p, vocab) > 0).sum()) or \
+                    not mass_before[kept - 2] < top_p - 1e-5 < top_p + 1e-5 < mass_before[kept - 1]:
+                continue  # float sums could move a boundary this close to top_p
+            by_bonus = counter_uniform(p.seeds, p.steps, vocab)[0].argsort(descending=True)
+            rest = by_bonus[2:][torch.randperm(vocab - 2, device=DEVICE)]
+            logits = torch.empty(1, vocab, device=DEVICE)
+            logits[0, torch.cat([rest[:kept - 1], by_bonus[1:2], by_bonus[0:1], rest[kept - 1:]])] = values
+            one_more = params(1, device=DEVICE, top_p=float(mass_before[kept - 1]) + 1e-6, seeds=seed)
+            if sample(logits, p)[0][0] == by_bonus[1] and sample(logits, one_more)[0][0] == by_bonus[0]:
+                break
+        else:
+            raise AssertionError("no layout found")
+        got = T.draw(logits, p, splits=3)
+        assert got.done.tolist() == [1] and got.tokens[0] == by_bonus[1], top_p
+
+
 def test_more_splits_than_the_passes_combine_is_refused():
     T = _draw_module()
     with pytest.raises(ValueError, match="MAX_SPLITS"):
