@@ -20,9 +20,9 @@ i.e. argmax (s - max s) - log(-log u). No full sort is needed for that:
 4. finish  (row): rank the candidates by comparing every pair (cheaper than a sort for a band of this size),
            apply top-k / top-p / min-p exactly as the reference does, race, and compare with the sure ids' winner.
 
-A row whose candidate band would exceed MAX_CANDIDATES (top-k in the thousands, a flat distribution's mass
-spread past 32 nats, or ties that put more ids than that at a threshold) is flagged, and the caller samples that row with the reference. Nothing here synchronises
-with the host, so `draw` can be captured in a CUDA graph.
+A row whose candidates would exceed MAX_CANDIDATES (top-k in the thousands, a flat distribution's mass spread
+past 32 nats, or more ids than that tied at a threshold) is flagged, and the caller samples that row with the
+reference. Nothing here synchronises with the host, so `draw` can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
