@@ -55,6 +55,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.t()
 
 
+def add_rms_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's input: `add_rms_norm`, then the projection that reads it. Returns (projected, new residual)."""
+    normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight), residual
+
+
+def add_rms_norm_gate_up(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MLP's input: `add_rms_norm`, the fused [gate | up] projection, silu(gate) * up. Returns (activation,
+    new residual)."""
+    normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+    return silu_mul(linear(normed, gate_up)), residual
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Causal depthwise conv1d + SiLU
 

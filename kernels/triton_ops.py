@@ -114,14 +114,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # One-row projections (batch-1 decode). cuBLAS reaches about half the copy bandwidth on the small matrices at one
-# row; a GEMV whose programs each stream two weight rows in 2048-wide tiles, two tiles in flight, reaches 62-106%
-# (docs/benchmarks/kernels.md: inside a CUDA graph over weights larger than L2, 4B/9B/27B shapes). It beat cuBLAS
-# on every projection that does not widen its input (N <= K) and, from K = 4096 up (9B, 27B), on every projection;
-# on 2560-wide inputs (4B) cuBLAS kept the widening ones. Larger batches stay on cuBLAS.
+# row; a GEMV whose programs each stream a few weight rows in wide tiles, two tiles in flight, reaches 62-106%
+# (docs/benchmarks/kernels.md: inside a CUDA graph over weights larger than L2, 4B/9B/27B shapes). Two rows in
+# 2048-wide tiles beat cuBLAS on every projection of an input 4096 or wider, and on every narrowing one; on
+# 2560-wide inputs (4B) the widening projections need four rows in 512-wide tiles to match it (lm_head: 104%
+# of copy against 100%). Larger batches stay on cuBLAS.
 
 GEMV_ONE_ROW = True
-GEMV_CONFIG = (2, 2048, 2, 2)  # (BLOCK_N, BLOCK_K, warps, stages): the H200 sweep's best across the three sizes
-GEMV_WIDENING_MIN_K = 4096
+GEMV_CONFIG = (2, 2048, 2, 2)  # (BLOCK_N, BLOCK_K, warps, stages)
+GEMV_NARROW_WIDENING_CONFIG = (4, 512, 4, 2)  # a widening projection of an input narrower than GEMV_WIDE_K
+GEMV_WIDE_K = 4096
+
+
+def gemv_config(n: int, k: int) -> tuple:
+    return GEMV_NARROW_WIDENING_CONFIG if n > k and k < GEMV_WIDE_K else GEMV_CONFIG
 
 
 @triton.jit
@@ -143,7 +149,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl
 def gemv(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
     """x [1, K] @ weight [N, K].t()."""
     K, N = x.shape[1], weight.shape[0]
-    block_n, block_k, warps, stages = config or GEMV_CONFIG
+    block_n, block_k, warps, stages = config or gemv_config(N, K)
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x.contiguous(), weight, out, N, K, BLOCK_N=block_n, BLOCK_K=block_k,
                                              EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages)
@@ -151,10 +157,95 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    N, K = weight.shape
-    if GEMV_ONE_ROW and x.shape[0] == 1 and (N <= K or K >= GEMV_WIDENING_MIN_K):
+    if GEMV_ONE_ROW and x.shape[0] == 1:
         return gemv(x, weight)
     return x @ weight.t()
+
+
+# A block's input add-and-norm fused into the one-row projection that reads it (and, for the MLP, silu(gate) * up
+# into its epilogue). Each program sums x^2 over the row in the same loop that streams its weight rows and scales
+# its dot products by 1/rms at the end, so no weight load waits for the norm (normalising first, in the prologue,
+# cost 5 us a projection). Every program reloads the input, the residual and the norm weight from L2, which on
+# 4096-wide and wider inputs costs what the saved launches give back (9B step: 4.42 against 4.32 ms with the
+# MLP's fused), so only inputs narrower than GEMV_WIDE_K are fused (4B step: 2.79 against 2.85 ms; kernels.md).
+
+GEMV_FUSED_NORM = True
+NORM_GEMV_CONFIG = (4, 512, 4, 2)  # (BLOCK_N, BLOCK_K, warps, stages)
+NORM_GEMV_SILU_CONFIG = (8, 512, 4, 2)  # BLOCK_N gate rows and as many up rows
+
+
+@triton.jit
+def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, N, K, up_rows, eps,
+                      HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """out [N] = rms_norm(x + res) @ w.t() for one row; with SILU_MUL, silu(out) * (the same for w's rows
+    up_rows on). Program 0 writes the new residual x + res."""
+    pid = tl.program_id(0)
+    ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = ns < N
+    w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # reduced once, at the end
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    sq = tl.zeros((BLOCK_K,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        wmask = nmask[:, None] if EVEN_K else nmask[:, None] & kmask[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32)
+        if SILU_MUL:
+            w_up = tl.load(w_rows + up_rows * K + ks[None, :], mask=wmask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + ks, mask=kmask, other=0.0)
+        if HAS_RES:
+            x = x + tl.load(res_ptr + ks, mask=kmask, other=0.0)  # in the model dtype, as the reference does
+            if pid == 0:
+                tl.store(res_out_ptr + ks, x, mask=kmask)
+        xf = x.to(tl.float32)
+        sq += xf * xf
+        scaled = (xf * (1.0 + tl.load(nw_ptr + ks, mask=kmask, other=0.0).to(tl.float32)))[None, :]
+        acc += w * scaled
+        if SILU_MUL:
+            acc_up += w_up * scaled
+    inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+    y = (tl.sum(acc, axis=1) * inv).to(out_ptr.dtype.element_ty)
+    if SILU_MUL:  # rounded to the model dtype first, as the unfused projection's output is
+        g = y.to(tl.float32)
+        u = (tl.sum(acc_up, axis=1) * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + ns, y, mask=nmask)
+
+
+def norm_gemv(x, residual, norm_weight, eps: float, weight, silu_mul_rows: int = 0, config=None):
+    """One row: (rms_norm(x + residual) @ weight.t(), x + residual). With silu_mul_rows = I, weight is a fused
+    [gate | up] of 2I rows and the first output is silu(gate) * up, [1, I]."""
+    K = x.shape[1]
+    N = silu_mul_rows or weight.shape[0]
+    block_n, block_k, warps, stages = config or (NORM_GEMV_SILU_CONFIG if silu_mul_rows else NORM_GEMV_CONFIG)
+    x = x.contiguous()
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    summed = x if residual is None else torch.empty_like(x)
+    _norm_gemv_kernel[(triton.cdiv(N, block_n),)](
+        x, x if residual is None else residual.contiguous(), norm_weight, weight, out, summed, N, K, silu_mul_rows,
+        eps, HAS_RES=residual is not None, SILU_MUL=silu_mul_rows > 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages)
+    return out, summed
+
+
+def _fuses_norm(x: torch.Tensor) -> bool:
+    return GEMV_FUSED_NORM and x.shape[0] == 1 and x.shape[1] < GEMV_WIDE_K
+
+
+def add_rms_norm_linear(x, residual, norm_weight, eps: float, weight):
+    if _fuses_norm(x):
+        return norm_gemv(x, residual, norm_weight, eps, weight)
+    normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight), residual
+
+
+def add_rms_norm_gate_up(x, residual, norm_weight, eps: float, gate_up):
+    if _fuses_norm(x):
+        return norm_gemv(x, residual, norm_weight, eps, gate_up, silu_mul_rows=gate_up.shape[0] // 2)
+    normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+    return silu_mul(linear(normed, gate_up)), residual
 
 
 # ---------------------------------------------------------------------------------------------------------------------

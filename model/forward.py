@@ -66,74 +66,86 @@ class Qwen35Shard:
                 if p + parts[0] in w:
                     w[p + fused] = torch.cat([w.pop(p + part) for part in parts], dim=0)
 
-    # Layers ----------------------------------------------------------------------------------------------------------
-    def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+    # Layers: each takes the layer's input x and the residual stream, p the layer's prefix ("layers.i."), and
+    # returns (its output, the new residual). The add-and-norm before a block goes with the block's first
+    # projection, so the ops can fuse the two.
+    def _mlp(self, x: torch.Tensor, residual: torch.Tensor, p: str):
         w, ops = self.w, self.ops
-        h = ops.silu_mul(ops.linear(x, w[p + "mlp.gate_up_proj.weight"]))
-        return self.all_reduce(ops.linear(h, w[p + "mlp.down_proj.weight"]))
+        h, residual = ops.add_rms_norm_gate_up(
+            x, residual, w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps, w[p + "mlp.gate_up_proj.weight"]
+        )
+        return self.all_reduce(ops.linear(h, w[p + "mlp.down_proj.weight"])), residual
 
-    def _gdn_inputs(self, x: torch.Tensor, p: str):
-        """Views of the fused [qkv | z | b | a] projection."""
-        y = self.ops.linear(x, self.w[p + "in_proj_all.weight"])
+    def _input_projection(self, x: torch.Tensor, residual: torch.Tensor | None, p: str, weight: str):
+        """The layer's input add-and-norm and the first projection of its mixer; (projected, new residual)."""
+        w = self.w
+        return self.ops.add_rms_norm_linear(x, residual, w[p + "input_layernorm.weight"], self.cfg.rms_norm_eps,
+                                            w[p + weight])
+
+    def _gdn_inputs(self, x: torch.Tensor, residual: torch.Tensor | None, p: str):
+        """Views of the fused [qkv | z | b | a] projection, and the new residual."""
+        y, residual = self._input_projection(x, residual, p, "linear_attn.in_proj_all.weight")
         C, hv = self.local.gdn_conv_dim, self.local.gdn_value_heads
         vd = hv * self.cfg.linear_value_head_dim
         mixed, z, b, a = y.split([C, vd, hv, hv], dim=1)
-        return mixed, z, a, b
+        return mixed, z, a, b, residual
 
     def _gdn_output(self, o: torch.Tensor, z: torch.Tensor, p: str) -> torch.Tensor:
         T = o.shape[0]
         dv = self.cfg.linear_value_head_dim
-        normed = self.ops.gated_rms_norm(o, z.reshape(T, -1, dv), self.w[p + "norm.weight"], self.cfg.rms_norm_eps)
-        return self.all_reduce(self.ops.linear(normed.reshape(T, -1), self.w[p + "out_proj.weight"]))
+        la = p + "linear_attn."
+        normed = self.ops.gated_rms_norm(o, z.reshape(T, -1, dv), self.w[la + "norm.weight"], self.cfg.rms_norm_eps)
+        return self.all_reduce(self.ops.linear(normed.reshape(T, -1), self.w[la + "out_proj.weight"]))
 
-    def _gdn_prefill(self, x, p, state: ModelState, batch: PrefillBatch, j: int):
-        cfg, w = self.cfg, self.w
-        mixed, z, a, b = self._gdn_inputs(x, p)
-        mixed = self.ops.conv1d_prefill(mixed, w[p + "conv1d.weight"], state.conv[j], batch.cu_seqlens, batch.slots)
+    def _gdn_prefill(self, x, residual, p, state: ModelState, batch: PrefillBatch, j: int):
+        cfg, w, la = self.cfg, self.w, p + "linear_attn."
+        mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
+        mixed = self.ops.conv1d_prefill(mixed, w[la + "conv1d.weight"], state.conv[j], batch.cu_seqlens, batch.slots)
         o = self.ops.gdn_prefill(
-            mixed, a, b, w[p + "A_log"], w[p + "dt_bias"], state.ssm[j], batch.cu_seqlens, batch.slots,
+            mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], batch.cu_seqlens, batch.slots,
             self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
         )
-        return self._gdn_output(o, z, p)
+        return self._gdn_output(o, z, p), residual
 
-    def _gdn_decode(self, x, p, state: ModelState, batch: DecodeBatch, j: int):
-        cfg, w = self.cfg, self.w
-        mixed, z, a, b = self._gdn_inputs(x, p)
-        mixed = self.ops.conv1d_decode(mixed, w[p + "conv1d.weight"], state.conv[j], batch.slots)
+    def _gdn_decode(self, x, residual, p, state: ModelState, batch: DecodeBatch, j: int):
+        cfg, w, la = self.cfg, self.w, p + "linear_attn."
+        mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
+        mixed = self.ops.conv1d_decode(mixed, w[la + "conv1d.weight"], state.conv[j], batch.slots)
         o = self.ops.gdn_decode(
-            mixed, a, b, w[p + "A_log"], w[p + "dt_bias"], state.ssm[j], batch.slots,
+            mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], batch.slots,
             self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
         )
-        return self._gdn_output(o, z, p)
+        return self._gdn_output(o, z, p), residual
 
-    def _attn_inputs(self, x, p, state: ModelState, j: int, positions, slot_mapping):
-        """The fused q/k/v projection, then q/k norms, RoPE and the paged K/V write; (rotated q, gate view)."""
-        cfg, w = self.cfg, self.w
-        qkv = self.ops.linear(x, w[p + "qkv_proj.weight"])
+    def _attn_inputs(self, x, residual, p, state: ModelState, j: int, positions, slot_mapping):
+        """The fused q/k/v projection, then q/k norms, RoPE and the paged K/V write; (rotated q, gate view, new
+        residual)."""
+        cfg, w, sa = self.cfg, self.w, p + "self_attn."
+        qkv, residual = self._input_projection(x, residual, p, "self_attn.qkv_proj.weight")
         nh, nkv = self.local.num_heads, self.local.num_kv_heads
         q = self.ops.qk_norm_rope_cache(
-            qkv, w[p + "q_norm.weight"], w[p + "k_norm.weight"], cfg.rms_norm_eps, positions, self.cos, self.sin,
+            qkv, w[sa + "q_norm.weight"], w[sa + "k_norm.weight"], cfg.rms_norm_eps, positions, self.cos, self.sin,
             state.k_cache[j], state.v_cache[j], slot_mapping, nh, nkv,
         )
         _, gate, _, _ = reference_ops.split_qkv(qkv, nh, nkv, cfg.head_dim)
-        return q, gate
+        return q, gate, residual
 
     def _attn_output(self, o: torch.Tensor, p: str) -> torch.Tensor:
-        return self.all_reduce(self.ops.linear(o.reshape(o.shape[0], -1), self.w[p + "o_proj.weight"]))
+        return self.all_reduce(self.ops.linear(o.reshape(o.shape[0], -1), self.w[p + "self_attn.o_proj.weight"]))
 
-    def _attn_prefill(self, x, p, state: ModelState, batch: PrefillBatch, j: int):
-        q, gate = self._attn_inputs(x, p, state, j, batch.positions, batch.slot_mapping)
+    def _attn_prefill(self, x, residual, p, state: ModelState, batch: PrefillBatch, j: int):
+        q, gate, residual = self._attn_inputs(x, residual, p, state, j, batch.positions, batch.slot_mapping)
         o = self.ops.prefill_attention(
             q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.cu_seqlens, batch.context_lens, self.scale
         )
-        return self._attn_output(reference_ops.apply_output_gate(o, gate), p)
+        return self._attn_output(reference_ops.apply_output_gate(o, gate), p), residual
 
-    def _attn_decode(self, x, p, state: ModelState, batch: DecodeBatch, j: int):
-        q, gate = self._attn_inputs(x, p, state, j, batch.positions, batch.slot_mapping)
+    def _attn_decode(self, x, residual, p, state: ModelState, batch: DecodeBatch, j: int):
+        q, gate, residual = self._attn_inputs(x, residual, p, state, j, batch.positions, batch.slot_mapping)
         o = self.ops.decode_attention(  # the sigmoid output gate is applied inside
             q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.seq_lens, self.scale, gate
         )
-        return self._attn_output(o, p)
+        return self._attn_output(o, p), residual
 
     # Whole model --------------------------------------------------------------------------------------------------
     def _run(self, input_ids, state, batch, prefill: bool) -> torch.Tensor:
@@ -142,16 +154,12 @@ class Qwen35Shard:
         residual = None
         for i, kind in enumerate(cfg.layer_types):
             p = f"layers.{i}."
-            h, residual = ops.add_rms_norm(x, residual, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            j = self.state_index[i]
             if kind == "full_attention":
                 mix = self._attn_prefill if prefill else self._attn_decode
-                x = mix(h, p + "self_attn.", state, batch, j)
             else:
                 mix = self._gdn_prefill if prefill else self._gdn_decode
-                x = mix(h, p + "linear_attn.", state, batch, j)
-            h, residual = ops.add_rms_norm(x, residual, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            x = self._mlp(h, p)
+            x, residual = mix(x, residual, p, state, batch, self.state_index[i])
+            x, residual = self._mlp(x, residual, p)
         hidden, _ = ops.add_rms_norm(x, residual, w["norm.weight"], cfg.rms_norm_eps)
         return hidden
 

@@ -97,6 +97,16 @@ def test_kernels_at_real_shapes_in_bf16(T, size):
     for n, k in ((H, hv * dv), (H, cfg.intermediate_size)):
         w_, x_ = torch.randn(n, k, device=dev, dtype=bf) * 0.02, torch.randn(1, k, device=dev, dtype=bf)
         assert rel(T.gemv(x_, w_), R.linear(x_.float(), w_.float())) <= BF16_TOL
+    # The block input's add-and-norm fused into the one-row projection that reads it: in_proj, and gate_up with
+    # silu(gate) * up (fp32 reference on the same bf16 inputs).
+    x_, res_, nw_ = (torch.randn(1, H, device=dev, dtype=bf) for _ in range(3))
+    for n, silu in ((2 * hk * dk + 2 * hv * dv + 2 * hv, False), (2 * cfg.intermediate_size, True)):
+        w_ = torch.randn(n, H, device=dev, dtype=bf) * 0.02
+        fused, unfused = (T.add_rms_norm_gate_up, R.add_rms_norm_gate_up) if silu else (T.add_rms_norm_linear,
+                                                                                        R.add_rms_norm_linear)
+        got, got_res = fused(x_, res_, nw_, cfg.rms_norm_eps, w_)
+        ref, ref_res = unfused(x_.float(), res_.float(), nw_.float(), cfg.rms_norm_eps, w_.float())
+        assert rel(got, ref) <= BF16_TOL and rel(got_res, ref_res) <= BF16_TOL
 
 
 def test_gdn_matches_fla_core():

@@ -257,11 +257,44 @@ def test_one_row_gemv_and_its_routing(k, n, monkeypatch):
     with poisoned_outputs():
         got, got_strided = T.gemv(x, w), T.gemv(strided, w)
     assert rel(got, R.linear(x, w)) <= REDUCTION and rel(got_strided, R.linear(x, w)) <= REDUCTION
+    assert T.gemv_config(n, k) == T.GEMV_CONFIG  # narrowing: two rows a program
+    assert T.gemv_config(k + 1, k) == T.GEMV_NARROW_WIDENING_CONFIG  # widening a narrow input
+    assert T.gemv_config(k + 1, T.GEMV_WIDE_K) == T.GEMV_CONFIG  # widening a wide one
+    wide = randn(k + 1, k) * 0.1  # the widening tile (512 wide) runs past k: masked
+    with poisoned_outputs():
+        assert rel(T.gemv(x, wide), R.linear(x, wide)) <= REDUCTION
     calls = []
     monkeypatch.setattr(T, "gemv", lambda x, w: calls.append(w.shape) or R.linear(x, w))
-    T.linear(x, w)  # one row, N <= K: the GEMV
+    T.linear(x, w)  # one row: the GEMV
     T.linear(torch.cat([x, x]), w)  # two rows: cuBLAS
-    T.linear(x, randn(k + 1, k))  # a widening projection of a narrow input: cuBLAS
-    monkeypatch.setattr(T, "GEMV_WIDENING_MIN_K", k)
-    T.linear(x, randn(k + 1, k))  # a widening projection of a wide enough input: the GEMV
-    assert calls == [w.shape, (k + 1, k)]
+    T.linear(x, wide)  # one row, widening: the GEMV too
+    assert calls == [w.shape, wide.shape]
+
+
+@pytest.mark.parametrize("k", [256, 200])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_input_norm_fused_into_the_one_row_projection(k, with_residual, monkeypatch):
+    """The block's add-and-norm fused into the GEMV that reads it (and silu(gate) * up into the MLP's), against the
+    unfused reference; more rows than one take the unfused path."""
+    monkeypatch.setattr(T, "NORM_GEMV_CONFIG", (4, 128, 4, 1))  # two K tiles: whole (k 256) and ragged (k 200)
+    x, nw, w = randn(1, k), randn(k) * 0.2, randn(10, k) * 0.1  # 10 rows: the last program is ragged
+    res = randn(1, k) if with_residual else None
+    with poisoned_outputs():
+        got, got_res = T.add_rms_norm_linear(x, res, nw, 1e-6, w)
+        act, act_res = T.add_rms_norm_gate_up(x, res, nw, 1e-6, w)
+    ref, ref_res = R.add_rms_norm_linear(x, res, nw, 1e-6, w)
+    assert rel(got, ref) <= REDUCTION and rel(got_res, ref_res) <= ELEMENTWISE
+    assert act.shape == (1, 5) and rel(act, R.add_rms_norm_gate_up(x, res, nw, 1e-6, w)[0]) <= REDUCTION
+    assert rel(act_res, ref_res) <= ELEMENTWISE
+    calls = []
+    monkeypatch.setattr(T, "norm_gemv", lambda *a, **kw: calls.append(kw.get("silu_mul_rows", 0)))
+    two = torch.cat([x, x])
+    got2, _ = T.add_rms_norm_linear(two, None if res is None else torch.cat([res, res]), nw, 1e-6, w)
+    assert not calls and rel(got2, torch.cat([ref, ref])) <= REDUCTION
+    T.add_rms_norm_gate_up(x, res, nw, 1e-6, w)
+    assert calls == [5]
+    # From GEMV_WIDE_K up, the norm kernel and the plain GEMV run.
+    monkeypatch.setattr(T, "GEMV_WIDE_K", k)
+    got_wide, _ = T.add_rms_norm_linear(x, res, nw, 1e-6, w)
+    act_wide, _ = T.add_rms_norm_gate_up(x, res, nw, 1e-6, w)
+    assert calls == [5] and rel(got_wide, ref) <= REDUCTION and rel(act_wide, act) <= REDUCTION
