@@ -103,7 +103,8 @@ def table(ns, results) -> str:
     lines = [
         f"{ns.size} ({ns.layers or 'all'} layers), tp={ns.tp}, bf16, context {ns.context}, "
         f"copy bandwidth {results[0]['copy_tbps']:.2f} TB/s; one-row projections by "
-        f"{'the Triton GEMV where it measured faster' if triton_ops.GEMV_ONE_ROW else 'cuBLAS'}",
+        f"{'the Triton GEMV where it measured faster' if triton_ops.GEMV_ONE_ROW else 'cuBLAS'}; input add-and-norms "
+        f"{'fused into the one-row projections' if triton_ops.GEMV_FUSED_NORM else 'by their own kernel'}",
         "",
         "| batch | graph step ms | eager step ms | graph/eager speed-up | tokens/s (graph) | HBM floor ms "
         "| graph / floor | sampling ms (T 0.7, top-k 20, top-p 0.8) | greedy ms |",
@@ -132,14 +133,19 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
     parser.add_argument("--gemv", choices=["on", "off"], default=None,
                         help="one-row projections by the Triton GEMV where it measured faster, or all by cuBLAS "
-                        f"(default {'on' if triton_ops.GEMV_ONE_ROW else 'off'})")
+                        f"(default {'on' if triton_ops.GEMV_ONE_ROW else 'off'}); off also unfuses the norms")
+    parser.add_argument("--fused-norm", choices=["on", "off"], default=None,
+                        help="each block's add-and-norm fused into its one-row input projection, or a kernel of its "
+                        f"own (default {'on' if triton_ops.GEMV_FUSED_NORM else 'off'})")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA device")
         return 2
     if ns.gemv is not None:
-        triton_ops.GEMV_ONE_ROW = ns.gemv == "on"
+        triton_ops.GEMV_ONE_ROW = triton_ops.GEMV_FUSED_NORM = ns.gemv == "on"
+    if ns.fused_norm is not None:
+        triton_ops.GEMV_FUSED_NORM = ns.fused_norm == "on"
     results = asyncio.run(run(ns))
     text = table(ns, results)
     stamp = f"{datetime.date.today()} {torch.cuda.get_device_name()} `python -m tools.bench_decode {' '.join(argv or sys.argv[1:])}`"

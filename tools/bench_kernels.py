@@ -30,7 +30,9 @@ GDN_PREP_SWEEP = [(8, 1), (8, 2), (16, 1)]  # (warps, stages)
 SAMPLER_SWEEP = [(1024, 4, 16), (1024, 4, 32), (1024, 4, 64), (512, 4, 64), (512, 2, 128), (2048, 4, 32),
                  (256, 2, 128)]  # (block, warps, splits per row) of the sampler's passes
 GEMV_SWEEP = [(2, 4096, 4, 1), (2, 2048, 2, 2), (2, 2048, 4, 2), (2, 1024, 2, 3), (4, 2048, 4, 2),
-              (1, 2048, 2, 2)]  # (BLOCK_N, BLOCK_K, warps, stages)
+              (1, 2048, 2, 2), (4, 512, 4, 2), (8, 512, 4, 2), (8, 256, 4, 3)]  # (BLOCK_N, BLOCK_K, warps, stages)
+NORM_GEMV_SWEEP = [(8, 512, 4, 2), (4, 512, 4, 2), (4, 512, 4, 3), (8, 256, 4, 3), (8, 256, 2, 3), (4, 1024, 4, 2),
+                   (2, 2048, 2, 2), (16, 256, 4, 2)]  # (BLOCK_N, BLOCK_K, warps, stages)
 
 
 def bench(fn) -> float:
@@ -85,7 +87,7 @@ def projections(cfg, rows: list, bw: float, sweep: bool) -> None:
         nbytes = (n * k + k + n) * 2
         t = graph_time_per_call(lambda w: lambda: T.gemv(x, w), weights)
         t_peer = graph_time_per_call(lambda w: lambda: x @ w.t(), weights)
-        routed = "ours" if n <= k or k >= T.GEMV_WIDENING_MIN_K else "cuBLAS"
+        routed = f"ours, {T.gemv_config(n, k)}"
         rows.append((f"one-row projection {name} (runs on {routed})", f"1 x {k} -> {n}", t,
                      f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy; cuBLAS {nbytes / t_peer / bw:.0%}"
                      f" ({t_peer / t:.2f}x our time)"))
@@ -95,6 +97,46 @@ def projections(cfg, rows: list, bw: float, sweep: bool) -> None:
             except OutOfResources:
                 continue
             rows.append((f"one-row projection {name} config {config}", f"1 x {k} -> {n}", t,
+                         f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy"))
+        del weights
+    norm_projections(cfg, rows, bw, sweep)
+
+
+def norm_projections(cfg, rows: list, bw: float, sweep: bool) -> None:
+    """A block's add-and-norm with the one-row projection that reads it (silu(gate) * up for the MLP): the fused
+    GEMV against the add-and-norm kernel followed by the unfused projection (`linear`'s pick) and by cuBLAS."""
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    shapes = {"gdn in_proj": (2 * hk * dk + 2 * hv * dv + 2 * hv, False),
+              "attn qkv_proj": ((2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D, False),
+              "mlp gate_up + silu_mul": (2 * I, True)}
+    x, res, nw = (torch.randn(1, H, device=dev, dtype=bf) for _ in range(3))
+    eps = cfg.rms_norm_eps
+    for name, (n, silu) in shapes.items():
+        copies = max(2, -(-(512 << 20) // (n * H * 2)))
+        weights = [torch.randn(n, H, device=dev, dtype=bf) * 0.02 for _ in range(copies)]
+        fused = T.add_rms_norm_gate_up if silu else T.add_rms_norm_linear
+        act = R.silu_mul if silu else (lambda y: y)
+
+        def unfused(w, project):
+            normed, _ = T.add_rms_norm(x, res, nw, eps)
+            return act(project(normed, w))
+
+        nbytes = (n * H + 3 * H + (n // 2 if silu else n)) * 2
+        t = graph_time_per_call(lambda w: lambda: fused(x, res, nw, eps, w), weights)
+        t_split = graph_time_per_call(lambda w: lambda: unfused(w, T.linear), weights)
+        t_cublas = graph_time_per_call(lambda w: lambda: unfused(w, lambda h, w_: h @ w_.t()), weights)
+        rows.append((f"one-row add-and-norm + {name}, fused", f"1 x {H} -> {n}", t, f"{nbytes / t / 1e12:.2f} TB/s",
+                     f"{nbytes / t / bw:.0%} of copy; unfused (norm kernel, linear's pick) {t_split * 1e6:.1f} us = "
+                     f"{t_split / t:.2f}x ours; norm + cuBLAS {t_cublas * 1e6:.1f} us = {t_cublas / t:.2f}x ours"))
+        for config in NORM_GEMV_SWEEP if sweep else ():
+            try:
+                t = graph_time_per_call(lambda w: lambda: T.norm_gemv(x, res, nw, eps, w, n // 2 if silu else 0,
+                                                                      config), weights)
+            except OutOfResources:
+                continue
+            rows.append((f"one-row add-and-norm + {name}, fused, config {config}", f"1 x {H} -> {n}", t,
                          f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy"))
         del weights
 
