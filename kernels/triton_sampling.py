@@ -1,4 +1,4 @@
-"""Sampling on the GPU in four Triton passes, drawing the same tokens as `kernels.sampling.sample`.
+"""Sampling on the GPU in five Triton passes, drawing the same tokens as `kernels.sampling.sample`.
 
 The reference keeps, per row, a prefix of the vocabulary sorted by scaled logit s = logit / T (top-k, then top-p
 on the top-k distribution, then min-p) and races the kept ids with counter-based uniforms: argmax p / -log u,
@@ -7,17 +7,21 @@ i.e. argmax (s - max s) - log(-log u). No full sort is needed for that:
 1. stats   (row x split): max and sum-exp of the raw logits (for logprobs) and of s; the argmax (greedy). Rows
            with top-k <= LANE_TOP_K also keep the split's k largest per-lane maxima (each lane's running max over
            the split; k distinct ids).
-2. hist    (row x split): rows with top-k <= LANE_TOP_K take, as their threshold, the k-th largest of all the
-           splits' kept lane maxima: k distinct ids reach it, so the k-th id does, and only the ids in the k lanes
-           whose max reaches it can (at most k ids a lane, usually about k in all). Other rows with top-k or
-           top-p count their ids in bins of d = max s - s, 1/16 nat wide.
-3. gather  (row x split): threshold rows copy out every id at or above the threshold. For the others the bin
-           counts bound where the kept prefix ends. Top-k: every id up to the bin holding
-           the k-th is a candidate (top-p then normalises by their exact mass). Top-p alone: bins whose upper
-           bound on the mass before them is under top_p are kept for sure (raced here, their mass summed),
-           bins whose lower bound already reaches it are dropped, and only the band between is copied out.
-           Rows with neither filter race every id that min-p keeps.
-4. finish  (row): rank the candidates by comparing every pair (cheaper than a sort for a band of this size),
+2. hist    (row x split): threshold rows (top-k <= LANE_TOP_K) take the k-th largest of all the splits' kept
+           lane maxima: k distinct ids reach it, so the k-th id does, and only the ids in the k lanes whose max
+           reaches it can (at most k ids a lane, usually about k in all). Other rows with top-k or top-p count
+           their ids in bins of d = max s - s, 1/16 nat wide.
+3. take or refine (row x split): threshold rows copy out every id at or above the threshold. Top-p rows
+           without top-k whose bins leave too wide a band (a bin bounds its ids' mass only within e^(1/16), so
+           on a broad distribution the band can hold thousands of ids) are refined: the exact mass before a
+           window of bins around the estimated boundary and in it, and the window's ids counted in 511 slices.
+4. gather  (row x split): for the other histogram rows the bin (or slice) counts bound where the kept prefix
+           ends. Top-k: every id up to the bin holding the k-th is a candidate (top-p then normalises by their
+           exact mass). Top-p alone: bins (slices) whose upper bound on the mass before them is under top_p are
+           kept for sure (raced here, their mass summed), those whose lower bound already reaches it are
+           dropped, and only the band between is copied out. Rows with neither filter race every id that min-p
+           keeps.
+5. finish  (row): rank the candidates by comparing every pair (cheaper than a sort for a band of this size),
            apply top-k / top-p / min-p exactly as the reference does, race, and compare with the sure ids' winner.
 
 A row whose candidates would exceed MAX_CANDIDATES (top-k in the thousands, a flat distribution's mass spread
@@ -43,6 +47,9 @@ LANE_TOP_K = tl.constexpr(64)  # top-k up to this finds its candidates by a thre
 MAX_SPLITS = 128  # programs per row in the passes over the vocabulary (a runtime count up to this)
 BLOCK = 1024
 NEG = tl.constexpr(float("-inf"))
+PART = tl.constexpr(10)  # floats a (row, split) program leaves for the later passes
+FINE = tl.constexpr(512)  # the refine pass's slices of a top-p window; the last one holds every id outside it
+REFINE_MARGIN = tl.constexpr(4)  # bins past the estimated top-p point that the refine window also covers
 
 
 @triton.jit
@@ -109,7 +116,7 @@ def _lanes_best(best, best_i):
 def _row_stats(part_ptr, row, splits, MAX_SPLITS: tl.constexpr):
     """Combine the stats pass's partials of one row: raw (max, sum), scaled (max, sum)."""
     i = tl.arange(0, MAX_SPLITS)
-    base = part_ptr + (row * splits + i) * 8
+    base = part_ptr + (row * splits + i) * PART
     live = i < splits
     rm = tl.load(base + 0, mask=live, other=NEG)
     rl = tl.load(base + 1, mask=live, other=0.0)
@@ -122,8 +129,8 @@ def _row_stats(part_ptr, row, splits, MAX_SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, topk_ptr, part_ptr, part_i_ptr, lanes_ptr, hist_ptr, count_ptr, V,
-                  chunk, splits, PENALISED: tl.constexpr, BLOCK: tl.constexpr):
+def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, topk_ptr, part_ptr, part_i_ptr, lanes_ptr, hist_ptr, fine_ptr, count_ptr,
+                  V, chunk, splits, PENALISED: tl.constexpr, BLOCK: tl.constexpr):
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
     # Running maxima are scalars; the exp sums stay per lane and are rescaled only when a block raises the max.
@@ -158,7 +165,7 @@ def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, topk_ptr, part_ptr, part_i_ptr, la
         i = tl.arange(0, LANE_TOP_K)
         tl.store(lanes_ptr + (row * splits + split) * LANE_TOP_K + i, tl.topk(best, LANE_TOP_K) * inv_t,
                  mask=i < tl.load(topk_ptr + row))
-    base = part_ptr + (row * splits + split) * 8
+    base = part_ptr + (row * splits + split) * PART
     tl.store(base + 0, m_x)
     tl.store(base + 1, tl.sum(l_x, 0))
     tl.store(base + 2, m_a * inv_t)
@@ -167,6 +174,7 @@ def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, topk_ptr, part_ptr, part_i_ptr, la
     tl.store(part_i_ptr + (row * splits + split) * 2, b_i)
     if split == 0:  # the next passes accumulate into these
         tl.store(hist_ptr + row * BINS + tl.arange(0, BINS), tl.zeros([BINS], tl.int32))
+        tl.store(fine_ptr + row * FINE + tl.arange(0, FINE), tl.zeros([FINE], tl.int32))
         tl.store(count_ptr + row, 0)
 
 
@@ -257,9 +265,138 @@ def _band(hist_ptr, row, top_k, top_p, min_p, s_l):
 
 
 @triton.jit
+def _refines(placed, top_k, lo):
+    """A top-p-alone row whose bins leave too many candidates, or no end to the band, is refined."""
+    return (not placed) & (top_k == 0) & (lo < BINS - 1)
+
+
+@triton.jit
+def _refine_window(hist_ptr, row, lo, top_p, s_l):
+    """The refine window's last bin: REFINE_MARGIN bins past where the mass, estimated at the bins' midpoints,
+    reaches top_p. Only a guess; the exact masses the refine pass sums tell whether the boundary lies inside."""
+    bins = tl.arange(0, BINS)
+    c = tl.load(hist_ptr + row * BINS + bins).to(tl.float32)
+    est = tl.cumsum(tl.where(bins < BINS - 1, c * tl.exp(-(bins + 0.5) / BINS_PER_NAT), 0.0), 0)
+    at = tl.min(tl.where(est >= top_p * s_l, bins, BINS - 1), 0)
+    return tl.maximum(tl.minimum(at + REFINE_MARGIN, BINS - 2), lo)
+
+
+@triton.jit
+def _window_scale(lo, hr):
+    """(d where the refine window starts, its slices per nat)."""
+    return lo.to(tl.float32) / BINS_PER_NAT, (FINE - 1.0) * BINS_PER_NAT / (hr - lo + 1).to(tl.float32)
+
+
+@triton.jit
+def _fine_slice(s, s_m, lo, hr):
+    """The refine window's slice holding each id (FINE - 1 for ids outside bins lo..hr)."""
+    start, per_nat = _window_scale(lo, hr)
+    b = _bin_of(s, s_m)
+    f = tl.minimum(tl.maximum((tl.minimum(s_m - s - start, 64.0) * per_nat).to(tl.int32), 0), FINE - 2)
+    return tl.where((b >= lo) & (b <= hr), f, FINE - 1)
+
+
+@triton.jit
+def _fine_band(fine_ptr, part_ptr, row, splits, lo, hr, top_p, s_l, MAX_SPLITS: tl.constexpr):
+    """(flo, fhi, n, inside) of a refined row: ids in window slices below flo are kept for sure, slices flo..fhi
+    (n ids) are the candidates, later ones are dropped. The bounds start from the exact mass before the window;
+    inside is False when the exact mass through the window falls short of top_p (the boundary lies past it)."""
+    parts = tl.arange(0, MAX_SPLITS)
+    at = part_ptr + (row * splits + parts) * PART
+    before = tl.sum(tl.load(at + 7, mask=parts < splits, other=0.0), 0)
+    window = tl.sum(tl.load(at + 8, mask=parts < splits, other=0.0), 0)
+    j = tl.arange(0, FINE)
+    c = tl.load(fine_ptr + row * FINE + j, mask=j < FINE - 1, other=0)
+    start, per_nat = _window_scale(lo, hr)
+    # An id in slice j has d in [start + j / per_nat, start + (j + 1) / per_nat); the 1e-5 covers rounding.
+    most = c.to(tl.float32) * tl.exp(-(start + j / per_nat)) * (1.0 + 1e-5)
+    least = c.to(tl.float32) * tl.exp(-(start + (j + 1.0) / per_nat)) * (1.0 - 1e-5)
+    upper = before + tl.cumsum(most, 0)
+    lower = before + tl.maximum(tl.cumsum(least, 0), window - (tl.sum(most, 0) - tl.cumsum(most, 0)))
+    target = top_p * s_l
+    flo = tl.min(tl.where(upper >= target, j, FINE - 2), 0)
+    fhi = tl.min(tl.where(lower >= target, j, FINE - 2), 0)
+    flo = tl.minimum(flo, fhi)
+    n = tl.sum(tl.where((j >= flo) & (j <= fhi), c, 0), 0)
+    return flo, fhi, n, before + window >= target
+
+
+@triton.jit
+def _hist_band(hist_ptr, fine_ptr, part_ptr, row, splits, top_k, top_p, min_p, s_l,
+               MAX_SPLITS: tl.constexpr, MAX_CAND: tl.constexpr):
+    """A histogram row's candidates: (lo, hi, refined, hr, flo, fhi, n_band, placed). Ids in bins below lo are
+    kept for sure and bins lo..hi are the band; a refined row's band is slices flo..fhi of its window (bins
+    lo..hr) instead, and the window's slices below flo are kept for sure too. placed: the band is bounded and
+    fits in MAX_CAND."""
+    lo, hi, n_band = _band(hist_ptr, row, top_k, top_p, min_p, s_l)
+    placed = (hi < BINS - 1) & (n_band <= MAX_CAND)
+    refined = _refines(placed, top_k, lo)
+    hr, flo, fhi = lo, lo * 0, lo * 0
+    if refined:
+        hr = _refine_window(hist_ptr, row, lo, top_p, s_l)
+        flo, fhi, n_band, inside = _fine_band(fine_ptr, part_ptr, row, splits, lo, hr, top_p, s_l, MAX_SPLITS)
+        placed = inside & (n_band <= MAX_CAND)
+    return lo, hi, refined, hr, flo, fhi, n_band, placed
+
+
+@triton.jit
+def _copy_out(count_ptr, cand_s_ptr, cand_i_ptr, row, take, s, cols, MAX_CAND: tl.constexpr):
+    """Append the taken ids to the row's candidates, a slot each by one atomic a block. Past MAX_CAND nothing is
+    written; the count tells the finish pass that the row overflowed."""
+    n = tl.sum(take.to(tl.int32), 0)
+    if n > 0:
+        at = tl.atomic_add(count_ptr + row, n) + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(cand_s_ptr + row * MAX_CAND + at, s, mask=take & (at < MAX_CAND))
+        tl.store(cand_i_ptr + row * MAX_CAND + at, cols, mask=take & (at < MAX_CAND))
+
+
+@triton.jit
+def _take_or_refine_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, hist_ptr, fine_ptr, kth_ptr,
+                           count_ptr, cand_s_ptr, cand_i_ptr, V, chunk, splits, MAX_SPLITS: tl.constexpr,
+                           BLOCK: tl.constexpr, MAX_CAND: tl.constexpr):
+    """Threshold rows copy out every id at or above their threshold: all their candidates. Refined rows sum the
+    exact mass before their window and in it (per split) and count the window's ids in FINE - 1 slices."""
+    row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
+    start = split * chunk
+    stop = tl.minimum(start + chunk, V)
+    if _by_lanes(temp_ptr, topk_ptr, row):
+        kth = tl.load(kth_ptr + row)
+        s_next = _load_block(adj_ptr + row * V, start, stop, BLOCK)
+        for off in range(start, stop, BLOCK):
+            cols = off + tl.arange(0, BLOCK)
+            s = s_next.to(tl.float32) * inv_t
+            s_next = _load_block(adj_ptr + row * V, off + BLOCK, stop, BLOCK)
+            _copy_out(count_ptr, cand_s_ptr, cand_i_ptr, row, (cols < stop) & (s >= kth), s, cols, MAX_CAND)
+    elif _filtered(temp_ptr, topk_ptr, topp_ptr, row):
+        top_k, top_p = tl.load(topk_ptr + row), tl.load(topp_ptr + row)
+        _, _, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
+        lo, hi, n_band = _band(hist_ptr, row, top_k, top_p, tl.load(minp_ptr + row), s_l)
+        if _refines((hi < BINS - 1) & (n_band <= MAX_CAND), top_k, lo):
+            hr = _refine_window(hist_ptr, row, lo, top_p, s_l)
+            before, window = tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32)
+            counts = tl.zeros([FINE], tl.int32)
+            for off in range(start, stop, BLOCK):
+                cols = off + tl.arange(0, BLOCK)
+                s = tl.load(adj_ptr + row * V + cols, mask=cols < stop, other=NEG).to(tl.float32) * inv_t
+                e = tl.exp(s - s_m)  # 0 for padding
+                f = _fine_slice(s, s_m, lo, hr)
+                inside = f < FINE - 1
+                before += tl.where(_bin_of(s, s_m) < lo, e, 0.0)
+                window += tl.where(inside, e, 0.0)
+                counts += tl.histogram(f, FINE)  # ids outside count in the last slice (masking them: 117 against 91 us)
+            tl.atomic_add(fine_ptr + row * FINE + tl.arange(0, FINE), counts)
+            base = part_ptr + (row * splits + split) * PART
+            tl.store(base + 7, tl.sum(before, 0))
+            tl.store(base + 8, tl.sum(window, 0))
+
+
+@triton.jit
 def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
-                   hist_ptr, kth_ptr, count_ptr, cand_s_ptr, cand_i_ptr, V, chunk, splits,
+                   hist_ptr, fine_ptr, count_ptr, cand_s_ptr, cand_i_ptr, V, chunk, splits,
                    MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, MAX_CAND: tl.constexpr):
+    """Histogram rows race their sure ids and copy out their band; rows without top-k or top-p race every id
+    min-p keeps. Threshold rows took their candidates in the pass before (and have no sure ids)."""
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t = tl.load(temp_ptr + row)
     if t > 0:
@@ -271,34 +408,34 @@ def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
         stop = tl.minimum(start + chunk, V)
         best, best_i = tl.full([BLOCK], NEG, tl.float32), tl.zeros([BLOCK], tl.int32)
         sure_mass = tl.zeros([BLOCK], tl.float32)
-        if _filtered(temp_ptr, topk_ptr, topp_ptr, row):
-            by_lanes = _by_lanes(temp_ptr, topk_ptr, row)
-            if by_lanes:  # every id at or above the threshold; the finish pass flags the row if they overflow
-                kth, lo, hi, placed = tl.load(kth_ptr + row), 0, 0, True
-            else:
-                lo, hi, n_band = _band(hist_ptr, row, tl.load(topk_ptr + row), tl.load(topp_ptr + row), min_p, s_l)
-                kth, placed = NEG, (hi < BINS - 1) & (n_band <= MAX_CAND)
+        filtered = _filtered(temp_ptr, topk_ptr, topp_ptr, row)
+        if filtered & (not _by_lanes(temp_ptr, topk_ptr, row)):
+            lo, hi, refined, hr, flo, fhi, n_band, placed = _hist_band(
+                hist_ptr, fine_ptr, part_ptr, row, splits, tl.load(topk_ptr + row), tl.load(topp_ptr + row),
+                min_p, s_l, MAX_SPLITS, MAX_CAND)
+            has_sure = (lo > 0) | (refined & (flo > 0))
             if placed:
                 s_next = _load_block(adj_ptr + row * V, start, stop, BLOCK)
                 for off in range(start, stop, BLOCK):
                     cols = off + tl.arange(0, BLOCK)
-                    mask = cols < V
+                    mask = cols < stop
                     s = s_next.to(tl.float32) * inv_t
                     s_next = _load_block(adj_ptr + row * V, off + BLOCK, stop, BLOCK)
                     b = _bin_of(s, s_m)
-                    if lo > 0:
+                    if refined:  # slices of the window; outside it, FINE - 1 is past both flo and fhi
+                        f = _fine_slice(s, s_m, lo, hr)
+                        sure = mask & ((b < lo) | (f < flo))
+                        band = (f >= flo) & (f <= fhi)
+                    else:
                         sure = mask & (b < lo)
+                        band = (b >= lo) & (b <= hi)
+                    if has_sure:
                         e = tl.exp(s - s_m)
                         sure_mass += tl.where(sure, e, 0.0)
                         r = tl.where(sure & (e >= min_p), _race_key(s - s_m, cols, key), NEG)
                         best, best_i = _keep_best(best, best_i, r, cols)
-                    take = mask & tl.where(by_lanes, s >= kth, (b >= lo) & (b <= hi))
-                    n = tl.sum(take.to(tl.int32), 0)
-                    if n > 0:
-                        at = tl.atomic_add(count_ptr + row, n) + tl.cumsum(take.to(tl.int32), 0) - 1
-                        tl.store(cand_s_ptr + row * MAX_CAND + at, s, mask=take & (at < MAX_CAND))
-                        tl.store(cand_i_ptr + row * MAX_CAND + at, cols, mask=take & (at < MAX_CAND))
-        else:  # no top-k / top-p: race every id that min-p keeps
+                    _copy_out(count_ptr, cand_s_ptr, cand_i_ptr, row, mask & band, s, cols, MAX_CAND)
+        elif not filtered:  # no top-k / top-p: race every id that min-p keeps
             for off in range(start, stop, BLOCK):
                 cols = off + tl.arange(0, BLOCK)
                 mask = cols < V
@@ -306,8 +443,8 @@ def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
                 keep = mask & (tl.exp(s - s_m) >= min_p) & (s > NEG)
                 best, best_i = _keep_best(best, best_i, tl.where(keep, _race_key(s - s_m, cols, key), NEG), cols)
         b, b_i = _lanes_best(best, best_i)
-        tl.store(part_ptr + (row * splits + split) * 8 + 5, b)
-        tl.store(part_ptr + (row * splits + split) * 8 + 6, tl.sum(sure_mass, 0))
+        tl.store(part_ptr + (row * splits + split) * PART + 5, b)
+        tl.store(part_ptr + (row * splits + split) * PART + 6, tl.sum(sure_mass, 0))
         tl.store(part_i_ptr + (row * splits + split) * 2 + 1, b_i)
 
 
@@ -338,7 +475,7 @@ def _ahead_of(cand_s_ptr, cand_i_ptr, row, n_band, s_i, id_i, s_m,
 
 @triton.jit
 def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
-                   hist_ptr, count_ptr, cand_s_ptr, cand_i_ptr, token_ptr, logprob_ptr, done_ptr, V, splits,
+                   hist_ptr, fine_ptr, count_ptr, cand_s_ptr, cand_i_ptr, token_ptr, logprob_ptr, done_ptr, V, splits,
                    MAX_SPLITS: tl.constexpr, MAX_CAND: tl.constexpr, TILE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     raw_m, raw_l, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
@@ -347,10 +484,10 @@ def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
     t = tl.load(temp_ptr + row)
     done = tl.full([], 1, tl.int32)
     if t <= 0:  # greedy on the penalised logits
-        vals = tl.load(part_ptr + part_at * 8 + 4, mask=parts < splits, other=NEG)
+        vals = tl.load(part_ptr + part_at * PART + 4, mask=parts < splits, other=NEG)
         token = tl.load(part_i_ptr + (row * splits + tl.argmax(vals, 0)) * 2)
     else:
-        races = tl.load(part_ptr + part_at * 8 + 5, mask=parts < splits, other=NEG)
+        races = tl.load(part_ptr + part_at * PART + 5, mask=parts < splits, other=NEG)
         winner = tl.argmax(races, 0)
         token = tl.load(part_i_ptr + (row * splits + winner) * 2 + 1)  # the sure ids' (or every id's) winner
         if _filtered(temp_ptr, topk_ptr, topp_ptr, row):
@@ -359,10 +496,10 @@ def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
                 n_band = tl.load(count_ptr + row)  # every id at or above the threshold, as the gather pass took
                 placed = n_band <= MAX_CAND
             else:
-                lo, hi, n_band = _band(hist_ptr, row, top_k, top_p, min_p, s_l)
-                placed = (hi < BINS - 1) & (n_band <= MAX_CAND)
+                _, _, _, _, _, _, n_band, placed = _hist_band(hist_ptr, fine_ptr, part_ptr, row, splits, top_k, top_p,
+                                                              min_p, s_l, MAX_SPLITS, MAX_CAND)
             if placed:
-                sure_mass = tl.sum(tl.load(part_ptr + part_at * 8 + 6, mask=parts < splits, other=0.0), 0)
+                sure_mass = tl.sum(tl.load(part_ptr + part_at * PART + 6, mask=parts < splits, other=0.0), 0)
                 k_eff = tl.where(top_k > 0, top_k, V)  # with top-k on, lo = 0 and the band starts at rank 0
                 key = _row_key(seed_ptr, step_ptr, row)
                 z = s_l
@@ -424,9 +561,10 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     if splits > MAX_SPLITS:
         raise ValueError(f"splits={splits}: at most MAX_SPLITS={MAX_SPLITS} programs per row")
     chunk = triton.cdiv(triton.cdiv(V, splits), block) * block
-    part = torch.empty(N, splits, 8, dtype=torch.float32, device=dev)
+    part = torch.empty(N, splits, PART.value, dtype=torch.float32, device=dev)
     part_i = torch.empty(N, splits, 2, dtype=torch.int32, device=dev)
     hist = torch.empty(N, BINS.value, dtype=torch.int32, device=dev)
+    fine = torch.empty(N, FINE.value, dtype=torch.int32, device=dev)
     lanes = torch.empty(N, splits, LANE_TOP_K.value, dtype=torch.float32, device=dev)
     kth = torch.empty(N, dtype=torch.float32, device=dev)
     count = torch.empty(N, dtype=torch.int32, device=dev)
@@ -437,15 +575,18 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     temp, top_p, min_p = p.temperature.float(), p.top_p.float(), p.min_p.float()
     top_k = torch.where(p.top_k >= V, 0, p.top_k)  # keeping the whole vocabulary is no top-k
     grid = (N, splits)
-    _stats_kernel[grid](logits, adjusted, temp, top_k, part, part_i, lanes, hist, count, V, chunk, splits,
+    _stats_kernel[grid](logits, adjusted, temp, top_k, part, part_i, lanes, hist, fine, count, V, chunk, splits,
                         PENALISED=adjusted is not logits, BLOCK=block, num_warps=warps)
     _hist_kernel[grid](adjusted, temp, top_k, top_p, part, lanes, kth, hist, V, chunk, splits, MAX_SPLITS=MAX_SPLITS,
                        BLOCK=block, BLOCK_S=triton.next_power_of_2(splits), num_warps=warps)
-    _gather_kernel[grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, kth, count,
+    _take_or_refine_kernel[grid](adjusted, temp, top_k, top_p, min_p, part, hist, fine, kth, count, cand_s, cand_i, V,
+                                 chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block, MAX_CAND=max_candidates,
+                                 num_warps=warps)
+    _gather_kernel[grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, fine, count,
                          cand_s, cand_i, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block, MAX_CAND=max_candidates,
                          num_warps=warps)
-    _finish_kernel[(N,)](logits, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, count, cand_s, cand_i,
-                         out.tokens, out.logprobs, out.done, V, splits, MAX_SPLITS=MAX_SPLITS,
+    _finish_kernel[(N,)](logits, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, fine, count, cand_s,
+                         cand_i, out.tokens, out.logprobs, out.done, V, splits, MAX_SPLITS=MAX_SPLITS,
                          MAX_CAND=max_candidates, TILE=64, num_warps=4)
     return out
 

@@ -71,9 +71,8 @@ class Qwen35Shard:
     # projection, so the ops can fuse the two.
     def _mlp(self, x: torch.Tensor, residual: torch.Tensor, p: str):
         w, ops = self.w, self.ops
-        h, residual = ops.add_rms_norm_gate_up(
-            x, residual, w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps, w[p + "mlp.gate_up_proj.weight"]
-        )
+        norm, gate_up = w[p + "post_attention_layernorm.weight"], w[p + "mlp.gate_up_proj.weight"]
+        h, residual = ops.add_rms_norm_gate_up(x, residual, norm, self.cfg.rms_norm_eps, gate_up)
         return self.all_reduce(ops.linear(h, w[p + "mlp.down_proj.weight"])), residual
 
     def _input_projection(self, x: torch.Tensor, residual: torch.Tensor | None, p: str, weight: str):

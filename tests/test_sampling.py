@@ -147,11 +147,11 @@ def test_the_triton_sampler_draws_the_reference_tokens_and_logprobs():
 def test_a_row_whose_candidates_overflow_is_flagged_for_the_reference():
     T = _draw_module()
     logits = torch.randn(4, 2000, device=DEVICE) * 0.01  # nearly flat: top-p 0.9 keeps ~1800 ids
-    logits[3] = 0.5  # exactly flat: all 2000 ids tie at the top-k threshold
-    p = params(4, device=DEVICE, top_p=torch.tensor([0.9, 1.0, 1.0, 1.0], device=DEVICE),
+    logits[0] = logits[3] = 0.5  # exactly flat: all 2000 ids tie at the top-p boundary or the top-k threshold
+    p = params(4, device=DEVICE, top_p=torch.tensor([0.9, 0.9, 1.0, 1.0], device=DEVICE),
                top_k=torch.tensor([0, 0, 3, 3], device=DEVICE), seeds=7)
     got = T.draw(logits, p, splits=2, max_candidates=64)
-    # top-p over ~1800 ids, and 2000 tied ids, overflow 64 candidates; top-k 3 of distinct values does not
+    # 2000 tied ids overflow 64 candidates; the nearly flat rows' boundaries are placed (top-p: by the refine)
     assert got.done.tolist() == [0, 1, 1, 0]
     tokens, *_ = sample(logits, p)
     assert torch.equal(got.tokens[1:3], tokens[1:3])
@@ -192,6 +192,21 @@ def test_top_p_keeps_more_ids_than_it_copies():
     assert torch.equal(got.tokens, sample(logits, p)[0])
 
 
+def test_top_p_alone_over_a_broad_body_is_refined_not_left_to_the_reference():
+    """Top-p 0.95 on a broad body puts thousands of ids between the 1/16-nat bins' mass bounds; the refine pass's
+    exact masses and finer slices narrow that to a band that fits in 64 candidates."""
+    T = _draw_module()
+    n, vocab = 6, 3000
+    logits = torch.randn(n, vocab, device=DEVICE) * 2
+    logits[:3, :5] += 8.0  # a few plausible tokens above the body, as a trained model has
+    for step in range(2):
+        p = params(n, device=DEVICE, top_p=0.95, seeds=torch.arange(n, device=DEVICE) + 3,
+                   steps=torch.full((n,), step, device=DEVICE))
+        got = T.draw(logits, p, splits=3, max_candidates=64)
+        assert got.done.tolist() == [1] * n
+        assert torch.equal(got.tokens, sample(logits, p)[0]), step
+
+
 def test_top_p_keeps_exactly_the_reference_nucleus():
     """The two ids either side of the nucleus boundary, 1e-5 apart in logit, get the two largest race bonuses
     (-log -log u), in a layout where the reference draws the last id it keeps and would draw the first one it
@@ -219,8 +234,9 @@ def test_top_p_keeps_exactly_the_reference_nucleus():
                 break
         else:
             raise AssertionError("no layout found")
-        got = T.draw(logits, p, splits=3)
-        assert got.done.tolist() == [1] and got.tokens[0] == by_bonus[1], top_p
+        for cands in (512, 64):  # the bins place the band, or the refine pass's slices do
+            got = T.draw(logits, p, splits=3, max_candidates=cands)
+            assert got.done.tolist() == [1] and got.tokens[0] == by_bonus[1], (top_p, cands)
 
 
 def test_more_splits_than_the_passes_combine_is_refused():
