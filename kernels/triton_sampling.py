@@ -273,7 +273,8 @@ def _refines(placed, top_k, lo):
 @triton.jit
 def _refine_window(hist_ptr, row, lo, top_p, s_l):
     """The refine window's last bin: REFINE_MARGIN bins past where the mass, estimated at the bins' midpoints,
-    reaches top_p. Only a guess; the exact masses the refine pass sums tell whether the boundary lies inside."""
+    reaches top_p. Only a guess (a bin of few ids, a plausible token's say, is estimated only within e^(1/32)):
+    the exact masses the refine pass sums tell whether the boundary lies inside."""
     bins = tl.arange(0, BINS)
     c = tl.load(hist_ptr + row * BINS + bins).to(tl.float32)
     est = tl.cumsum(tl.where(bins < BINS - 1, c * tl.exp(-(bins + 0.5) / BINS_PER_NAT), 0.0), 0)

@@ -25,7 +25,8 @@ from tools.make_checkpoint import text_config
 
 
 PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)]  # (BLOCK_M, BLOCK_N, warps, stages)
-GDN_SCAN_SWEEP = [(32, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2)]  # (block of dv, warps, stages)
+GDN_SCAN_SWEEP = [(32, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 8, 2),
+                  (64, 8, 2)]  # (block of dv, warps, stages)
 GDN_PREP_SWEEP = [(8, 1), (8, 2), (16, 1)]  # (warps, stages)
 SAMPLER_SWEEP = [(1024, 4, 16), (1024, 4, 32), (1024, 4, 64), (512, 4, 64), (512, 2, 128), (2048, 4, 32),
                  (256, 2, 128)]  # (block, warps, splits per row) of the sampler's passes
@@ -236,13 +237,14 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
             if "gdn_chunk" in e.key:
                 rows.append((f"gdn_prefill phase {e.key[:40]}", f"{L} tokens",
                              getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 1e6, "", ""))
-        for config in GDN_SCAN_SWEEP if "scan" in sweeps else ():
-            t = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, config))
-            rows.append((f"gdn_prefill scan config {config}", f"{L} tokens", t, "", ""))
-        for config in GDN_PREP_SWEEP if "prep" in sweeps else ():
-            t = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv,
-                                            prep_config=config))
-            rows.append((f"gdn_prefill prep config {config}", f"{L} tokens", t, "", ""))
+        for kind, sweep in (("scan", GDN_SCAN_SWEEP), ("prep", GDN_PREP_SWEEP)):
+            for config in sweep if kind in sweeps else ():
+                t = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv,
+                                                **{f"{kind}_config": config}))
+                fits = not T._PREFILL_FALLBACK  # a config that does not fit turns the torch fallback on: undo it
+                T._PREFILL_FALLBACK.clear()
+                rows.append((f"gdn_prefill {kind} config {config}", f"{L} tokens", t if fits else float("nan"), "",
+                             "" if fits else "does not fit this GPU"))
         qp, kp, vp = R.gdn_split_qkv(mixed_p, hk, dk, hv, dv)
         gp, betap = R.gdn_gates(ap, bp, A_log, dt_bias)
         qp, kp, vp = ((x / dk**-0.5 if i == 0 else x).to(bf)[None] for i, x in enumerate((qp, kp, vp)))
@@ -326,6 +328,7 @@ def decode_attention(cfg, rows, memory_row):
 def sampling(cfg, rows, sweeps):
     dev = torch.device("cuda")
     V, n = cfg.vocab_size, 64
+    torch.manual_seed(0)  # the same logits every run: top-p's cost depends on where each row's boundary falls
     logits = lm_like_logits(n, V, dev)
     modes = {"greedy": dict(temperature=0.0), "temperature 0.8": dict(temperature=0.8),
              "Qwen default (T 0.7, top-k 20, top-p 0.8)": dict(temperature=0.7, top_k=20, top_p=0.8),
