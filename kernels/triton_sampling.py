@@ -385,7 +385,7 @@ def _take_or_refine_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part
                 inside = f < FINE - 1
                 before += tl.where(_bin_of(s, s_m) < lo, e, 0.0)
                 window += tl.where(inside, e, 0.0)
-                counts += tl.histogram(f, FINE)  # ids outside count in the last slice (masking them: 117 against 91 us)
+                counts += tl.histogram(f, FINE)  # ids outside count in the last slice (masking them: no faster)
             tl.atomic_add(fine_ptr + row * FINE + tl.arange(0, FINE), counts)
             base = part_ptr + (row * splits + split) * PART
             tl.store(base + 7, tl.sum(before, 0))
