@@ -14,7 +14,8 @@ i.e. argmax (s - max s) - log(-log u). No full sort is needed for that:
 3. take or refine (row x split): threshold rows copy out every id at or above the threshold. Top-p rows
            without top-k whose bins leave too wide a band (a bin bounds its ids' mass only within e^(1/16), so
            on a broad distribution the band can hold thousands of ids) are refined: the exact mass before a
-           window of bins around the estimated boundary and in it, and the window's ids counted in 511 slices.
+           window of bins (from the band's first bin to a little past the boundary's estimate) and in it, and
+           the window's ids counted in 511 slices.
 4. gather  (row x split): for the other histogram rows the bin (or slice) counts bound where the kept prefix
            ends. Top-k: every id up to the bin holding the k-th is a candidate (top-p then normalises by their
            exact mass). Top-p alone: bins (slices) whose upper bound on the mass before them is under top_p are
@@ -25,8 +26,9 @@ i.e. argmax (s - max s) - log(-log u). No full sort is needed for that:
            apply top-k / top-p / min-p exactly as the reference does, race, and compare with the sure ids' winner.
 
 A row whose candidates would exceed MAX_CANDIDATES (top-k in the thousands, a flat distribution's mass spread
-past 32 nats, or more ids than that tied at a threshold) is flagged, and the caller samples that row with the
-reference. Nothing here synchronises with the host, so `draw` can be captured in a CUDA graph.
+past 32 nats, or more ids than that tied at a threshold), or a refined row whose boundary lies past its window,
+is flagged, and the caller samples that row with the reference. Nothing here synchronises with the host, so
+`draw` can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -494,7 +496,7 @@ def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
         if _filtered(temp_ptr, topk_ptr, topp_ptr, row):
             top_k, top_p, min_p = tl.load(topk_ptr + row), tl.load(topp_ptr + row), tl.load(minp_ptr + row)
             if _by_lanes(temp_ptr, topk_ptr, row):
-                n_band = tl.load(count_ptr + row)  # every id at or above the threshold, as the gather pass took
+                n_band = tl.load(count_ptr + row)  # every id at or above the threshold, as the take pass copied
                 placed = n_band <= MAX_CAND
             else:
                 _, _, _, _, _, _, n_band, placed = _hist_band(hist_ptr, fine_ptr, part_ptr, row, splits, top_k, top_p,
