@@ -144,6 +144,22 @@ def test_the_triton_sampler_draws_the_reference_tokens_and_logprobs():
         assert torch.allclose(got.logprobs, chosen, atol=1e-5)
 
 
+def test_rows_without_top_k_or_top_p_race_at_their_temperature():
+    """Tempered rows with no filter, or min-p alone, race every id they keep, on s = logit / T: each draws the
+    reference's token at temperatures either side of 1."""
+    T = _draw_module()
+    n, vocab = 16, 3000
+    logits = torch.randn(n, vocab, device=DEVICE) * 3
+    temperature = torch.tensor([0.5, 1.3, 2.0, 0.8], device=DEVICE).repeat(4)
+    min_p = torch.tensor([0.0] * 12 + [0.01] * 4, device=DEVICE)
+    for step in range(2):
+        p = params(n, device=DEVICE, temperature=temperature, min_p=min_p, seeds=torch.arange(n, device=DEVICE) + 9,
+                   steps=torch.full((n,), step, device=DEVICE))
+        got = T.draw(logits, p, splits=3)
+        assert got.done.tolist() == [1] * n
+        assert torch.equal(got.tokens, sample(logits, p)[0]), step
+
+
 def test_a_row_whose_candidates_overflow_is_flagged_for_the_reference():
     T = _draw_module()
     logits = torch.randn(4, 2000, device=DEVICE) * 0.01  # nearly flat: top-p 0.9 keeps ~1800 ids
