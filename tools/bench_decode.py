@@ -103,7 +103,7 @@ def table(ns, results) -> str:
     lines = [
         f"{ns.size} ({ns.layers or 'all'} layers), tp={ns.tp}, bf16, context {ns.context}, "
         f"copy bandwidth {results[0]['copy_tbps']:.2f} TB/s; one-row projections by "
-        f"{'the Triton GEMV where it measured faster' if triton_ops.GEMV_ONE_ROW else 'cuBLAS'}; input add-and-norms "
+        f"{'the Triton GEMV' if triton_ops.GEMV_ONE_ROW else 'cuBLAS'}; input add-and-norms "
         f"{'fused into the one-row projections' if triton_ops.GEMV_FUSED_NORM else 'by their own kernel'}",
         "",
         "| batch | graph step ms | eager step ms | graph/eager speed-up | tokens/s (graph) | HBM floor ms "
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     add_engine_args(parser, batches="1,8,32,64")
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
     parser.add_argument("--gemv", choices=["on", "off"], default=None,
-                        help="one-row projections by the Triton GEMV where it measured faster, or all by cuBLAS "
+                        help="one-row projections by the Triton GEMV, or all by cuBLAS "
                         f"(default {'on' if triton_ops.GEMV_ONE_ROW else 'off'}); off also unfuses the norms")
     parser.add_argument("--fused-norm", choices=["on", "off"], default=None,
                         help="each block's add-and-norm fused into its one-row input projection, or a kernel of its "
