@@ -291,10 +291,9 @@ def _window_scale(lo, hr):
 
 
 @triton.jit
-def _fine_slice(s, s_m, lo, hr):
-    """The refine window's slice holding each id (FINE - 1 for ids outside bins lo..hr)."""
+def _fine_slice(s, s_m, b, lo, hr):
+    """The refine window's slice holding each id, b its bin (FINE - 1 for ids outside bins lo..hr)."""
     start, per_nat = _window_scale(lo, hr)
-    b = _bin_of(s, s_m)
     f = tl.minimum(tl.maximum((tl.minimum(s_m - s - start, 64.0) * per_nat).to(tl.int32), 0), FINE - 2)
     return tl.where((b >= lo) & (b <= hr), f, FINE - 1)
 
@@ -325,15 +324,21 @@ def _fine_band(fine_ptr, part_ptr, row, splits, lo, hr, top_p, s_l, MAX_SPLITS: 
 
 
 @triton.jit
+def _coarse_band(hist_ptr, row, top_k, top_p, min_p, s_l, MAX_CAND: tl.constexpr):
+    """`_band`, whether its bins place the band (bounded, at most MAX_CAND ids), and whether the row is refined."""
+    lo, hi, n_band = _band(hist_ptr, row, top_k, top_p, min_p, s_l)
+    placed = (hi < BINS - 1) & (n_band <= MAX_CAND)
+    return lo, hi, n_band, placed, _refines(placed, top_k, lo)
+
+
+@triton.jit
 def _hist_band(hist_ptr, fine_ptr, part_ptr, row, splits, top_k, top_p, min_p, s_l,
                MAX_SPLITS: tl.constexpr, MAX_CAND: tl.constexpr):
     """A histogram row's candidates: (lo, hi, refined, hr, flo, fhi, n_band, placed). Ids in bins below lo are
     kept for sure and bins lo..hi are the band; a refined row's band is slices flo..fhi of its window (bins
     lo..hr) instead, and the window's slices below flo are kept for sure too. placed: the band is bounded and
     fits in MAX_CAND."""
-    lo, hi, n_band = _band(hist_ptr, row, top_k, top_p, min_p, s_l)
-    placed = (hi < BINS - 1) & (n_band <= MAX_CAND)
-    refined = _refines(placed, top_k, lo)
+    lo, hi, n_band, placed, refined = _coarse_band(hist_ptr, row, top_k, top_p, min_p, s_l, MAX_CAND)
     hr, flo, fhi = lo, lo * 0, lo * 0
     if refined:
         hr = _refine_window(hist_ptr, row, lo, top_p, s_l)
@@ -374,8 +379,8 @@ def _take_or_refine_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part
     elif _filtered(temp_ptr, topk_ptr, topp_ptr, row):
         top_k, top_p = tl.load(topk_ptr + row), tl.load(topp_ptr + row)
         _, _, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
-        lo, hi, n_band = _band(hist_ptr, row, top_k, top_p, tl.load(minp_ptr + row), s_l)
-        if _refines((hi < BINS - 1) & (n_band <= MAX_CAND), top_k, lo):
+        lo, _, _, _, refined = _coarse_band(hist_ptr, row, top_k, top_p, tl.load(minp_ptr + row), s_l, MAX_CAND)
+        if refined:
             hr = _refine_window(hist_ptr, row, lo, top_p, s_l)
             before, window = tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32)
             counts = tl.zeros([FINE], tl.int32)
@@ -383,9 +388,10 @@ def _take_or_refine_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part
                 cols = off + tl.arange(0, BLOCK)
                 s = tl.load(adj_ptr + row * V + cols, mask=cols < stop, other=NEG).to(tl.float32) * inv_t
                 e = tl.exp(s - s_m)  # 0 for padding
-                f = _fine_slice(s, s_m, lo, hr)
+                b = _bin_of(s, s_m)
+                f = _fine_slice(s, s_m, b, lo, hr)
                 inside = f < FINE - 1
-                before += tl.where(_bin_of(s, s_m) < lo, e, 0.0)
+                before += tl.where(b < lo, e, 0.0)
                 window += tl.where(inside, e, 0.0)
                 counts += tl.histogram(f, FINE)  # ids outside count in the last slice (masking them: no faster)
             tl.atomic_add(fine_ptr + row * FINE + tl.arange(0, FINE), counts)
@@ -426,7 +432,7 @@ def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
                     s_next = _load_block(adj_ptr + row * V, off + BLOCK, stop, BLOCK)
                     b = _bin_of(s, s_m)
                     if refined:  # slices of the window; outside it, FINE - 1 is past both flo and fhi
-                        f = _fine_slice(s, s_m, lo, hr)
+                        f = _fine_slice(s, s_m, b, lo, hr)
                         sure = mask & ((b < lo) | (f < flo))
                         band = (f >= flo) & (f <= fhi)
                     else:
