@@ -71,17 +71,21 @@ def graph_time_per_call(make_call, weights: list[torch.Tensor]) -> float:
     return bench(graph.replay) / len(calls)
 
 
+def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(N, K) of every projection of the model, by name."""
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return {"gdn in_proj (qkv,z,b,a)": (2 * hk * dk + 2 * hv * dv + 2 * hv, H), "gdn out_proj": (H, hv * dv),
+            "attn qkv_proj": ((2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D, H),
+            "attn o_proj": (H, cfg.num_attention_heads * D), "mlp gate_up": (2 * I, H), "mlp down_proj": (H, I),
+            "lm_head": (cfg.vocab_size, H)}
+
+
 def projections(cfg, rows: list, bw: float, sweep: bool) -> None:
     """One-row (batch-1 decode) projections: our GEMV against cuBLAS on every shape of the model, each timed
     inside a CUDA graph over copies of the weight that together do not fit in L2 (`linear` picks by shape)."""
     dev, bf = torch.device("cuda"), torch.bfloat16
-    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    shapes = {"gdn in_proj (qkv,z,b,a)": (2 * hk * dk + 2 * hv * dv + 2 * hv, H), "gdn out_proj": (H, hv * dv),
-              "attn qkv_proj": ((2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D, H),
-              "attn o_proj": (H, cfg.num_attention_heads * D), "mlp gate_up": (2 * I, H), "mlp down_proj": (H, I),
-              "lm_head": (cfg.vocab_size, H)}
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in projection_shapes(cfg).items():
         copies = max(2, -(-(512 << 20) // (n * k * 2)))
         weights = [torch.randn(n, k, device=dev, dtype=bf) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device=dev, dtype=bf)
@@ -107,11 +111,10 @@ def norm_projections(cfg, rows: list, bw: float, sweep: bool) -> None:
     """A block's add-and-norm with the one-row projection that reads it (silu(gate) * up for the MLP): the fused
     GEMV against the add-and-norm kernel followed by the unfused projection (`linear`'s pick) and by cuBLAS."""
     dev, bf = torch.device("cuda"), torch.bfloat16
-    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    shapes = {"gdn in_proj": (2 * hk * dk + 2 * hv * dv + 2 * hv, False),
-              "attn qkv_proj": ((2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D, False),
-              "mlp gate_up + silu_mul": (2 * I, True)}
+    H, every = cfg.hidden_size, projection_shapes(cfg)
+    shapes = {"gdn in_proj": (every["gdn in_proj (qkv,z,b,a)"][0], False),
+              "attn qkv_proj": (every["attn qkv_proj"][0], False),
+              "mlp gate_up + silu_mul": (every["mlp gate_up"][0], True)}
     x, res, nw = (torch.randn(1, H, device=dev, dtype=bf) for _ in range(3))
     eps = cfg.rms_norm_eps
     for name, (n, silu) in shapes.items():
