@@ -665,9 +665,10 @@ def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens,
 # Gated DeltaNet prefill, chunked (64-token chunks, the WY form), over packed variable-length requests.
 # Kernel 1, parallel over (chunk, value head): l2-norm, gates, the chunk's cumulative decay c, the WY factors
 #   W = T (beta V), Kd = T (beta exp(c) K) with T = (I + A)^-1, A_ij = beta_i exp(c_i - c_j) k_i.k_j (j < i)
-#   (A is nilpotent, so T = (I - A)(I + A^2)(I + A^4)(I + A^8)(I + A^16)(I + A^32): eleven 64x64 matmuls), and
-#   what only the output needs: Qd = q exp(c), the causal intra-chunk scores P = (q k^T exp(c_i - c_j))_{j<=i},
-#   and Ke = k exp(c_last - c) for the state update.
+#   (A is nilpotent, so T = (I - A)(I + A^2)(I + A^4)(I + A^8)(I + A^16)(I + A^32): eleven 64x64 matmuls), the
+#   causal intra-chunk scores P = (q k^T exp(c_i - c_j))_{j<=i}, and two per-token scales: Ke = k exp(c_last - c)
+#   and Qd = q exp(c) are those scales times k and q as stored, so kernels 2 and 3 read k and q (bf16) instead of
+#   Ke and Qd written here (fp32 Ke was a third of this kernel's writes and of kernel 2's reads).
 # Kernel 2, parallel over (request, value head, block of dv), sequential over the request's chunks, with only the
 #   state recurrence on that path: keep the chunk's entry state H, u = W - Kd S, S = exp(c_last) S + Ke^T u. The
 #   initial state comes from the request's slot and the final state is written back there (fp32).
@@ -677,8 +678,8 @@ CHUNK = 64
 
 
 @triton.jit
-def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr, qd_ptr, ke_ptr, w_ptr, kd_ptr,
-                           p_ptr, glast_ptr, C, ab_row_stride, HV, GROUP, scale,
+def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr, kscale_ptr, qscale_ptr, w_ptr,
+                           kd_ptr, p_ptr, glast_ptr, C, ab_row_stride, HV, GROUP, scale,
                            DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr, BT: tl.constexpr,
                            BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
     ch = tl.program_id(0)
@@ -694,7 +695,8 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
     vmask = tmask[:, None] & (vs[None, :] < DV)
     # Loads are placed late and stores early, so that few [64, 128] fp32 tiles are live at once (registers).
     k = tl.load(mixed_ptr + t[:, None] * C + KEY_DIM + hk * DK + ks[None, :], mask=kmask, other=0.0).to(tl.float32)
-    k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+    rk = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)
+    k = k * rk[:, None]
     a = tl.load(a_ptr + t * ab_row_stride + h, mask=tmask, other=0.0).to(tl.float32) + tl.load(dtb_ptr + h)
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
     g = tl.where(tmask, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)
@@ -716,13 +718,14 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
     row_k = (t[:, None] * HV + h) * DK + ks[None, :]
     kd = tl.dot(inv, (beta * tl.exp(c))[:, None] * k, input_precision=PRECISION)
     tl.store(kd_ptr + row_k, kd, mask=kmask)
-    tl.store(ke_ptr + row_k, k * tl.exp(c_last - c)[:, None], mask=kmask)
+    tl.store(kscale_ptr + t * HV + h, rk * tl.exp(c_last - c), mask=tmask)  # Ke = k as stored, times this
     v = tl.load(mixed_ptr + t[:, None] * C + 2 * KEY_DIM + h * DV + vs[None, :], mask=vmask, other=0.0).to(tl.float32)
     w = tl.dot(inv, beta[:, None] * v, input_precision=PRECISION)
     tl.store(w_ptr + (t[:, None] * HV + h) * DV + vs[None, :], w, mask=vmask)
     q = tl.load(mixed_ptr + t[:, None] * C + hk * DK + ks[None, :], mask=kmask, other=0.0).to(tl.float32)
-    q = q / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
-    tl.store(qd_ptr + row_k, (q * tl.exp(c)[:, None]).to(qd_ptr.dtype.element_ty), mask=kmask)
+    rq = scale / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)
+    tl.store(qscale_ptr + t * HV + h, rq * tl.exp(c), mask=tmask)  # Qd = q as stored, times this
+    q = q * rq[:, None]
     P = tl.dot(q, tl.trans(k), input_precision=PRECISION) * tl.exp(tl.where(i >= j, c[:, None] - c[None, :],
                                                                            float("-inf")))
     tl.store(p_ptr + (t[:, None] * HV + h) * BT + j, P.to(p_ptr.dtype.element_ty), mask=tmask[:, None])
@@ -730,9 +733,10 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
 
 
 @triton.jit
-def _gdn_chunk_scan_kernel(ke_ptr, w_ptr, kd_ptr, glast_ptr, chunk_ptr, req_chunk_ptr, slot_ptr, state_ptr,
-                           hs_ptr, u_ptr, trash, HV, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-                           BK: tl.constexpr, BVB: tl.constexpr, PRECISION: tl.constexpr):
+def _gdn_chunk_scan_kernel(mixed_ptr, kscale_ptr, w_ptr, kd_ptr, glast_ptr, chunk_ptr, req_chunk_ptr, slot_ptr,
+                           state_ptr, hs_ptr, u_ptr, trash, C, HV, GROUP, DK: tl.constexpr, DV: tl.constexpr,
+                           KEY_DIM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
+                           PRECISION: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -750,19 +754,23 @@ def _gdn_chunk_scan_kernel(ke_ptr, w_ptr, kd_ptr, glast_ptr, chunk_ptr, req_chun
         vmask = tmask[:, None] & (vs[None, :] < DV)
         row_k = (t[:, None] * HV + h) * DK + ks[None, :]
         kd = tl.load(kd_ptr + row_k, mask=kmask, other=0.0)
-        ke = tl.load(ke_ptr + row_k, mask=kmask, other=0.0)
+        # Ke^T u = k^T (kscale u), k as stored: a quarter of the bytes of an fp32 Ke from the prep kernel.
+        k = tl.load(mixed_ptr + t[:, None] * C + KEY_DIM + (h // GROUP) * DK + ks[None, :], mask=kmask, other=0.0)
+        kscale = tl.load(kscale_ptr + t * HV + h, mask=tmask, other=0.0)
         w = tl.load(w_ptr + (t[:, None] * HV + h) * DV + vs[None, :], mask=vmask, other=0.0)
         tl.store(hs_ptr + ((ch * HV + h) * DK + ks[:, None]) * DV + vs[None, :], S.to(hs_ptr.dtype.element_ty),
                  mask=smask)
         u = w - tl.dot(kd, S, input_precision=PRECISION)
         tl.store(u_ptr + (t[:, None] * HV + h) * DV + vs[None, :], u.to(u_ptr.dtype.element_ty), mask=vmask)
-        S = S * tl.exp(tl.load(glast_ptr + ch * HV + h)) + tl.dot(tl.trans(ke), u, input_precision=PRECISION)
+        S = S * tl.exp(tl.load(glast_ptr + ch * HV + h)) + tl.dot(tl.trans(k.to(tl.float32)), u * kscale[:, None],
+                                                                   input_precision=PRECISION)
     tl.store(sptr, S, mask=smask)
 
 
 @triton.jit
-def _gdn_chunk_out_kernel(qd_ptr, p_ptr, hs_ptr, u_ptr, chunk_ptr, out_ptr, HV, DK: tl.constexpr, DV: tl.constexpr,
-                          BT: tl.constexpr, BK: tl.constexpr, BVO: tl.constexpr, PRECISION: tl.constexpr):
+def _gdn_chunk_out_kernel(mixed_ptr, qscale_ptr, p_ptr, hs_ptr, u_ptr, chunk_ptr, out_ptr, C, HV, GROUP,
+                          DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVO: tl.constexpr,
+                          PRECISION: tl.constexpr):
     ch, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = tl.load(chunk_ptr + 2 * ch).to(tl.int64) + tl.arange(0, BT)
     tmask = t < tl.load(chunk_ptr + 2 * ch + 1)
@@ -770,12 +778,15 @@ def _gdn_chunk_out_kernel(qd_ptr, p_ptr, hs_ptr, u_ptr, chunk_ptr, out_ptr, HV, 
     vs = vb * BVO + tl.arange(0, BVO)
     j = tl.arange(0, BT)
     vmask = tmask[:, None] & (vs[None, :] < DV)
-    qd = tl.load(qd_ptr + (t[:, None] * HV + h) * DK + ks[None, :], mask=tmask[:, None] & (ks[None, :] < DK), other=0.0)
+    # Qd H = qscale (q H), q as stored (Qd = q exp(c), q l2-normalised and scaled)
+    q = tl.load(mixed_ptr + t[:, None] * C + (h // GROUP) * DK + ks[None, :], mask=tmask[:, None] & (ks[None, :] < DK),
+                other=0.0)
+    qscale = tl.load(qscale_ptr + t * HV + h, mask=tmask, other=0.0)
     P = tl.load(p_ptr + (t[:, None] * HV + h) * BT + j[None, :], mask=tmask[:, None], other=0.0)
     H = tl.load(hs_ptr + ((ch * HV + h) * DK + ks[:, None]) * DV + vs[None, :],
                 mask=(ks[:, None] < DK) & (vs[None, :] < DV), other=0.0)
     u = tl.load(u_ptr + (t[:, None] * HV + h) * DV + vs[None, :], mask=vmask, other=0.0)
-    o = tl.dot(qd, H, input_precision=PRECISION) + tl.dot(P, u, input_precision=PRECISION)
+    o = qscale[:, None] * tl.dot(q, H, input_precision=PRECISION) + tl.dot(P, u, input_precision=PRECISION)
     tl.store(out_ptr + (t[:, None] * HV + h) * DV + vs[None, :], o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
@@ -820,27 +831,28 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slot
     chunk_table = torch.tensor(spans, dtype=torch.int32, device=dev)
     req_chunks = torch.tensor([0] + list(itertools.accumulate(len(r) for r in chunks)), dtype=torch.int32, device=dev)
     n = len(spans)
-    # The state path (Kd, Ke, W, S) stays fp32; what only feeds the output (Qd, P, H, u) is in the model dtype.
+    # The state path (Kd, W, S, the scales) stays fp32; what only feeds the output (P, H, u) is in the model dtype.
     kd = torch.empty(T, HV, dk, dtype=torch.float32, device=dev)
-    ke = torch.empty_like(kd)
     w = torch.empty(T, HV, dv, dtype=torch.float32, device=dev)
-    qd = torch.empty(T, HV, dk, dtype=dt, device=dev)
+    kscale = torch.empty(T, HV, dtype=torch.float32, device=dev)
+    qscale = torch.empty_like(kscale)
     P = torch.empty(T, HV, CHUNK, dtype=dt, device=dev)
     glast = torch.empty(n, HV, dtype=torch.float32, device=dev)
     _gdn_chunk_prep_kernel[(n, HV)](
-        mixed, a, b, A_log, dt_bias, chunk_table, qd, ke, w, kd, P, glast, C, a.stride(0), HV, HV // num_k_heads,
-        dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BV=_pow2(dv),
+        mixed, a, b, A_log, dt_bias, chunk_table, kscale, qscale, w, kd, P, glast, C, a.stride(0), HV,
+        HV // num_k_heads, dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BV=_pow2(dv),
         PRECISION=precision, num_warps=prep_config[0], num_stages=prep_config[1])
     hs = torch.empty(n, HV, dk, dv, dtype=dt, device=dev)
     u = torch.empty(T, HV, dv, dtype=dt, device=dev)
     block_v, warps, stages = scan_config
     BVB = min(block_v, _pow2(dv))
     _gdn_chunk_scan_kernel[(len(chunks), HV, triton.cdiv(dv, BVB))](
-        ke, w, kd, glast, chunk_table, req_chunks, slots, ssm_state, hs, u, ssm_state.shape[0] - 1, HV,
-        DK=dk, DV=dv, BT=CHUNK, BK=_pow2(dk), BVB=BVB, PRECISION=precision, num_warps=warps, num_stages=stages)
+        mixed, kscale, w, kd, glast, chunk_table, req_chunks, slots, ssm_state, hs, u, ssm_state.shape[0] - 1, C, HV,
+        HV // num_k_heads, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BVB=BVB,
+        PRECISION=precision, num_warps=warps, num_stages=stages)
     out = torch.empty(T, HV, dv, dtype=dt, device=dev)
     BVO = min(64, _pow2(dv))
     _gdn_chunk_out_kernel[(n, HV, triton.cdiv(dv, BVO))](
-        qd, P, hs, u, chunk_table, out, HV, DK=dk, DV=dv, BT=CHUNK, BK=_pow2(dk), BVO=BVO, PRECISION=precision,
-        num_warps=4)
+        mixed, qscale, P, hs, u, chunk_table, out, C, HV, HV // num_k_heads, DK=dk, DV=dv, BT=CHUNK, BK=_pow2(dk),
+        BVO=BVO, PRECISION=precision, num_warps=4)
     return out
