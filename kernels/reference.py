@@ -12,6 +12,8 @@ Conventions shared with the Triton kernels (same signatures, so the forward swap
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -196,6 +198,28 @@ def gdn_chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = 64) -> tuple
     return out, S
 
 
+GDN_CHUNK = 64  # tokens per chunk of the chunked GDN form (the Triton kernels' tile)
+
+
+@dataclass
+class GdnChunks:
+    """A prefill batch's GDN chunks, laid out on the host once when the batch is built, so that no layer reads the
+    lengths back from the device: `spans` [n, 2] int32 holds each chunk's (start, end) in the packed batch, and
+    request r owns chunks first[r] .. first[r + 1] - 1 (`first` [R + 1] int32)."""
+
+    spans: torch.Tensor
+    first: torch.Tensor
+
+    @classmethod
+    def build(cls, cu_seqlens: list[int], device) -> "GdnChunks":
+        spans, first = [], [0]
+        for s0, e in zip(cu_seqlens, cu_seqlens[1:]):
+            spans.extend((s, min(s + GDN_CHUNK, e)) for s in range(s0, e, GDN_CHUNK))
+            first.append(len(spans))
+        return cls(torch.tensor(spans, dtype=torch.int32, device=device).reshape(-1, 2),
+                   torch.tensor(first, dtype=torch.int32, device=device))
+
+
 def gdn_prefill(
     mixed: torch.Tensor,
     a: torch.Tensor,
@@ -208,10 +232,12 @@ def gdn_prefill(
     num_k_heads: int,
     head_k_dim: int,
     head_v_dim: int,
+    chunks: GdnChunks | None = None,
 ) -> torch.Tensor:
     """Chunked GDN over packed requests from their slots' states; final states written back (fp32).
 
     mixed [T, C] post-conv [q|k|v]; a, b [T, Hv]; ssm_state [S+1, Hv, dk, dv]. Returns o [T, Hv, dv] in mixed's dtype.
+    `chunks` (the batch's chunk layout) is for the Triton kernels; this loop reads `cu_seqlens` itself.
     """
     num_v_heads = a.shape[1]
     q, k, v = gdn_split_qkv(mixed, num_k_heads, head_k_dim, num_v_heads, head_v_dim)

@@ -8,7 +8,6 @@ CI runs these kernels under TRITON_INTERPRET=1 against the references on small s
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 
 import torch
@@ -674,7 +673,7 @@ def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens,
 #   initial state comes from the request's slot and the final state is written back there (fp32).
 # Kernel 3, parallel over (chunk, value head, block of dv): o = Qd H + P u.
 
-CHUNK = 64
+CHUNK = reference.GDN_CHUNK
 
 
 @triton.jit
@@ -795,23 +794,20 @@ GDN_SCAN_CONFIG = (64, 4, 2)  # (block of dv, warps, stages) of the sequential k
 
 
 def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads: int, head_k_dim: int,
-                head_v_dim: int, scan_config=None, prep_config=None):
-    """Same contract as reference.gdn_prefill (chunked WY GDN from each request's slot state); `scan_config` and
-    `prep_config` override GDN_SCAN_CONFIG and GDN_PREP_CONFIG (the benchmark sweeps them)."""
-    T, C = mixed.shape
-    bounds = cu_seqlens.tolist()
-    chunks = [[(s, min(s + CHUNK, e)) for s in range(s0, e, CHUNK)] for s0, e in zip(bounds, bounds[1:])]
+                head_v_dim: int, chunks: reference.GdnChunks | None = None, scan_config=None, prep_config=None):
+    """Same contract as reference.gdn_prefill (chunked WY GDN from each request's slot state). Without `chunks`
+    (the forward passes its batch's) the chunk layout is built here, reading `cu_seqlens` back from the device.
+    `scan_config` and `prep_config` override GDN_SCAN_CONFIG and GDN_PREP_CONFIG (the benchmark sweeps them)."""
     mixed = mixed.contiguous()
     if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
         a, b = a.contiguous(), b.contiguous()
-    precision = "tf32" if mixed.dtype != torch.float32 else "ieee"  # fp32 models keep fp32 accuracy
     if _PREFILL_FALLBACK:
         return reference.gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads,
                                      head_k_dim, head_v_dim)
+    chunks = chunks or reference.GdnChunks.build(cu_seqlens.tolist(), mixed.device)
     try:
-        return _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads,
-                                   chunks, precision, head_k_dim, head_v_dim, scan_config or GDN_SCAN_CONFIG,
-                                   prep_config or GDN_PREP_CONFIG)
+        return _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads, chunks, head_k_dim,
+                                   head_v_dim, scan_config or GDN_SCAN_CONFIG, prep_config or GDN_PREP_CONFIG)
     except OutOfResources as exc:  # a capability gate, decided once per process
         log.warning("Triton chunked GDN prefill does not fit this GPU (%s); using the torch chunked form", exc)
         _PREFILL_FALLBACK.append(True)
@@ -822,15 +818,14 @@ def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k
 _PREFILL_FALLBACK: list[bool] = []
 
 
-def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads, chunks, precision,
-                        dk, dv, scan_config, prep_config):
+def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads, chunks, dk, dv, scan_config,
+                        prep_config):
     T, C = mixed.shape
     HV = a.shape[1]
     dev, dt = mixed.device, mixed.dtype
-    spans = [span for request in chunks for span in request]
-    chunk_table = torch.tensor(spans, dtype=torch.int32, device=dev)
-    req_chunks = torch.tensor([0] + list(itertools.accumulate(len(r) for r in chunks)), dtype=torch.int32, device=dev)
-    n = len(spans)
+    precision = "tf32" if dt != torch.float32 else "ieee"  # fp32 models keep fp32 accuracy
+    chunk_table, req_chunks = chunks.spans, chunks.first
+    n, requests = chunk_table.shape[0], req_chunks.shape[0] - 1
     # The state path (Kd, W, S, the scales) stays fp32; what only feeds the output (P, H, u) is in the model dtype.
     kd = torch.empty(T, HV, dk, dtype=torch.float32, device=dev)
     w = torch.empty(T, HV, dv, dtype=torch.float32, device=dev)
@@ -846,7 +841,7 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slot
     u = torch.empty(T, HV, dv, dtype=dt, device=dev)
     block_v, warps, stages = scan_config
     BVB = min(block_v, _pow2(dv))
-    _gdn_chunk_scan_kernel[(len(chunks), HV, triton.cdiv(dv, BVB))](
+    _gdn_chunk_scan_kernel[(requests, HV, triton.cdiv(dv, BVB))](
         mixed, kscale, w, kd, glast, chunk_table, req_chunks, slots, ssm_state, hs, u, ssm_state.shape[0] - 1, C, HV,
         HV // num_k_heads, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BVB=BVB,
         PRECISION=precision, num_warps=warps, num_stages=stages)

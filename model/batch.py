@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.reference import GdnChunks
+
 
 @dataclass
 class PrefillChunk:
@@ -32,6 +34,7 @@ class PrefillBatch:
     slot_mapping: torch.Tensor  # [T] long: flat KV index of each token
     last_token: torch.Tensor  # [R] long: index of each request's last token in the packed batch
     fresh_slots: torch.Tensor  # [F] long: slots of requests starting at token 0 (state reset first)
+    gdn_chunks: GdnChunks  # the GDN prefill's chunk layout, built here once for every layer
 
     @classmethod
     def build(cls, chunks: list[PrefillChunk], page_size: int, trash_page: int, device) -> "PrefillBatch":
@@ -65,6 +68,7 @@ class PrefillBatch:
             slot_mapping=t(slot_mapping),
             last_token=t(last),
             fresh_slots=t([c.slot for c in chunks if c.start == 0]),
+            gdn_chunks=GdnChunks.build(cu, device),
         )
 
 

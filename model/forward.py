@@ -102,7 +102,7 @@ class Qwen35Shard:
         mixed = self.ops.conv1d_prefill(mixed, w[la + "conv1d.weight"], state.conv[j], batch.cu_seqlens, batch.slots)
         o = self.ops.gdn_prefill(
             mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], batch.cu_seqlens, batch.slots,
-            self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+            self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, batch.gdn_chunks,
         )
         return self._gdn_output(o, z, p), residual
 

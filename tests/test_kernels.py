@@ -240,8 +240,11 @@ def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv):
     ref_state = state.clone()
     cu = torch.tensor([0, 1, 65, 215, 252], dtype=torch.int32, device=DEVICE)
     slots = torch.tensor([3, 0, 4, 1], device=DEVICE)
+    chunks = R.GdnChunks.build(cu.tolist(), DEVICE)
+    assert chunks.spans.tolist() == [[0, 1], [1, 65], [65, 129], [129, 193], [193, 215], [215, 252]]
+    assert chunks.first.tolist() == [0, 1, 2, 5, 6]
     with poisoned_outputs():
-        got = T.gdn_prefill(mixed, a, b, A_log, dt_bias, state, cu, slots, hk, dk, dv)
+        got = T.gdn_prefill(mixed, a, b, A_log, dt_bias, state, cu, slots, hk, dk, dv, chunks)
     ref = R.gdn_prefill(mixed, a, b, A_log, dt_bias, ref_state, cu, slots, hk, dk, dv)
     assert rel(got, ref) <= REDUCTION
     assert rel(state[:5], ref_state[:5]) <= REDUCTION

@@ -42,7 +42,7 @@ def bench(fn) -> float:
 
 def kernel_time(fn, reps: int = 10) -> float:
     """Seconds of GPU kernel time per call (the profiler's sum over every kernel the call launches): unlike
-    `bench`, blind to the host gaps of a call that synchronises (gdn_prefill and fla both read lengths)."""
+    `bench`, blind to the host gaps of a call that synchronises (fla's reads the request lengths back)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -245,10 +245,11 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
         ap, bp = torch.randn(L, hv, device=dev, dtype=bf), torch.randn(L, hv, device=dev, dtype=bf)
         cu = torch.tensor([0, L], device=dev, dtype=torch.int32)
         one = torch.tensor([0], device=dev)
+        chunks = R.GdnChunks.build([0, L], dev)  # built with the batch, as the forward does
         pool = torch.zeros(2, hv, dk, dv, device=dev)
-        t_pre = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv))
+        t_pre = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, chunks))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv)
+            T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, chunks)
             torch.cuda.synchronize()
         for e in prof.key_averages():
             if "gdn_chunk" in e.key:
@@ -256,7 +257,7 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
                              getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 1e6, "", ""))
         for kind, sweep in (("scan", GDN_SCAN_SWEEP), ("prep", GDN_PREP_SWEEP)):
             for config in sweep if kind in sweeps else ():
-                t = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv,
+                t = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, chunks,
                                                 **{f"{kind}_config": config}))
                 fits = not T._PREFILL_FALLBACK  # a config that does not fit turns the torch fallback on: undo it
                 T._PREFILL_FALLBACK.clear()
@@ -268,7 +269,8 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
         t_fla_pre = bench(lambda: chunk_gated_delta_rule(qp, kp, vp, g=gp[None], beta=betap[None], scale=dk**-0.5,
                                                          initial_state=pool[:1], output_final_state=True,
                                                          cu_seqlens=cu.long()))
-        k_pre = kernel_time(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv))
+        k_pre = kernel_time(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv,
+                                                  chunks))
         k_fla = kernel_time(lambda: chunk_gated_delta_rule(qp, kp, vp, g=gp[None], beta=betap[None], scale=dk**-0.5,
                                                            initial_state=pool[:1], output_final_state=True,
                                                            cu_seqlens=cu.long()))
