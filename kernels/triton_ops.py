@@ -680,22 +680,33 @@ CHUNK = reference.GDN_CHUNK
 def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr, kscale_ptr, qscale_ptr, w_ptr,
                            kd_ptr, p_ptr, glast_ptr, C, ab_row_stride, HV, GROUP, scale,
                            DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr, BT: tl.constexpr,
-                           BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+                           BH: tl.constexpr, PRECISION: tl.constexpr):
     ch = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.load(chunk_ptr + 2 * ch).to(tl.int64)
     end = tl.load(chunk_ptr + 2 * ch + 1).to(tl.int64)
-    hk = h // GROUP
     t = start + tl.arange(0, BT)
     tmask = t < end
-    ks = tl.arange(0, BK)
-    vs = tl.arange(0, BV)
-    kmask = tmask[:, None] & (ks[None, :] < DK)
-    vmask = tmask[:, None] & (vs[None, :] < DV)
-    # Loads are placed late and stores early, so that few [64, 128] fp32 tiles are live at once (registers).
-    k = tl.load(mixed_ptr + t[:, None] * C + KEY_DIM + hk * DK + ks[None, :], mask=kmask, other=0.0).to(tl.float32)
-    rk = 1.0 / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)
-    k = k * rk[:, None]
+    cols = tl.arange(0, BH)
+    rows_k = t[:, None] * C + KEY_DIM + (h // GROUP) * DK  # k of this head's rows in mixed; q is KEY_DIM before
+    rows_v = t[:, None] * C + 2 * KEY_DIM + h * DV
+    # Every [BT, dk] or [BT, dv] product runs over column blocks of BH (64), so only [BT, BH] fp32 tiles are ever
+    # live beside the [BT, BT] ones: whole 128-wide fp32 tiles made this kernel spill kilobytes a thread.
+    gram = tl.zeros([BT, BT], tl.float32)
+    qk = tl.zeros([BT, BT], tl.float32)
+    k_sq = tl.zeros([BT], tl.float32)
+    q_sq = tl.zeros([BT], tl.float32)
+    for c0 in tl.static_range(0, DK, BH):
+        m = tmask[:, None] & (c0 + cols[None, :] < DK)
+        kb = tl.load(mixed_ptr + rows_k + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        qb = tl.load(mixed_ptr + rows_k - KEY_DIM + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        k_sq += tl.sum(kb * kb, axis=1)
+        q_sq += tl.sum(qb * qb, axis=1)
+        gram += tl.dot(kb, tl.trans(kb), input_precision=PRECISION)
+        qk += tl.dot(qb, tl.trans(kb), input_precision=PRECISION)
+    rk = 1.0 / tl.sqrt(k_sq + 1e-6)  # the l2 norms, applied to the Gram products by rank-one scaling
+    rq = scale / tl.sqrt(q_sq + 1e-6)
+    rk_col = tl.reshape(rk, (1, BT))
     a = tl.load(a_ptr + t * ab_row_stride + h, mask=tmask, other=0.0).to(tl.float32) + tl.load(dtb_ptr + h)
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
     g = tl.where(tmask, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)
@@ -705,8 +716,9 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
     c_last = tl.min(c, axis=0)  # c never increases; padding rows repeat the last value
     i = tl.arange(0, BT)[:, None]
     j = tl.arange(0, BT)[None, :]
-    diff = tl.where(i > j, c[:, None] - c[None, :], float("-inf"))
-    A = beta[:, None] * tl.dot(k, tl.trans(k), input_precision=PRECISION) * tl.exp(diff)
+    P = (rq[:, None] * qk * rk_col) * tl.exp(tl.where(i >= j, c[:, None] - c[None, :], float("-inf")))
+    tl.store(p_ptr + (t[:, None] * HV + h) * BT + j, P.to(p_ptr.dtype.element_ty), mask=tmask[:, None])
+    A = (beta * rk)[:, None] * gram * rk_col * tl.exp(tl.where(i > j, c[:, None] - c[None, :], float("-inf")))
     eye = tl.where(i == j, 1.0, 0.0)
     inv = eye - A
     power = tl.dot(A, A, input_precision=PRECISION)
@@ -714,20 +726,19 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
         inv = tl.dot(inv, eye + power, input_precision=PRECISION)
         if step < 4:
             power = tl.dot(power, power, input_precision=PRECISION)
-    row_k = (t[:, None] * HV + h) * DK + ks[None, :]
-    kd = tl.dot(inv, (beta * tl.exp(c))[:, None] * k, input_precision=PRECISION)
-    tl.store(kd_ptr + row_k, kd, mask=kmask)
+    kd_row = (beta * tl.exp(c) * rk)[:, None]
+    for c0 in tl.static_range(0, DK, BH):
+        m = tmask[:, None] & (c0 + cols[None, :] < DK)
+        kb = tl.load(mixed_ptr + rows_k + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(kd_ptr + (t[:, None] * HV + h) * DK + c0 + cols[None, :],
+                 tl.dot(inv, kd_row * kb, input_precision=PRECISION), mask=m)
+    for c0 in tl.static_range(0, DV, BH):
+        m = tmask[:, None] & (c0 + cols[None, :] < DV)
+        vb = tl.load(mixed_ptr + rows_v + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(w_ptr + (t[:, None] * HV + h) * DV + c0 + cols[None, :],
+                 tl.dot(inv, beta[:, None] * vb, input_precision=PRECISION), mask=m)
     tl.store(kscale_ptr + t * HV + h, rk * tl.exp(c_last - c), mask=tmask)  # Ke = k as stored, times this
-    v = tl.load(mixed_ptr + t[:, None] * C + 2 * KEY_DIM + h * DV + vs[None, :], mask=vmask, other=0.0).to(tl.float32)
-    w = tl.dot(inv, beta[:, None] * v, input_precision=PRECISION)
-    tl.store(w_ptr + (t[:, None] * HV + h) * DV + vs[None, :], w, mask=vmask)
-    q = tl.load(mixed_ptr + t[:, None] * C + hk * DK + ks[None, :], mask=kmask, other=0.0).to(tl.float32)
-    rq = scale / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)
     tl.store(qscale_ptr + t * HV + h, rq * tl.exp(c), mask=tmask)  # Qd = q as stored, times this
-    q = q * rq[:, None]
-    P = tl.dot(q, tl.trans(k), input_precision=PRECISION) * tl.exp(tl.where(i >= j, c[:, None] - c[None, :],
-                                                                           float("-inf")))
-    tl.store(p_ptr + (t[:, None] * HV + h) * BT + j, P.to(p_ptr.dtype.element_ty), mask=tmask[:, None])
     tl.store(glast_ptr + ch * HV + h, c_last)
 
 
@@ -789,7 +800,7 @@ def _gdn_chunk_out_kernel(mixed_ptr, qscale_ptr, p_ptr, hs_ptr, u_ptr, chunk_ptr
     tl.store(out_ptr + (t[:, None] * HV + h) * DV + vs[None, :], o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
-GDN_PREP_CONFIG = (4, 1)  # (warps, stages) of the parallel prep kernel
+GDN_PREP_CONFIG = (4, 1, 64)  # (warps, stages, column block) of the parallel prep kernel: best in run G4
 GDN_SCAN_CONFIG = (64, 4, 3)  # (block of dv, warps, stages) of the sequential kernel: best in runs G2 and G3
 
 
@@ -835,8 +846,9 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
     glast = torch.empty(n, HV, dtype=torch.float32, device=dev)
     _gdn_chunk_prep_kernel[(n, HV)](
         mixed, a, b, A_log, dt_bias, chunk_table, kscale, qscale, w, kd, P, glast, C, a.stride(0), HV,
-        HV // num_k_heads, dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BV=_pow2(dv),
-        PRECISION=precision, num_warps=prep_config[0], num_stages=prep_config[1])
+        HV // num_k_heads, dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK,
+        BH=min(prep_config[2], _pow2(max(dk, dv))), PRECISION=precision, num_warps=prep_config[0],
+        num_stages=prep_config[1])
     hs = torch.empty(n, HV, dk, dv, dtype=dt, device=dev)
     u = torch.empty(T, HV, dv, dtype=dt, device=dev)
     block_v, warps, stages = scan_config

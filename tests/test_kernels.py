@@ -228,8 +228,8 @@ def test_the_forward_on_triton_ops_matches_the_reference_forward(tiny_ckpt):
         positions = {s: p + 1 for s, p in positions.items()}
 
 
-@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 16), (1, 2, 32, 16)])
-def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv):
+@pytest.mark.parametrize("hk,hv,dk,dv,column_block", [(2, 4, 16, 16, 32), (1, 2, 32, 16, 32), (1, 2, 32, 16, 16)])
+def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv, column_block):
     lens = [1, 64, 150, 37]
     T_ = sum(lens)
     C = 2 * hk * dk + hv * dv
@@ -244,7 +244,8 @@ def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv):
     assert chunks.spans.tolist() == [[0, 1], [1, 65], [65, 129], [129, 193], [193, 215], [215, 252]]
     assert chunks.first.tolist() == [0, 1, 2, 5, 6]
     with poisoned_outputs():
-        got = T.gdn_prefill(mixed, a, b, A_log, dt_bias, state, cu, slots, hk, dk, dv, chunks)
+        got = T.gdn_prefill(mixed, a, b, A_log, dt_bias, state, cu, slots, hk, dk, dv, chunks,
+                            prep_config=(4, 1, column_block))  # 16: the prep kernel loops over two column blocks
     ref = R.gdn_prefill(mixed, a, b, A_log, dt_bias, ref_state, cu, slots, hk, dk, dv)
     assert rel(got, ref) <= REDUCTION
     assert rel(state[:5], ref_state[:5]) <= REDUCTION
