@@ -59,15 +59,18 @@ class DecodeInputs:
         ids = np.zeros(bucket, dtype=np.int64)
         ids[:n] = tokens
         host = torch.from_numpy(np.stack([ids, pos, slots, pos + 1, mapping]))
-        dev = host.to(self.input_ids.device, non_blocking=False)
+        table = self.table_host[:bucket].copy()
+        table[n:] = self.trash_page
+        table = torch.from_numpy(table)
+        if self.input_ids.is_cuda:  # non-blocking copies: the step's launch does not wait for them on the host
+            host, table = host.pin_memory(), table.pin_memory()
+        dev = host.to(self.input_ids.device, non_blocking=True)
         self.input_ids[:bucket].copy_(dev[0])
         self.positions[:bucket].copy_(dev[1])
         self.slots[:bucket].copy_(dev[2])
         self.seq_lens[:bucket].copy_(dev[3])
         self.slot_mapping[:bucket].copy_(dev[4])
-        table = self.table_host[:bucket].copy()
-        table[n:] = self.trash_page
-        self.page_table[:bucket].copy_(torch.from_numpy(table).to(self.page_table.device))
+        self.page_table[:bucket].copy_(table, non_blocking=True)
 
 
 class RankRuntime:
@@ -147,34 +150,38 @@ class RankRuntime:
             self.output_counts = torch.zeros(n, self.vocab, dtype=torch.int32, device=self.device)
             self.prompt_mask = torch.zeros(n, self.vocab, dtype=torch.bool, device=self.device)
 
-    def _sample(self, logits: torch.Tensor, slots: list[int], token_index: list[int], step_seed: int):
+    def _sampling_setup(self, slots: list[int], token_index: list[int], step_seed: int):
+        """(rows' setups, their SamplingTensors, token indices, slots on the device) for `_sample`. The parameters
+        go up in two non-blocking copies, so this runs while the forward runs on the GPU, and the sampler's
+        kernels are queued behind it (one blocking copy per field used to wait for the whole step first)."""
         rows = [self.slot_sampling[s] for s in slots]
         if None in rows:
             raise SlotProtocolError(f"rank {self.rank}: slot {slots[rows.index(None)]} has no sampling setup")
-        dev = logits.device
-
-        def col(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        seeds = [r.seed if r.seed is not None else (step_seed * 1_000_003 + s) & (2**63 - 1) for r, s in zip(rows, slots)]
+        seeds = [r.seed if r.seed is not None else (step_seed * 1_000_003 + s) & (2**63 - 1)
+                 for r, s in zip(rows, slots)]
+        # One row per field, so each field is a contiguous [N] tensor on the device (the sampler's kernels
+        # index them by row).
+        floats = torch.tensor([[getattr(r, f) for r in rows] for f in ("temperature", "top_p", "min_p",
+                               "presence_penalty", "frequency_penalty", "repetition_penalty")], dtype=torch.float32)
+        ints = torch.tensor([[r.top_k for r in rows], seeds, token_index, slots], dtype=torch.long)
+        if self.device.type == "cuda":
+            floats, ints = floats.pin_memory(), ints.pin_memory()
+        floats = floats.to(self.device, non_blocking=True)
+        ints = ints.to(self.device, non_blocking=True)
         params = SamplingTensors(
-            temperature=col([r.temperature for r in rows], torch.float32),
-            top_k=col([r.top_k for r in rows], torch.long),
-            top_p=col([r.top_p for r in rows], torch.float32),
-            min_p=col([r.min_p for r in rows], torch.float32),
-            presence_penalty=col([r.presence_penalty for r in rows], torch.float32),
-            frequency_penalty=col([r.frequency_penalty for r in rows], torch.float32),
-            repetition_penalty=col([r.repetition_penalty for r in rows], torch.float32),
-            seeds=col(seeds, torch.long),
-            steps=col(token_index, torch.long),
+            temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
+            frequency_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0], seeds=ints[1], steps=ints[2],
         )
+        if self.output_counts is not None:
+            params.output_counts = self.output_counts[ints[3]]
+            params.prompt_mask = self.prompt_mask[ints[3]]
+        return rows, params, token_index, ints[3]
+
+    def _sample(self, logits: torch.Tensor, setup) -> list[SampledToken]:
+        rows, params, token_index, slot_index = setup
         for i, (r, step) in enumerate(zip(rows, token_index)):
             if step < r.min_tokens and r.stop_token_ids:
                 logits[i, list(r.stop_token_ids)] = float("-inf")  # min_tokens: no stop token yet
-        slot_index = col(slots, torch.long)
-        if self.output_counts is not None:
-            params.output_counts = self.output_counts[slot_index]
-            params.prompt_mask = self.prompt_mask[slot_index]
         k = max(r.logprobs for r in rows)
         if logits.is_cuda:
             tokens, chosen, top_ids, top_lp = sample_on_gpu(logits, params, k)
@@ -184,7 +191,8 @@ class RankRuntime:
             max_top_k = max(top_ks) if top_ks and 0 < min(top_ks) and max(top_ks) <= TOP_K_FAST_PATH else 0
             tokens, chosen, top_ids, top_lp = sample(logits, params, k, all_greedy, max_top_k)
         if self.output_counts is not None:
-            self.output_counts.index_put_((slot_index, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+            self.output_counts.index_put_((slot_index, tokens), torch.ones_like(tokens, dtype=torch.int32),
+                                          accumulate=True)
         tokens, chosen = tokens.tolist(), chosen.tolist()
         if k:
             top_ids, top_lp = top_ids.tolist(), top_lp.tolist()
@@ -209,7 +217,7 @@ class RankRuntime:
             if self.output_counts is not None:
                 self.prompt_mask[p.slot, torch.tensor(p.token_ids, device=self.device)] = True
 
-        decode_logits = None
+        decode_logits = decode_setup = None
         n = len(cmd.decode_tokens)
         if n:
             self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
@@ -219,6 +227,8 @@ class RankRuntime:
             else:
                 decode_logits = self.model.decode(self.state, batch)
             decode_logits = decode_logits[:n]
+            if self.rank == 0:  # while the step runs on the GPU
+                decode_setup = self._sampling_setup(list(range(n)), cmd.decode_token_index, cmd.step_seed)
 
         prefill_logits = None
         if cmd.prefill:
@@ -228,13 +238,13 @@ class RankRuntime:
 
         if self.rank != 0:
             return None
-        decode = self._sample(decode_logits, list(range(n)), cmd.decode_token_index, cmd.step_seed) if n else []
+        decode = self._sample(decode_logits, decode_setup) if n else []
         prefill: list[SampledToken | None] = [None] * len(cmd.prefill)
         last = [i for i, p in enumerate(cmd.prefill) if p.last]
         if last:
             # A prompt's last chunk draws the request's first token (token index 0).
-            sampled = self._sample(prefill_logits[last], [cmd.prefill[i].slot for i in last], [0] * len(last),
-                                   cmd.step_seed)
+            setup = self._sampling_setup([cmd.prefill[i].slot for i in last], [0] * len(last), cmd.step_seed)
+            sampled = self._sample(prefill_logits[last], setup)
             for i, s in zip(last, sampled):
                 prefill[i] = s
         return StepResult(decode, prefill)
