@@ -320,6 +320,8 @@ class AsyncEngine:
             cmd = self._command(plan)
             started = time.perf_counter()
             try:
+                # The ranks get the command before anything else runs; stream consumers and HTTP handlers that
+                # the last step woke run while the devices work, not between the steps.
                 result = await self.replica.step(cmd)
             except ReplicaPoisoned as exc:
                 self._poison(str(exc))
@@ -331,7 +333,6 @@ class AsyncEngine:
                 return
             self.metrics.step_seconds.observe(time.perf_counter() - started)
             self._apply(plan, result)
-            await asyncio.sleep(0)  # let the HTTP handlers and consumers run between steps
 
     def _command(self, plan) -> StepCommand:
         reqs = self.requests

@@ -28,6 +28,7 @@ class InstantReplica:
         self.real = real
 
     async def step(self, cmd) -> StepResult:
+        await asyncio.sleep(0)  # the engine's other tasks run while a step is out, as with real devices
         decode = [SampledToken(7, -0.1) for _ in cmd.decode_tokens]
         prefill = [SampledToken(7, -0.1) if p.last else None for p in cmd.prefill]
         return StepResult(decode, prefill)
