@@ -73,7 +73,7 @@ async def run(ns) -> list[dict]:
     async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp) as engine:
         replica = engine.replica
         bw = await replica.group.call(lambda rank: copy_bandwidth(replica.ranks[rank].backend.device))
-        engine_steps = {rows: await engine_step_time(engine, rows, ns.context) for rows in batches}
+        engine_steps = {rows: (await engine_step_time(engine, rows, ns.context))[0] for rows in batches}
         for rows in batches:
             per_rank = await replica.group.call(lambda rank: _measure(replica, rank, rows, ns.context))
             r = dict(per_rank[0])
@@ -85,10 +85,11 @@ async def run(ns) -> list[dict]:
     return results
 
 
-async def engine_step_time(engine, rows: int, context: int, window_tokens: int = 128) -> float:
+async def engine_step_time(engine, rows: int, context: int,
+                           window_tokens: int = 128) -> tuple[float, float, float]:
     """Seconds per decode step seen through `engine.generate` by `rows` concurrent greedy requests with prompts
     of `context` tokens, over the window in which all of them decode (from the last one's first token to the
-    first one's last token)."""
+    first one's last token), and that window's start and end (`time.perf_counter`)."""
     prefill_steps = rows * -(-context // engine.args.prefill_token_budget)  # admissions come one after another
     params = SamplingParams(max_tokens=prefill_steps + window_tokens, temperature=0, ignore_eos=True)
     prompt = [5 + i % 1000 for i in range(context)]
@@ -108,7 +109,7 @@ async def engine_step_time(engine, rows: int, context: int, window_tokens: int =
     steps = sorted(tokens_at(r, end) - tokens_at(r, start) for r in runs)[rows // 2]
     if steps < window_tokens // 2:
         raise RuntimeError(f"batch {rows}: only {steps} steps with every request decoding; raise window_tokens")
-    return (end - start) / steps
+    return (end - start) / steps, start, end
 
 
 def _measure(replica, rank, rows, context):

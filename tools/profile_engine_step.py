@@ -7,7 +7,8 @@ requests stream through `engine.generate` (as in bench_decode's engine column) w
 `_sample` are timed. Printed per batch: the engine's step; `execute`, the device thread's whole step (inputs, the
 graph's launch, sampling, the read-back); `sample`, the part of it from the sampler's launch to the read-back
 (it includes waiting for the forward); and the gap between two `execute`s, the host time on the event loop
-(results routed, the next step scheduled) during which the GPU has nothing queued.
+(results routed, the next step scheduled) during which the GPU has nothing queued. All are means over the
+window in which every request decodes, so `execute` and the gap add up to the engine's step.
 """
 
 from __future__ import annotations
@@ -25,37 +26,40 @@ from tools.bench_decode import add_engine_args, engine_step_time, open_engine
 
 
 class StepTimer:
-    """Wraps RankRuntime.execute and _sample (rank 0 only) to record when each ran."""
+    """Wraps RankRuntime.execute and _sample to record, for each of rank 0's steps, when it started and ended and
+    how long its sampling took."""
 
     def __init__(self) -> None:
-        self.executes: list[tuple[float, float]] = []
-        self.samples: list[float] = []
+        self.steps: list[tuple[float, float, float]] = []  # (start, end, seconds in _sample)
+        self._sampling = 0.0
         execute, sample = RankRuntime.execute, RankRuntime._sample
         timer = self
 
         def timed_execute(runtime, cmd):
-            started = time.perf_counter()
+            timer._sampling, started = 0.0, time.perf_counter()
             try:
                 return execute(runtime, cmd)
             finally:
                 if runtime.rank == 0:
-                    timer.executes.append((started, time.perf_counter()))
+                    timer.steps.append((started, time.perf_counter(), timer._sampling))
 
         def timed_sample(runtime, logits, setup):
             started = time.perf_counter()
             try:
                 return sample(runtime, logits, setup)
             finally:
-                timer.samples.append(time.perf_counter() - started)
+                timer._sampling += time.perf_counter() - started
 
         RankRuntime.execute, RankRuntime._sample = timed_execute, timed_sample
 
-    def summary(self, last: int = 100) -> dict:
-        spans = self.executes[-last - 1:]
+    def summary(self, start: float, end: float) -> dict:
+        """Means over the steps inside [start, end]: the window in which every request decodes (before it the
+        batch fills up, after it the batch drains). Means, as the engine step is one: execute + gap add up to it."""
+        spans = [s for s in self.steps if start <= s[0] and s[1] <= end]
         return {
-            "execute_s": statistics.median(b - a for a, b in spans),
-            "gap_s": statistics.median(spans[i + 1][0] - spans[i][1] for i in range(len(spans) - 1)),
-            "sample_s": statistics.median(self.samples[-last:]),
+            "execute_s": statistics.fmean(b - a for a, b, _ in spans),
+            "gap_s": statistics.fmean(spans[i + 1][0] - spans[i][1] for i in range(len(spans) - 1)),
+            "sample_s": statistics.fmean(s for _, _, s in spans),
         }
 
 
@@ -66,10 +70,9 @@ async def run(ns) -> None:
         print("| batch | engine step ms | execute ms | sample ms (launch to read-back) | gap between executes ms |")
         print("|---:|---:|---:|---:|---:|")
         for rows in batches:
-            timer.executes.clear()
-            timer.samples.clear()
-            step = await engine_step_time(engine, rows, ns.context)
-            s = timer.summary()
+            timer.steps.clear()
+            step, start, end = await engine_step_time(engine, rows, ns.context)
+            s = timer.summary(start, end)
             print(f"| {rows} | {step * 1e3:.3f} | {s['execute_s'] * 1e3:.3f} | {s['sample_s'] * 1e3:.3f} | "
                   f"{s['gap_s'] * 1e3:.3f} |", flush=True)
 
