@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import torch
@@ -191,9 +192,12 @@ class Replica:
             r.runtime.decode_runner = r.backend.capture_decode_graphs(r.model, r.runtime, self.buckets, rank == 0)
 
     # Steps ----------------------------------------------------------------------------------------------------------
-    async def step(self, cmd: StepCommand) -> StepResult:
-        results = await self.group.call(lambda rank: self._execute(rank, cmd))
-        return results[0]
+    def start_step(self, cmd: StepCommand) -> Awaitable[StepResult]:
+        """Hand `cmd` to every rank now, before the caller does anything else; await the result (rank 0's)."""
+        return self._result(self.group.submit(lambda rank: self._execute(rank, cmd)))
+
+    async def _result(self, futures) -> StepResult:
+        return (await self.group.gather(futures))[0]
 
     def _execute(self, rank: int, cmd: StepCommand) -> StepResult | None:
         r = self.ranks[rank]

@@ -77,10 +77,16 @@ class WorkerGroup:
         self._on_abort = on_abort  # breaks collectives so surviving ranks stop waiting
 
     async def call(self, fn: Callable[[int], Any], timeout_s: float | None = None) -> list[Any]:
+        return await self.gather(self.submit(fn), timeout_s)
+
+    def submit(self, fn: Callable[[int], Any]) -> list[asyncio.Future]:
+        """Put fn(rank) on every rank's queue now (the ranks start at once); `gather` awaits the results."""
         if self.poisoned is not None:
             raise ReplicaPoisoned(f"replica is poisoned: {self.poisoned}") from self.poisoned
         loop = asyncio.get_running_loop()
-        futures = [w.submit(lambda r=w.rank: fn(r), loop) for w in self.workers]
+        return [w.submit(lambda r=w.rank: fn(r), loop) for w in self.workers]
+
+    async def gather(self, futures: list[asyncio.Future], timeout_s: float | None = None) -> list[Any]:
         try:
             done, pending = await asyncio.wait(futures, timeout=timeout_s or self.step_timeout_s,
                                                return_when=asyncio.FIRST_EXCEPTION)

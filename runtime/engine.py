@@ -306,33 +306,40 @@ class AsyncEngine:
     # The step loop --------------------------------------------------------------------------------------------------
     async def _step_loop(self) -> None:
         sched = self.scheduler
+        outputs: list = []  # the last step's tokens whose outputs are made while the next step runs
         while not self._closing:
             if not sched.has_work:
+                outputs = self._emit(outputs)
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             plan = sched.schedule()
             self._update_gauges()
             if plan.empty:
+                outputs = self._emit(outputs)
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             cmd = self._command(plan)
             started = time.perf_counter()
             try:
-                # The ranks get the command before anything else runs; stream consumers and HTTP handlers that
-                # the last step woke run while the devices work, not between the steps.
-                result = await self.replica.step(cmd)
+                # The ranks get the command before anything else runs. The last step's outputs are made, and the
+                # stream consumers and HTTP handlers they wake run, while the devices work, not between steps.
+                step = self.replica.start_step(cmd)
+                outputs = self._emit(outputs)
+                result = await step
             except ReplicaPoisoned as exc:
+                self._emit(outputs)
                 self._poison(str(exc))
                 return
             except Exception as exc:  # a bug on the host side of the step: fail closed, never hang
                 log.exception("step failed")
+                self._emit(outputs)
                 self.replica.group.poison(exc)
                 self._poison(f"step failed: {exc!r}")
                 return
             self.metrics.step_seconds.observe(time.perf_counter() - started)
-            self._apply(plan, result)
+            outputs = self._apply(plan, result)
 
     def _command(self, plan) -> StepCommand:
         reqs = self.requests
@@ -355,26 +362,28 @@ class AsyncEngine:
             ))
         return cmd
 
-    def _apply(self, plan, result: StepResult) -> None:
+    def _apply(self, plan, result: StepResult) -> list:
+        """What the next step's plan depends on: the scheduler's bookkeeping, each token appended, and every
+        request that ends here finished (stop token, stop string, length). Returns (request, token, seconds since
+        its last token or None) for the tokens whose outputs `_emit` makes later."""
         sched = self.scheduler
         sched.on_prefill_done(plan.prefill)
         sched.on_decode_done(plan.decode_ids)
         self.metrics.prompt_tokens.inc(sum(w.length for w in plan.prefill))
         self.metrics.generation_tokens.inc(len(plan.decode_ids) + sum(1 for s in result.prefill if s is not None))
         now = time.perf_counter()
+        later = []
         for w, sampled in zip(plan.prefill, result.prefill):
             if sampled is not None and w.request_id in self.requests:
-                self._on_token(self.requests[w.request_id], sampled, now)
+                self._on_token(self.requests[w.request_id], sampled, now, later)
         for rid, sampled in zip(plan.decode_ids, result.decode):
             if rid in self.requests:
-                self._on_token(self.requests[rid], sampled, now)
+                self._on_token(self.requests[rid], sampled, now, later)
+        return later
 
-    def _on_token(self, req: _Request, sampled, now: float) -> None:
+    def _on_token(self, req: _Request, sampled, now: float, later: list) -> None:
         token = sampled.token
-        if req.last_token_time is None:
-            self.metrics.ttft.observe(now - req.arrival)
-        else:
-            self.metrics.itl.observe(now - req.last_token_time)
+        since_last = None if req.last_token_time is None else now - req.last_token_time
         req.last_token_time = now
         req.output_ids.append(token)
         if req.logprobs is not None:
@@ -385,13 +394,34 @@ class AsyncEngine:
             req.output_ids.pop()
             if req.logprobs is not None:
                 req.logprobs.pop()
+            self._observe_latency(req, since_last, now)
             self._finish(req, "stop")
-            return
+        elif req.stops.active or n >= req.params.max_tokens:  # the text decides now whether the request goes on
+            self._observe_latency(req, since_last, now)
+            self._detokenize(req, token)
+        else:
+            later.append((req, token, since_last))
+
+    def _emit(self, later: list) -> list:
+        """The outputs `_apply` left for later: detokenised, latency recorded, queued to their streams."""
+        for req, token, since_last in later:
+            self._observe_latency(req, since_last, req.last_token_time)
+            self._detokenize(req, token)
+        return []
+
+    def _observe_latency(self, req: _Request, since_last: float | None, now: float) -> None:
+        if since_last is None:
+            self.metrics.ttft.observe(now - req.arrival)
+        else:
+            self.metrics.itl.observe(since_last)
+
+    def _detokenize(self, req: _Request, token: int) -> None:
+        """The token's text, then the request's output: a stop string or the length ends the request."""
         delta, hit = req.stops.feed(req.detok.add(token))
         req.text += delta
         if hit:
             self._finish(req, "stop", [token], delta)
-        elif n >= req.params.max_tokens:
+        elif len(req.output_ids) >= req.params.max_tokens:
             self._finish(req, "length", [token], delta)
         else:
             req.queue.put_nowait(self._output(req, [token], delta))

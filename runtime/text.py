@@ -102,6 +102,11 @@ class StopMatcher:
         self.text = ""  # everything generated so far (before truncation at a stop)
         self.emitted = 0
 
+    @property
+    def active(self) -> bool:
+        """Whether a stop string can end the request: then each token's text decides if it goes on."""
+        return bool(self.stops)
+
     def feed(self, delta: str) -> tuple[str, bool]:
         """Add text; returns (text safe to emit now, whether a stop string was hit)."""
         if not self.stops:

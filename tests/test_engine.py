@@ -114,6 +114,35 @@ def test_64_concurrent_streams_with_cancellations_free_everything(tiny_ckpt):
         assert len(r.token_ids) == 4 + (i * 7) % 29
 
 
+def test_each_step_is_handed_over_before_the_last_steps_outputs_are_made(tiny_ckpt):
+    """The devices must not wait on detokenisation: when a step goes to the ranks, the previous step's token is
+    appended (it decided the plan) but its output is not made yet. The streamed deltas still add up, in order."""
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+            outputs, at_hand_over = [], []
+            start_step = engine.replica.start_step
+
+            def recording_start_step(cmd):
+                for req in engine.requests.values():
+                    made = len(outputs) + len(req.queue.items)
+                    at_hand_over.append((len(req.output_ids), made))
+                return start_step(cmd)
+
+            engine.replica.start_step = recording_start_step
+            async for out in engine.generate("the cat", SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY)):
+                outputs.append(out)
+            return outputs, at_hand_over
+
+    outputs, at_hand_over = run(main())
+    decoding = [(tokens, made) for tokens, made in at_hand_over if tokens > 0]
+    assert len(decoding) == 11  # the 11 decode steps after the prefill drew the first token
+    assert all(made == tokens - 1 for tokens, made in decoding)
+    final = outputs[-1]
+    assert final.finish_reason == "length" and len(final.token_ids) == 12
+    assert "".join(o.delta_text for o in outputs) == final.text
+    assert [t for o in outputs for t in o.delta_token_ids] == final.token_ids
+
+
 def test_stop_strings_stop_tokens_min_tokens_and_logprobs(tiny_ckpt):
     async def main():
         async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
