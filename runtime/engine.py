@@ -309,14 +309,16 @@ class AsyncEngine:
         outputs: list = []  # the last step's tokens whose outputs are made while the next step runs
         while not self._closing:
             if not sched.has_work:
-                outputs = self._emit(outputs)
+                self._emit(outputs)
+                outputs = []
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             plan = sched.schedule()
             self._update_gauges()
             if plan.empty:
-                outputs = self._emit(outputs)
+                self._emit(outputs)
+                outputs = []
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -326,7 +328,8 @@ class AsyncEngine:
                 # The ranks get the command before anything else runs. The last step's outputs are made, and the
                 # stream consumers and HTTP handlers they wake run, while the devices work, not between steps.
                 step = self.replica.start_step(cmd)
-                outputs = self._emit(outputs)
+                made, outputs = outputs, []
+                self._emit(made)
                 result = await step
             except ReplicaPoisoned as exc:
                 self._emit(outputs)
@@ -340,6 +343,7 @@ class AsyncEngine:
                 return
             self.metrics.step_seconds.observe(time.perf_counter() - started)
             outputs = self._apply(plan, result)
+        self._emit(outputs)  # closing: the last step's outputs come before `close` ends the requests
 
     def _command(self, plan) -> StepCommand:
         reqs = self.requests
@@ -396,18 +400,17 @@ class AsyncEngine:
                 req.logprobs.pop()
             self._observe_latency(req, since_last, now)
             self._finish(req, "stop")
-        elif req.stops.active or n >= req.params.max_tokens:  # the text decides now whether the request goes on
+        elif req.stops.active or n >= req.params.max_tokens:  # its text is needed now: to stop, or to end with
             self._observe_latency(req, since_last, now)
             self._detokenize(req, token)
         else:
             later.append((req, token, since_last))
 
-    def _emit(self, later: list) -> list:
+    def _emit(self, later: list) -> None:
         """The outputs `_apply` left for later: detokenised, latency recorded, queued to their streams."""
         for req, token, since_last in later:
             self._observe_latency(req, since_last, req.last_token_time)
             self._detokenize(req, token)
-        return []
 
     def _observe_latency(self, req: _Request, since_last: float | None, now: float) -> None:
         if since_last is None:

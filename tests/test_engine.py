@@ -27,6 +27,10 @@ async def collect(stream):
     return out
 
 
+async def collect_all(stream):
+    return [out async for out in stream]
+
+
 async def wait_free(engine, timeout=10.0):
     """Retirement happens at the next step: wait for it, then report whether all resources are back."""
     for _ in range(int(timeout / 0.01)):
@@ -233,10 +237,15 @@ def test_closing_the_engine_ends_live_streams_without_hanging(tiny_ckpt):
         await engine.start()
         streams = [engine.generate([4, 5, 6], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
                    for _ in range(3)]
-        await streams[0].__anext__()
+        first = await streams[0].__anext__()
         await asyncio.wait_for(engine.close(), timeout=30)
-        outs = [await asyncio.wait_for(collect(s), timeout=5) for s in streams]
+        rest = [await asyncio.wait_for(collect_all(s), timeout=5) for s in streams]
+        outs = [r[-1] for r in rest]
         assert all(o.finished and o.finish_reason == "abort" and "shut down" in o.error for o in outs)
+        # Every token drawn before the shutdown reached its stream: the deltas add up to the final output.
+        for seen, out in zip([[first] + rest[0]] + rest[1:], outs):
+            assert [t for o in seen for t in o.delta_token_ids] == out.token_ids
+            assert "".join(o.delta_text for o in seen) == out.text
         with pytest.raises(Exception, match="not running|shut"):
             engine.generate([1, 2], SamplingParams(max_tokens=2))
 

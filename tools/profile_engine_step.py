@@ -36,7 +36,9 @@ class StepTimer:
         timer = self
 
         def timed_execute(runtime, cmd):
-            timer._sampling, started = 0.0, time.perf_counter()
+            if runtime.rank == 0:  # only rank 0 samples
+                timer._sampling = 0.0
+            started = time.perf_counter()
             try:
                 return execute(runtime, cmd)
             finally:
