@@ -40,6 +40,11 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50) / 1e3
 
 
+def device_seconds(event) -> float:
+    """GPU time of a profiler event (its older name on older torch)."""
+    return getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0)) / 1e6
+
+
 def kernel_time(fn, reps: int = 10) -> float:
     """Seconds of GPU kernel time per call (the profiler's sum over every kernel the call launches): unlike
     `bench`, blind to the host gaps of a call that synchronises (fla's reads the request lengths back)."""
@@ -49,9 +54,8 @@ def kernel_time(fn, reps: int = 10) -> float:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    total = sum(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) for e in prof.key_averages()
-                if e.device_type == torch.autograd.DeviceType.CUDA)
-    return total / reps / 1e6
+    total = sum(device_seconds(e) for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total / reps
 
 
 def ceilings(dev):
@@ -253,8 +257,7 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
             torch.cuda.synchronize()
         for e in prof.key_averages():
             if "gdn_chunk" in e.key:
-                rows.append((f"gdn_prefill phase {e.key[:40]}", f"{L} tokens",
-                             getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 1e6, "", ""))
+                rows.append((f"gdn_prefill phase {e.key[:40]}", f"{L} tokens", device_seconds(e), "", ""))
         for kind, sweep in (("scan", GDN_SCAN_SWEEP), ("prep", GDN_PREP_SWEEP)):
             for config in sweep if kind in sweeps else ():
                 t = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, chunks,
@@ -374,7 +377,7 @@ def sampling(cfg, rows, sweeps):
             for e in prof.key_averages():
                 if e.key.startswith("_") and e.key.endswith("_kernel"):
                     rows.append((f"sampling pass {e.key}, {name}", f"batch {n} x {V}",
-                                 e.device_time_total / 10 / 1e6, "", ""))
+                                 device_seconds(e) / 10, "", ""))
         flagged = int((draw(logits, p).done == 0).sum())
         t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p)) / 1e3
         t_eager = bench(lambda: draw(logits, p))
