@@ -26,22 +26,53 @@ def _pow2(n: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Programmatic dependent launch (sm90+). A decode step is some 230 short kernels; launched with PDL, a kernel's
+# programs start on the SMs the previous kernel's tail leaves idle and load their first weights while it finishes.
+# The rule that keeps this safe: before `_wait_for_previous_kernel` a kernel reads model weights only (no kernel
+# writes them) and writes nothing. Each kernel lets the next one launch only after its own wait, so at most two
+# kernels overlap. Only the decode-step kernels take part; off (PDL = False), on the CPU and before sm90 every
+# kernel launches plainly.
+
+PDL = True
+
+
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _pdl(device: torch.device) -> dict:
+    """Launch options for a decode-step kernel with a `PDL` constexpr."""
+    return {"PDL": True, "launch_pdl": True} if PDL and _pdl_capable(device) else {}
+
+
+@triton.jit
+def _wait_for_previous_kernel(PDL: tl.constexpr):
+    """Wait until the previous kernel in the stream has finished and its writes are visible, then let the next
+    kernel launch. A no-op without PDL."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # RMSNorm: zero-centred (1 + w), optionally fused with the residual add; the GDN gated norm.
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                     HAS_RES: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    _wait_for_previous_kernel(PDL)
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if HAS_RES:
         x = x + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)  # in the model dtype, as HF does
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTRED:
         w = w + 1.0
     tl.store(out_ptr + row * n_cols + cols, (xf * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
@@ -51,7 +82,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = x.contiguous().view(-1, x.shape[-1])
     out = torch.empty_like(x2)
     _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.shape[1], eps, HAS_RES=False, ZERO_CENTRED=True,
-                                     BLOCK=_pow2(x2.shape[1]))
+                                     BLOCK=_pow2(x2.shape[1]), **_pdl(x.device))
     return out.view(x.shape)
 
 
@@ -61,20 +92,21 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     x2, r2 = x.contiguous().view(-1, x.shape[-1]), residual.contiguous().view(-1, x.shape[-1])
     out, summed = torch.empty_like(x2), torch.empty_like(x2)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, summed, x2.shape[1], eps, HAS_RES=True, ZERO_CENTRED=True,
-                                     BLOCK=_pow2(x2.shape[1]))
+                                     BLOCK=_pow2(x2.shape[1]), **_pdl(x.device))
     return out.view(x.shape), summed.view(x.shape)
 
 
 @triton.jit
 def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, n_cols, heads, z_row_stride, z_head_stride, eps,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)  # token * heads + head
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    _wait_for_previous_kernel(PDL)
     o = tl.load(o_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     z_base = z_ptr + (row // heads) * z_row_stride + (row % heads) * z_head_stride
     z = tl.load(z_base + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / n_cols + eps)
     normed = (o * inv).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference rounds
     y = (w * normed).to(out_ptr.dtype.element_ty).to(tl.float32) * (z / (1.0 + tl.exp(-z)))
@@ -88,12 +120,13 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         z = z.contiguous()
     out = torch.empty_like(o2)
     _gated_rms_norm_kernel[(o2.shape[0],)](o2, z, weight, out, o2.shape[1], o.shape[1], z.stride(0), z.stride(1), eps,
-                                           BLOCK=_pow2(o2.shape[1]))
+                                           BLOCK=_pow2(o2.shape[1]), **_pdl(o.device))
     return out.view(o.shape)
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, inner, x_row_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, inner, x_row_stride, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    _wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
@@ -107,7 +140,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inner = two_i // 2
     out = torch.empty(T, inner, dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
-    _silu_mul_kernel[(T, triton.cdiv(inner, BLOCK))](gate_up, out, inner, gate_up.stride(0), BLOCK=BLOCK)
+    _silu_mul_kernel[(T, triton.cdiv(inner, BLOCK))](gate_up, out, inner, gate_up.stride(0), BLOCK=BLOCK,
+                                                     **_pdl(gate_up.device))
     return out
 
 
@@ -130,18 +164,26 @@ def gemv_config(n: int, k: int) -> tuple:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """out [N] = x @ w.t() for one row x."""
+def _weight_tile(w_rows, ks, K, nmask, EVEN_K: tl.constexpr):
+    wmask = nmask[:, None] if EVEN_K else nmask[:, None] & (ks < K)[None, :]
+    return tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    """out [N] = x @ w.t() for one row x. The first weight tile is loaded before the wait (PDL)."""
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = ns < N
     w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # reduced once, at the end
-    for k0 in range(0, K, BLOCK_K):
+    ks = tl.arange(0, BLOCK_K)
+    w = _weight_tile(w_rows, ks, K, nmask, EVEN_K)
+    _wait_for_previous_kernel(PDL)
+    acc = w * tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]  # reduced once, at the end
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        wmask = nmask[:, None] if EVEN_K else nmask[:, None] & kmask[None, :]
-        x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        acc += tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32) * x
+        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
+        acc += _weight_tile(w_rows, ks, K, nmask, EVEN_K) * x
     tl.store(out_ptr + ns, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -151,7 +193,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
     block_n, block_k, warps, stages = config or gemv_config(N, K)
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x.contiguous(), weight, out, N, K, BLOCK_N=block_n, BLOCK_K=block_k,
-                                             EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages)
+                                             EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages,
+                                             **_pdl(x.device))
     return out
 
 
@@ -174,11 +217,30 @@ NORM_GEMV_SILU_CONFIG = (8, 512, 4, 2)  # BLOCK_N gate rows and as many up rows
 
 
 @triton.jit
+def _norm_gemv_step(acc, acc_up, sq, w, w_up, x_ptr, res_ptr, nw_ptr, res_out_ptr, ks, K, pid,
+                    HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr):
+    """One K tile of `_norm_gemv_kernel` on its weight tiles w (and w_up)."""
+    kmask = ks < K
+    x = tl.load(x_ptr + ks, mask=kmask, other=0.0)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + ks, mask=kmask, other=0.0)  # in the model dtype, as the reference does
+        if pid == 0:
+            tl.store(res_out_ptr + ks, x, mask=kmask)
+    xf = x.to(tl.float32)
+    sq += xf * xf
+    scaled = (xf * (1.0 + tl.load(nw_ptr + ks, mask=kmask, other=0.0).to(tl.float32)))[None, :]
+    acc += w * scaled
+    if SILU_MUL:
+        acc_up += w_up * scaled
+    return acc, acc_up, sq
+
+
+@triton.jit
 def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, N, K, up_rows, eps,
                       HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
     """out [N] = rms_norm(x + res) @ w.t() for one row; with SILU_MUL, silu(out) * (the same for w's rows
-    up_rows on). Program 0 writes the new residual x + res."""
+    up_rows on). Program 0 writes the new residual x + res. The first weight tiles are loaded before the wait."""
     pid = tl.program_id(0)
     ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = ns < N
@@ -186,24 +248,18 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, N, K,
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # reduced once, at the end
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     sq = tl.zeros((BLOCK_K,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    ks = tl.arange(0, BLOCK_K)
+    w = _weight_tile(w_rows, ks, K, nmask, EVEN_K)
+    w_up = _weight_tile(w_rows + up_rows * K, ks, K, nmask, EVEN_K) if SILU_MUL else w
+    _wait_for_previous_kernel(PDL)
+    acc, acc_up, sq = _norm_gemv_step(acc, acc_up, sq, w, w_up, x_ptr, res_ptr, nw_ptr, res_out_ptr, ks, K, pid,
+                                      HAS_RES, SILU_MUL)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        wmask = nmask[:, None] if EVEN_K else nmask[:, None] & kmask[None, :]
-        w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32)
-        if SILU_MUL:
-            w_up = tl.load(w_rows + up_rows * K + ks[None, :], mask=wmask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + ks, mask=kmask, other=0.0)
-        if HAS_RES:
-            x = x + tl.load(res_ptr + ks, mask=kmask, other=0.0)  # in the model dtype, as the reference does
-            if pid == 0:
-                tl.store(res_out_ptr + ks, x, mask=kmask)
-        xf = x.to(tl.float32)
-        sq += xf * xf
-        scaled = (xf * (1.0 + tl.load(nw_ptr + ks, mask=kmask, other=0.0).to(tl.float32)))[None, :]
-        acc += w * scaled
-        if SILU_MUL:
-            acc_up += w_up * scaled
+        w = _weight_tile(w_rows, ks, K, nmask, EVEN_K)
+        w_up = _weight_tile(w_rows + up_rows * K, ks, K, nmask, EVEN_K) if SILU_MUL else w
+        acc, acc_up, sq = _norm_gemv_step(acc, acc_up, sq, w, w_up, x_ptr, res_ptr, nw_ptr, res_out_ptr, ks, K,
+                                          pid, HAS_RES, SILU_MUL)
     inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
     y = (tl.sum(acc, axis=1) * inv).to(out_ptr.dtype.element_ty)
     if SILU_MUL:  # rounded to the model dtype first, as the unfused projection's output is
@@ -225,7 +281,7 @@ def norm_gemv(x, residual, norm_weight, eps: float, weight, silu_mul_rows: int =
     _norm_gemv_kernel[(triton.cdiv(N, block_n),)](
         x, x if residual is None else residual.contiguous(), norm_weight, weight, out, summed, N, K, silu_mul_rows,
         eps, HAS_RES=residual is not None, SILU_MUL=silu_mul_rows > 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages)
+        EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages, **_pdl(x.device))
     return out, summed
 
 
@@ -253,15 +309,17 @@ def add_rms_norm_gate_up(x, residual, norm_weight, eps: float, gate_up):
 
 @triton.jit
 def _conv1d_decode_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, out_ptr, C, x_row_stride, trash,
-                          K: tl.constexpr, BLOCK_C: tl.constexpr):
+                          K: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = cols < C
+    w_last = tl.load(w_ptr + cols * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    _wait_for_previous_kernel(PDL)
     slot = tl.load(slot_ptr + row)
     slot = tl.where(slot < 0, trash, slot).to(tl.int64)
     base = state_ptr + slot * (K - 1) * C
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
-    acc = x.to(tl.float32) * tl.load(w_ptr + cols * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    acc = x.to(tl.float32) * w_last
     for j in tl.static_range(K - 1):
         prev = tl.load(base + j * C + cols, mask=mask, other=0.0)
         acc += prev.to(tl.float32) * tl.load(w_ptr + cols * K + j, mask=mask, other=0.0).to(tl.float32)
@@ -279,7 +337,8 @@ def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     if x.stride(1) != 1:
         x = x.contiguous()
     _conv1d_decode_kernel[(N, triton.cdiv(C, BLOCK_C))](
-        x, weight, conv_state, slots, out, C, x.stride(0), conv_state.shape[0] - 1, K=K, BLOCK_C=BLOCK_C)
+        x, weight, conv_state, slots, out, C, x.stride(0), conv_state.shape[0] - 1, K=K, BLOCK_C=BLOCK_C,
+        **_pdl(x.device))
     return out
 
 
@@ -366,7 +425,7 @@ def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tens
 def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, out_ptr,
                        C, ab_row_stride, trash, HV, GROUP, scale,
                        DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -374,14 +433,17 @@ def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, sl
     ks = tl.arange(0, BLOCK_K)
     vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     kmask, vmask = ks < DK, vs < DV
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    decay_rate = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    _wait_for_previous_kernel(PDL)
     q = tl.load(mixed_ptr + row * C + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(mixed_ptr + row * C + KEY_DIM + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
     v = tl.load(mixed_ptr + row * C + 2 * KEY_DIM + h * DV + vs, mask=vmask, other=0.0).to(tl.float32)
     q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-    a = tl.load(a_ptr + row * ab_row_stride + h).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
+    a = tl.load(a_ptr + row * ab_row_stride + h).to(tl.float32) + dt_bias
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-    g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus
+    g = decay_rate * softplus
     beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + row * ab_row_stride + h).to(tl.float32)))
     slot = tl.load(slot_ptr + row)
     slot = tl.where(slot < 0, trash, slot).to(tl.int64)
@@ -409,7 +471,7 @@ def gdn_decode(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads: int, 
         mixed.contiguous(), a, b, A_log, dt_bias, ssm_state, slots, out,
         C, a.stride(0), ssm_state.shape[0] - 1, HV, HV // num_k_heads, head_k_dim**-0.5,
         DK=head_k_dim, DV=head_v_dim, KEY_DIM=num_k_heads * head_k_dim,
-        BLOCK_K=_pow2(head_k_dim), BLOCK_V=BLOCK_V, num_warps=num_warps,
+        BLOCK_K=_pow2(head_k_dim), BLOCK_V=BLOCK_V, num_warps=num_warps, **_pdl(mixed.device),
     )
     return out
 
@@ -421,7 +483,9 @@ def gdn_decode(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads: int, 
 
 @triton.jit
 def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, map_ptr, qo_ptr,
-                               row_stride, NQ, NKV, eps, HALF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+                               row_stride, NQ, NKV, eps, HALF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                               PDL: tl.constexpr = False):
+    _wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -466,7 +530,7 @@ def qk_norm_rope_cache(qkv, q_norm, k_norm, eps, positions, cos, sin, k_cache, v
     out = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
     _qk_norm_rope_cache_kernel[(T, num_heads + num_kv_heads)](
         qkv, q_norm, k_norm, positions, cos, sin, k_cache, v_cache, slot_mapping, out, qkv.stride(0),
-        num_heads, num_kv_heads, eps, HALF=cos.shape[1], D=D, BLOCK_D=_pow2(D))
+        num_heads, num_kv_heads, eps, HALF=cos.shape[1], D=D, BLOCK_D=_pow2(D), **_pdl(qkv.device))
     return out
 
 
@@ -482,7 +546,8 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, part_o_ptr, p
                         NH, NKV, WIDTH, scale,
                         GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    _wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -525,7 +590,8 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, part_o_ptr, p
 @triton.jit
 def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, gate_ptr, NH, gate_row_stride, gate_head_stride,
                          D: tl.constexpr, SPLITS: tl.constexpr, HAS_GATE: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    _wait_for_previous_kernel(PDL)
     rh = tl.program_id(0).to(tl.int64)  # row * NH + head
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -574,7 +640,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, ga
         NH, NKV, width, scale,
         GROUP=group, D=D, PAGE=PAGE, SPLITS=splits, BLOCK_G=max(16, _pow2(group)), BLOCK_D=_pow2(D),
         BLOCK_N=DECODE_ATTN_BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **_pdl(q.device),
     )
     out = torch.empty_like(q)
     if gate is not None and gate.stride(2) != 1:
@@ -582,7 +648,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, ga
     _merge_splits_kernel[(N * NH,)](
         part_o, part_ml, out, gate if gate is not None else out, NH, gate.stride(0) if gate is not None else 0,
         gate.stride(1) if gate is not None else 0, D=D, SPLITS=splits, HAS_GATE=gate is not None,
-        BLOCK_S=_pow2(splits), BLOCK_D=_pow2(D))
+        BLOCK_S=_pow2(splits), BLOCK_D=_pow2(D), **_pdl(q.device))
     return out
 
 

@@ -224,6 +224,21 @@ def test_graph_decode_equals_eager_through_the_engine(real_geometry_ckpt):
     assert len(eager[0]) == 128 and len({tuple(t) for t in eager}) > 1
 
 
+def test_pdl_launches_change_no_token(real_geometry_ckpt, monkeypatch):
+    """The decode kernels overlap under programmatic dependent launch; a kernel that read its input before the
+    previous kernel finished writing it would change tokens."""
+    import kernels.triton_ops as T
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm90")
+    assert T._pdl(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
+    with_pdl, _ = asyncio.run(_greedy_run(real_geometry_ckpt, graph=True, n=12, tokens=64))
+    monkeypatch.setattr(T, "PDL", False)
+    assert T._pdl(torch.device("cuda")) == {}
+    plain, _ = asyncio.run(_greedy_run(real_geometry_ckpt, graph=True, n=12, tokens=64))
+    assert with_pdl == plain
+
+
 def test_tp1_through_nccl_equals_the_plain_path(real_geometry_ckpt):
     pytest.importorskip("nccl.core")
     plain, _ = asyncio.run(_greedy_run(real_geometry_ckpt, graph=True, n=6, tokens=40))

@@ -136,7 +136,8 @@ def table(ns, results) -> str:
         f"{ns.size} ({ns.layers or 'all'} layers), tp={ns.tp}, bf16, context {ns.context}, "
         f"copy bandwidth {results[0]['copy_tbps']:.2f} TB/s; one-row projections by "
         f"{'the Triton GEMV' if triton_ops.GEMV_ONE_ROW else 'cuBLAS'}; input add-and-norms "
-        f"{'fused into the one-row projections' if triton_ops.GEMV_FUSED_NORM else 'by their own kernel'}",
+        f"{'fused into the one-row projections' if triton_ops.GEMV_FUSED_NORM else 'by their own kernel'}; "
+        f"decode kernels launched {'with' if triton_ops.PDL else 'without'} programmatic dependent launch",
         "",
         "| batch | graph step ms | eager step ms | graph/eager speed-up | tokens/s (graph) | HBM floor ms "
         "| graph / floor | sampling ms (T 0.7, top-k 20, top-p 0.8) | greedy ms | engine step ms (generate, greedy) "
@@ -171,6 +172,9 @@ def main(argv=None) -> int:
     parser.add_argument("--fused-norm", choices=["on", "off"], default=None,
                         help="each block's add-and-norm fused into its one-row input projection, or a kernel of its "
                         f"own (default {'on' if triton_ops.GEMV_FUSED_NORM else 'off'})")
+    parser.add_argument("--pdl", choices=["on", "off"], default=None,
+                        help="launch the decode kernels with programmatic dependent launch (sm90+) "
+                        f"(default {'on' if triton_ops.PDL else 'off'})")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
@@ -180,6 +184,8 @@ def main(argv=None) -> int:
         triton_ops.GEMV_ONE_ROW = triton_ops.GEMV_FUSED_NORM = ns.gemv == "on"
     if ns.fused_norm is not None:
         triton_ops.GEMV_FUSED_NORM = ns.fused_norm == "on"
+    if ns.pdl is not None:
+        triton_ops.PDL = ns.pdl == "on"
     results = asyncio.run(run(ns))
     text = table(ns, results)
     stamp = f"{datetime.date.today()} {torch.cuda.get_device_name()} `python -m tools.bench_decode {' '.join(argv or sys.argv[1:])}`"
