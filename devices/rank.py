@@ -184,7 +184,8 @@ class RankRuntime:
                 logits[i, list(r.stop_token_ids)] = float("-inf")  # min_tokens: no stop token yet
         k = max(r.logprobs for r in rows)
         if logits.is_cuda:
-            tokens, chosen, top_ids, top_lp = sample_on_gpu(logits, params, k)
+            top_p_alone = any(r.temperature > 0 and r.top_p < 1 and not 0 < r.top_k < self.vocab for r in rows)
+            tokens, chosen, top_ids, top_lp = sample_on_gpu(logits, params, k, top_p_alone=top_p_alone)
         else:
             all_greedy = all(r.temperature <= 0 for r in rows)
             top_ks = [r.top_k for r in rows if r.temperature > 0]

@@ -1,4 +1,5 @@
-"""Sampling on the GPU in five Triton passes, drawing the same tokens as `kernels.sampling.sample`.
+"""Sampling on the GPU in five Triton passes (and race rounds for top-p alone), drawing the same tokens as
+`kernels.sampling.sample`.
 
 The reference keeps, per row, a prefix of the vocabulary sorted by scaled logit s = logit / T (top-k, then top-p
 on the top-k distribution, then min-p) and races the kept ids with counter-based uniforms: argmax p / -log u,
@@ -7,6 +8,12 @@ i.e. argmax (s - max s) - log(-log u). No full sort is needed for that:
 1. stats   (row x split): max and sum-exp of the raw logits (for logprobs) and of s; the argmax (greedy). Rows
            with top-k <= LANE_TOP_K also keep the split's k largest per-lane maxima (each lane's running max over
            the split; k distinct ids).
+   race rounds (TOP_P_ROUNDS of them, for rows with top-p and no top-k): the kept ids are those above a
+           boundary, so the race's winner over every id is the winner over the kept ones whenever top-p keeps it,
+           which it does with probability about top_p. A round races the ids above the row's floor (each split's
+           winner), sums the mass above the winner and tied with it, and settles the row on the winner if top-p
+           keeps it whatever the order of its ties; if top-p drops it even so, the floor rises to it. A row left
+           unsettled (or whose answer depends on the order of ties) takes the passes below like any other.
 2. hist    (row x split): threshold rows (top-k <= LANE_TOP_K) take the k-th largest of all the splits' kept
            lane maxima: k distinct ids reach it, so the k-th id does, and only the ids in the k lanes whose max
            reaches it can (at most k ids a lane, usually about k in all). Other rows with top-k or top-p count
@@ -22,8 +29,9 @@ i.e. argmax (s - max s) - log(-log u). No full sort is needed for that:
            kept for sure (raced here, their mass summed), those whose lower bound already reaches it are
            dropped, and only the band between is copied out. Rows with neither filter race every id that min-p
            keeps.
-5. finish  (row): rank the candidates by comparing every pair (cheaper than a sort for a band of this size),
-           apply top-k / top-p / min-p exactly as the reference does, race, and compare with the sure ids' winner.
+5. finish  (row): a row the race rounds settled takes its token. The others rank the candidates by comparing
+           every pair (cheaper than a sort for a band of this size), apply top-k / top-p / min-p exactly as the
+           reference does, race, and compare with the sure ids' winner.
 
 A row whose candidates would exceed MAX_CANDIDATES (top-k in the thousands, a flat distribution's mass spread
 past 32 nats, or more ids than that tied at a threshold), or a refined row whose boundary lies past its window,
@@ -52,6 +60,7 @@ NEG = tl.constexpr(float("-inf"))
 PART = tl.constexpr(10)  # floats a (row, split) program leaves for the later passes
 FINE = tl.constexpr(512)  # the refine pass's slices of a top-p window; the last one holds every id outside it
 REFINE_MARGIN = tl.constexpr(4)  # bins past the estimated top-p point that the refine window also covers
+TOP_P_ROUNDS = 2  # races a top-p-alone row runs before it falls back to the histogram passes
 
 
 @triton.jit
@@ -132,7 +141,7 @@ def _row_stats(part_ptr, row, splits, MAX_SPLITS: tl.constexpr):
 
 @triton.jit
 def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, topk_ptr, part_ptr, part_i_ptr, lanes_ptr, hist_ptr, fine_ptr, count_ptr,
-                  V, chunk, splits, PENALISED: tl.constexpr, BLOCK: tl.constexpr):
+                  resolved_ptr, floor_ptr, V, chunk, splits, PENALISED: tl.constexpr, BLOCK: tl.constexpr):
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
     # Running maxima are scalars; the exp sums stay per lane and are rescaled only when a block raises the max.
@@ -178,12 +187,105 @@ def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, topk_ptr, part_ptr, part_i_ptr, la
         tl.store(hist_ptr + row * BINS + tl.arange(0, BINS), tl.zeros([BINS], tl.int32))
         tl.store(fine_ptr + row * FINE + tl.arange(0, FINE), tl.zeros([FINE], tl.int32))
         tl.store(count_ptr + row, 0)
+        tl.store(resolved_ptr + row, -1)
+        tl.store(floor_ptr + row, NEG)
 
 
 @triton.jit
 def _filtered(temp_ptr, topk_ptr, topp_ptr, row):
     """True for rows that need the candidate band: sampled (T > 0) with top-k or top-p on."""
     return (tl.load(temp_ptr + row) > 0) & ((tl.load(topk_ptr + row) > 0) | (tl.load(topp_ptr + row) < 1.0))
+
+
+@triton.jit
+def _top_p_alone(temp_ptr, topk_ptr, topp_ptr, resolved_ptr, row):
+    """True for sampled rows with top-p and no top-k that no race round has settled yet."""
+    return ((tl.load(temp_ptr + row) > 0) & (tl.load(topk_ptr + row) == 0) & (tl.load(topp_ptr + row) < 1.0)
+            & (tl.load(resolved_ptr + row) == -1))
+
+
+@triton.jit
+def _race_above_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, resolved_ptr,
+                       floor_ptr, race_ptr, race_i_ptr, V, chunk, splits, MAX_SPLITS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """A top-p race round: each split's winner among the ids above the row's floor that min-p keeps."""
+    row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, resolved_ptr, row):
+        inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
+        _, _, s_m, _ = _row_stats(part_ptr, row, splits, MAX_SPLITS)
+        min_p, floor = tl.load(minp_ptr + row), tl.load(floor_ptr + row)
+        key = _row_key(seed_ptr, step_ptr, row)
+        start = split * chunk
+        stop = tl.minimum(start + chunk, V)
+        best, best_i = tl.full([BLOCK], NEG, tl.float32), tl.zeros([BLOCK], tl.int32)
+        s_next = _load_block(adj_ptr + row * V, start, stop, BLOCK)
+        for off in range(start, stop, BLOCK):
+            cols = off + tl.arange(0, BLOCK)
+            s = s_next.to(tl.float32) * inv_t
+            s_next = _load_block(adj_ptr + row * V, off + BLOCK, stop, BLOCK)
+            keep = (cols < stop) & (s > floor) & (tl.exp(s - s_m) >= min_p)
+            best, best_i = _keep_best(best, best_i, tl.where(keep, _race_key(s - s_m, cols, key), NEG), cols)
+        b, b_i = _lanes_best(best, best_i)
+        tl.store(race_ptr + row * splits + split, b)
+        tl.store(race_i_ptr + row * splits + split, b_i)
+
+
+@triton.jit
+def _round_winner(race_ptr, race_i_ptr, row, splits, MAX_SPLITS: tl.constexpr):
+    """The race round's winner over the splits (the lowest id on a tie, as the lanes keep it)."""
+    parts = tl.arange(0, MAX_SPLITS)
+    races = tl.load(race_ptr + row * splits + parts, mask=parts < splits, other=NEG)
+    return tl.load(race_i_ptr + row * splits + tl.argmax(races, 0))
+
+
+@triton.jit
+def _mass_ahead_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, resolved_ptr, race_ptr, race_i_ptr,
+                       ahead_ptr, V, chunk, splits, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Each split's exp mass of the ids above the round's winner and of the other ids tied with it: whatever order
+    a sort gives ties, the top-p mass before the winner lies between the first and the sum."""
+    row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, resolved_ptr, row):
+        inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
+        _, _, s_m, _ = _row_stats(part_ptr, row, splits, MAX_SPLITS)
+        winner = _round_winner(race_ptr, race_i_ptr, row, splits, MAX_SPLITS)
+        s_w = tl.load(adj_ptr + row * V + winner).to(tl.float32) * inv_t
+        start = split * chunk
+        stop = tl.minimum(start + chunk, V)
+        above, tied = tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32)
+        s_next = _load_block(adj_ptr + row * V, start, stop, BLOCK)
+        for off in range(start, stop, BLOCK):
+            cols = off + tl.arange(0, BLOCK)
+            s = s_next.to(tl.float32) * inv_t
+            s_next = _load_block(adj_ptr + row * V, off + BLOCK, stop, BLOCK)
+            e = tl.exp(s - s_m)  # 0 for padding
+            above += tl.where(s > s_w, e, 0.0)
+            tied += tl.where((s == s_w) & (cols != winner), e, 0.0)
+        tl.store(ahead_ptr + (row * splits + split) * 2, tl.sum(above, 0))
+        tl.store(ahead_ptr + (row * splits + split) * 2 + 1, tl.sum(tied, 0))
+
+
+@triton.jit
+def _settle_round_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, resolved_ptr, floor_ptr, race_ptr,
+                         race_i_ptr, ahead_ptr, V, splits, MAX_SPLITS: tl.constexpr):
+    """The winner is the row's token if top-p keeps it; if top-p drops it, it drops every id at or below it too,
+    and the next round races only the ids above it. When the answer depends on how ties are ordered, the row is
+    left to the histogram passes (resolved = -2)."""
+    row = tl.program_id(0).to(tl.int64)
+    if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, resolved_ptr, row):
+        _, _, _, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
+        winner = _round_winner(race_ptr, race_i_ptr, row, splits, MAX_SPLITS)
+        parts = tl.arange(0, MAX_SPLITS)
+        at = ahead_ptr + (row * splits + parts) * 2
+        above = tl.sum(tl.load(at, mask=parts < splits, other=0.0), 0) / s_l
+        tied = tl.sum(tl.load(at + 1, mask=parts < splits, other=0.0), 0) / s_l
+        top_p = tl.load(topp_ptr + row)
+        if above + tied < top_p:
+            tl.store(resolved_ptr + row, winner)
+        elif above >= top_p:
+            inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
+            tl.store(floor_ptr + row, tl.load(adj_ptr + row * V + winner).to(tl.float32) * inv_t)
+        else:
+            tl.store(resolved_ptr + row, -2)
 
 
 TAKEN = tl.constexpr(-(2**63))  # below every key
@@ -226,13 +328,13 @@ def _kth_of_kept_lanes(lanes_ptr, row, splits, top_k, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _hist_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, lanes_ptr, kth_ptr, hist_ptr, V, chunk, splits,
-                 MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+def _hist_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, lanes_ptr, kth_ptr, hist_ptr, resolved_ptr, V, chunk,
+                 splits, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if _by_lanes(temp_ptr, topk_ptr, row):
         if split == 0:
             tl.store(kth_ptr + row, _kth_of_kept_lanes(lanes_ptr, row, splits, tl.load(topk_ptr + row), BLOCK_S))
-    elif _filtered(temp_ptr, topk_ptr, topp_ptr, row):
+    elif _filtered(temp_ptr, topk_ptr, topp_ptr, row) & (tl.load(resolved_ptr + row) < 0):
         inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
         _, _, s_m, _ = _row_stats(part_ptr, row, splits, MAX_SPLITS)
         counts = tl.zeros([BINS], tl.int32)
@@ -360,7 +462,7 @@ def _copy_out(count_ptr, cand_s_ptr, cand_i_ptr, row, take, s, cols, MAX_CAND: t
 
 @triton.jit
 def _take_or_refine_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, hist_ptr, fine_ptr, kth_ptr,
-                           count_ptr, cand_s_ptr, cand_i_ptr, V, chunk, splits, MAX_SPLITS: tl.constexpr,
+                           count_ptr, cand_s_ptr, cand_i_ptr, resolved_ptr, V, chunk, splits, MAX_SPLITS: tl.constexpr,
                            BLOCK: tl.constexpr, MAX_CAND: tl.constexpr):
     """Threshold rows copy out every id at or above their threshold: all their candidates. Refined rows sum the
     exact mass before their window and in it (per split) and count the window's ids in FINE - 1 slices."""
@@ -376,7 +478,7 @@ def _take_or_refine_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part
             s = s_next.to(tl.float32) * inv_t
             s_next = _load_block(adj_ptr + row * V, off + BLOCK, stop, BLOCK)
             _copy_out(count_ptr, cand_s_ptr, cand_i_ptr, row, (cols < stop) & (s >= kth), s, cols, MAX_CAND)
-    elif _filtered(temp_ptr, topk_ptr, topp_ptr, row):
+    elif _filtered(temp_ptr, topk_ptr, topp_ptr, row) & (tl.load(resolved_ptr + row) < 0):
         top_k, top_p = tl.load(topk_ptr + row), tl.load(topp_ptr + row)
         _, _, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
         lo, _, _, _, refined = _coarse_band(hist_ptr, row, top_k, top_p, tl.load(minp_ptr + row), s_l, MAX_CAND)
@@ -402,13 +504,14 @@ def _take_or_refine_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part
 
 @triton.jit
 def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
-                   hist_ptr, fine_ptr, count_ptr, cand_s_ptr, cand_i_ptr, V, chunk, splits,
+                   hist_ptr, fine_ptr, count_ptr, cand_s_ptr, cand_i_ptr, resolved_ptr, V, chunk, splits,
                    MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, MAX_CAND: tl.constexpr):
     """Histogram rows race their sure ids and copy out their band; rows without top-k or top-p race every id
-    min-p keeps. Threshold rows took their candidates in the pass before (and have no sure ids)."""
+    min-p keeps. Threshold rows took their candidates in the pass before (and have no sure ids); rows a top-p
+    race round resolved have their token."""
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t = tl.load(temp_ptr + row)
-    if t > 0:
+    if (t > 0) & (tl.load(resolved_ptr + row) < 0):
         inv_t = 1.0 / tl.maximum(t, 1e-5)
         _, _, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
         min_p = tl.load(minp_ptr + row)
@@ -484,8 +587,8 @@ def _ahead_of(cand_s_ptr, cand_i_ptr, row, n_band, s_i, id_i, s_m,
 
 @triton.jit
 def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
-                   hist_ptr, fine_ptr, count_ptr, cand_s_ptr, cand_i_ptr, token_ptr, logprob_ptr, done_ptr, V, splits,
-                   MAX_SPLITS: tl.constexpr, MAX_CAND: tl.constexpr, TILE: tl.constexpr):
+                   hist_ptr, fine_ptr, count_ptr, cand_s_ptr, cand_i_ptr, resolved_ptr, token_ptr, logprob_ptr,
+                   done_ptr, V, splits, MAX_SPLITS: tl.constexpr, MAX_CAND: tl.constexpr, TILE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     raw_m, raw_l, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
     parts = tl.arange(0, MAX_SPLITS)
@@ -499,7 +602,10 @@ def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
         races = tl.load(part_ptr + part_at * PART + 5, mask=parts < splits, other=NEG)
         winner = tl.argmax(races, 0)
         token = tl.load(part_i_ptr + (row * splits + winner) * 2 + 1)  # the sure ids' (or every id's) winner
-        if _filtered(temp_ptr, topk_ptr, topp_ptr, row):
+        resolved = tl.load(resolved_ptr + row)
+        if resolved >= 0:
+            token = resolved
+        elif _filtered(temp_ptr, topk_ptr, topp_ptr, row):
             top_k, top_p, min_p = tl.load(topk_ptr + row), tl.load(topp_ptr + row), tl.load(minp_ptr + row)
             if _by_lanes(temp_ptr, topk_ptr, row):
                 n_band = tl.load(count_ptr + row)  # every id at or above the threshold, as the take pass copied
@@ -550,6 +656,7 @@ class Drawn:
     tokens: torch.Tensor  # [N] long
     logprobs: torch.Tensor  # [N] float: of the chosen token under the raw distribution
     done: torch.Tensor  # [N] int32: 0 where the row must be sampled by the reference instead
+    settled: torch.Tensor  # [N] int32: the token a top-p race round settled on, or negative (not by one)
 
 
 def default_splits(rows: int, vocab: int, device: torch.device) -> int:
@@ -559,10 +666,12 @@ def default_splits(rows: int, vocab: int, device: torch.device) -> int:
 
 
 def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
-         max_candidates: int = MAX_CANDIDATES, block: int = BLOCK, warps: int = 4) -> Drawn:
+         max_candidates: int = MAX_CANDIDATES, block: int = BLOCK, warps: int = 4,
+         top_p_rounds: int = TOP_P_ROUNDS) -> Drawn:
     """Greedy / temperature / top-k / top-p / min-p with penalties, for every row at once (see the module doc).
-    `splits` (programs per row), `max_candidates` (a power of two), `block` and `warps` (the passes' tile) are
-    exposed for tests and the benchmark's sweep."""
+    `top_p_rounds` race rounds run for top-p-alone rows (0 when the caller knows there are none: three launches a
+    round fewer). `splits` (programs per row), `max_candidates` (a power of two), `block` and `warps` (the passes'
+    tile) are exposed for tests and the benchmark's sweep."""
     N, V = logits.shape
     dev = logits.device
     adjusted = apply_penalties(logits, p)
@@ -579,32 +688,44 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     count = torch.empty(N, dtype=torch.int32, device=dev)
     cand_s = torch.empty(N, max_candidates, dtype=torch.float32, device=dev)
     cand_i = torch.empty(N, max_candidates, dtype=torch.int32, device=dev)
+    resolved = torch.empty(N, dtype=torch.int32, device=dev)  # -1 racing, -2 left to the histogram, else the token
+    floor = torch.empty(N, dtype=torch.float32, device=dev)
+    race, race_i = (torch.empty(N, splits, dtype=dt, device=dev) for dt in (torch.float32, torch.int32))
+    ahead = torch.empty(N, splits, 2, dtype=torch.float32, device=dev)
     out = Drawn(torch.empty(N, dtype=torch.long, device=dev), torch.empty(N, dtype=torch.float32, device=dev),
-                torch.empty(N, dtype=torch.int32, device=dev))
+                torch.empty(N, dtype=torch.int32, device=dev), resolved)
     temp, top_p, min_p = p.temperature.float(), p.top_p.float(), p.min_p.float()
     top_k = torch.where(p.top_k >= V, 0, p.top_k)  # keeping the whole vocabulary is no top-k
     grid = (N, splits)
-    _stats_kernel[grid](logits, adjusted, temp, top_k, part, part_i, lanes, hist, fine, count, V, chunk, splits,
-                        PENALISED=adjusted is not logits, BLOCK=block, num_warps=warps)
-    _hist_kernel[grid](adjusted, temp, top_k, top_p, part, lanes, kth, hist, V, chunk, splits, MAX_SPLITS=MAX_SPLITS,
-                       BLOCK=block, BLOCK_S=triton.next_power_of_2(splits), num_warps=warps)
-    _take_or_refine_kernel[grid](adjusted, temp, top_k, top_p, min_p, part, hist, fine, kth, count, cand_s, cand_i, V,
-                                 chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block, MAX_CAND=max_candidates,
-                                 num_warps=warps)
+    _stats_kernel[grid](logits, adjusted, temp, top_k, part, part_i, lanes, hist, fine, count, resolved, floor, V,
+                        chunk, splits, PENALISED=adjusted is not logits, BLOCK=block, num_warps=warps)
+    for _ in range(top_p_rounds):
+        _race_above_kernel[grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, resolved, floor, race,
+                                 race_i, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block, num_warps=warps)
+        _mass_ahead_kernel[grid](adjusted, temp, top_k, top_p, part, resolved, race, race_i, ahead, V, chunk, splits,
+                                 MAX_SPLITS=MAX_SPLITS, BLOCK=block, num_warps=warps)
+        _settle_round_kernel[(N,)](adjusted, temp, top_k, top_p, part, resolved, floor, race, race_i, ahead, V, splits,
+                                   MAX_SPLITS=MAX_SPLITS, num_warps=1)
+    _hist_kernel[grid](adjusted, temp, top_k, top_p, part, lanes, kth, hist, resolved, V, chunk, splits,
+                       MAX_SPLITS=MAX_SPLITS, BLOCK=block, BLOCK_S=triton.next_power_of_2(splits), num_warps=warps)
+    _take_or_refine_kernel[grid](adjusted, temp, top_k, top_p, min_p, part, hist, fine, kth, count, cand_s, cand_i,
+                                 resolved, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block,
+                                 MAX_CAND=max_candidates, num_warps=warps)
     _gather_kernel[grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, fine, count,
-                         cand_s, cand_i, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block, MAX_CAND=max_candidates,
-                         num_warps=warps)
+                         cand_s, cand_i, resolved, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block,
+                         MAX_CAND=max_candidates, num_warps=warps)
     _finish_kernel[(N,)](logits, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, fine, count, cand_s,
-                         cand_i, out.tokens, out.logprobs, out.done, V, splits, MAX_SPLITS=MAX_SPLITS,
+                         cand_i, resolved, out.tokens, out.logprobs, out.done, V, splits, MAX_SPLITS=MAX_SPLITS,
                          MAX_CAND=max_candidates, TILE=64, num_warps=4)
     return out
 
 
 def sample_on_gpu(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0,
-                  max_candidates: int = MAX_CANDIDATES):
+                  max_candidates: int = MAX_CANDIDATES, top_p_alone: bool = True):
     """`kernels.sampling.sample`'s contract on `draw`: rows `draw` flags are sampled again by the reference.
-    Reads the flags on the host (one synchronisation; the caller reads the tokens right after anyway)."""
-    drawn = draw(logits, p, max_candidates=max_candidates)
+    Reads the flags on the host (one synchronisation; the caller reads the tokens right after anyway).
+    top_p_alone=False (the caller knows no row has top-p without top-k) skips the top-p race rounds."""
+    drawn = draw(logits, p, max_candidates=max_candidates, top_p_rounds=TOP_P_ROUNDS if top_p_alone else 0)
     tokens, chosen = drawn.tokens, drawn.logprobs
     redo = (drawn.done == 0).nonzero()[:, 0]
     if redo.numel():

@@ -174,6 +174,40 @@ def test_a_row_whose_candidates_overflow_is_flagged_for_the_reference():
     assert torch.equal(T.sample_on_gpu(logits, p, max_candidates=64)[0], tokens)  # flagged rows: the reference
 
 
+def test_top_p_race_rounds_settle_rows_exactly_and_leave_the_rest_to_the_histogram():
+    """A top-p-alone row races all its ids; the winner is its token if top-p keeps it, and if not the next round
+    races only the ids above it. Rows the rounds do not settle (top-p 0.3 fails a round about 70% of the time)
+    take the histogram passes. Every row draws the reference's token, whatever the number of rounds."""
+    T = _draw_module()
+    n, vocab = 32, 3000
+    logits = torch.randn(n, vocab, device=DEVICE) * torch.linspace(0.5, 4, n, device=DEVICE)[:, None]
+    settled_by_rounds = 0
+    for step in range(3):
+        p = params(n, device=DEVICE, top_p=torch.tensor([0.3, 0.3, 0.3, 0.8], device=DEVICE).repeat(n // 4),
+                   temperature=torch.tensor([0.7, 1.3], device=DEVICE).repeat(n // 2),
+                   min_p=torch.tensor([0.0] * (n - 4) + [0.05] * 4, device=DEVICE),
+                   seeds=torch.randint(0, 2**62, (n,), device=DEVICE), steps=torch.full((n,), step, device=DEVICE))
+        tokens, chosen, *_ = sample(logits, p)
+        for rounds in (0, T.TOP_P_ROUNDS) if step else (0, 1, T.TOP_P_ROUNDS):
+            got = T.draw(logits, p, splits=3, top_p_rounds=rounds)
+            assert got.done.tolist() == [1] * n
+            assert torch.equal(got.tokens, tokens), (step, rounds)
+            assert torch.allclose(got.logprobs, chosen, atol=1e-5)
+            settled = got.settled >= 0
+            assert torch.equal(got.tokens[settled], got.settled[settled].long())
+            if rounds == T.TOP_P_ROUNDS:
+                settled_by_rounds += int(settled.sum())
+    assert 0 < settled_by_rounds < 3 * n
+
+
+def test_a_top_p_boundary_that_depends_on_tie_order_is_left_to_the_histogram():
+    """All ids tie: which of them top-p keeps depends on how a sort orders ties, so no race round settles the row."""
+    T = _draw_module()
+    logits = torch.full((2, 500), 0.25, device=DEVICE)
+    got = T.draw(logits, params(2, device=DEVICE, top_p=0.5, seeds=3), splits=2)
+    assert got.settled.tolist() == [-2, -2]
+
+
 def test_top_k_rows_draw_the_reference_tokens_however_spread_their_top_is():
     """Top-k rows take their candidates from a threshold on per-lane maxima, whether the k-th id is a fraction of
     a nat below the max or many nats, with one split or several, and with k up to LANE_TOP_K."""

@@ -124,9 +124,10 @@ def _measure(replica, rank, rows, context):
         logits = graphs(rows, batch)
         # What the engine runs after the replay: the Triton sampler (Qwen's default filters, and greedy).
         p = SamplingTensors.filled(rows, logits.device, temperature=0.7, top_k=20, top_p=0.8, seeds=1)
-        sampled = time_per_call(lambda: draw(logits, p), r.backend.device, iters=20)
+        # No row has top-p without top-k, so, as in the engine, no top-p race rounds.
+        sampled = time_per_call(lambda: draw(logits, p, top_p_rounds=0), r.backend.device, iters=20)
         p = SamplingTensors.filled(rows, logits.device, temperature=0.0)
-        greedy = time_per_call(lambda: draw(logits, p), r.backend.device, iters=20)
+        greedy = time_per_call(lambda: draw(logits, p, top_p_rounds=0), r.backend.device, iters=20)
         restore(runtime.state, saved)
         return {"batch": rows, "eager_s": eager, "replay_s": replay, "sample_s": sampled, "greedy_s": greedy}
 

@@ -19,7 +19,7 @@ from triton.runtime.errors import OutOfResources
 import kernels.reference as R
 import kernels.triton_ops as T
 from kernels.sampling import SamplingTensors, lm_like_logits, sample
-from kernels.triton_sampling import MAX_CANDIDATES, draw, sample_on_gpu
+from kernels.triton_sampling import MAX_CANDIDATES, TOP_P_ROUNDS, draw, sample_on_gpu
 from model.config import ModelConfig
 from tools.make_checkpoint import text_config
 
@@ -361,32 +361,41 @@ def sampling(cfg, rows, sweeps):
     logits = lm_like_logits(n, V, dev)
     modes = {"greedy": dict(temperature=0.0), "temperature 0.8": dict(temperature=0.8),
              "Qwen default (T 0.7, top-k 20, top-p 0.8)": dict(temperature=0.7, top_k=20, top_p=0.8),
-             "top-p 0.95": dict(temperature=1.0, top_p=0.95), "min-p 0.05": dict(temperature=1.0, min_p=0.05)}
+             "top-p 0.95": dict(temperature=1.0, top_p=0.95), "top-p 0.8, T 0.7": dict(temperature=0.7, top_p=0.8),
+             "top-p 0.95 without the race rounds": dict(temperature=1.0, top_p=0.95, rounds=0),
+             "min-p 0.05": dict(temperature=1.0, min_p=0.05)}
     for name, kw in modes.items():
+        kw = dict(kw)
+        # As the engine calls it: race rounds only when some row has top-p without top-k.
+        rounds = kw.pop("rounds", TOP_P_ROUNDS if kw.get("top_p", 1.0) < 1 and not kw.get("top_k") else 0)
         p = SamplingTensors.filled(n, dev, seeds=torch.arange(n, device=dev), **kw)
         swept = "sampler" in sweeps and name in ("greedy", "Qwen default (T 0.7, top-k 20, top-p 0.8)", "top-p 0.95")
         for block, warps, splits in SAMPLER_SWEEP if swept else ():
-            t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p, splits, block=block, warps=warps)) / 1e3
+            t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p, splits, block=block, warps=warps,
+                                                                   top_p_rounds=rounds)) / 1e3
             rows.append((f"sampling, {name}, block {block}, {warps} warps, {splits} splits", f"batch {n} x {V}",
                          t_gpu, "", ""))
         if swept:  # GPU time of each pass, at the default tile
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
-                    draw(logits, p)
+                    draw(logits, p, top_p_rounds=rounds)
                 torch.cuda.synchronize()
             for e in prof.key_averages():
                 if e.key.startswith("_") and e.key.endswith("_kernel"):
                     rows.append((f"sampling pass {e.key}, {name}", f"batch {n} x {V}",
                                  device_seconds(e) / 10, "", ""))
-        flagged = int((draw(logits, p).done == 0).sum())
-        t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p)) / 1e3
-        t_eager = bench(lambda: draw(logits, p))
-        t_engine = bench(lambda: sample_on_gpu(logits, p))  # with the reference's redraw of flagged rows
+        drawn = draw(logits, p, top_p_rounds=rounds)
+        flagged, settled = int((drawn.done == 0).sum()), int((drawn.settled >= 0).sum())
+        t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p, top_p_rounds=rounds)) / 1e3
+        t_eager = bench(lambda: draw(logits, p, top_p_rounds=rounds))
+        # with the reference's redraw of flagged rows
+        t_engine = bench(lambda: sample_on_gpu(logits, p, top_p_alone=rounds > 0))
         t_ref = bench(lambda: sample(logits, p, all_greedy=kw["temperature"] == 0, max_top_k=kw.get("top_k", 0)))
         rows.append((f"sampling, {name}, {MAX_CANDIDATES} candidates (ours, graph replay)", f"batch {n} x {V}", t_gpu,
                      f"{n * V * 4 / t_gpu / 1e12:.2f} TB/s", f"target <= 100 us; eager call {t_eager * 1e6:.0f} us; "
                      f"torch reference {t_ref * 1e6:.0f} us ({t_ref / t_gpu:.1f}x); {flagged}/{n} rows left to "
-                     f"the reference; with their redraw (sample_on_gpu) {t_engine * 1e6:.0f} us"))
+                     f"the reference; with their redraw (sample_on_gpu) {t_engine * 1e6:.0f} us; {settled}/{n} rows "
+                     f"settled by the top-p race rounds"))
 
 
 def main(argv=None) -> int:
