@@ -163,7 +163,9 @@ class Qwen35Shard:
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(hidden, self.w["lm_head.weight"]).float()
+        """In the model dtype: the samplers widen them as they read (bf16 to fp32 is exact), so no fp32 copy is
+        made (at batch 64 on the 248k vocabulary, 96 MB of traffic a step)."""
+        return self.ops.linear(hidden, self.w["lm_head.weight"])
 
     @torch.inference_mode()
     def prefill(self, state: ModelState, batch: PrefillBatch, all_logits: bool = False) -> torch.Tensor:

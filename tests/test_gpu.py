@@ -182,6 +182,12 @@ def test_triton_sampler_at_the_real_vocabulary():
         assert not wrong, [(i, {k: v[i].item() for k, v in mixed.items()}) for i in wrong]
         assert torch.allclose(drawn.logprobs[done], chosen[done], atol=1e-4)
         assert torch.equal(sample_on_gpu(logits, p)[0], tokens)
+    # The model hands over bf16 logits; the kernels widen them as they read, exactly as .float() would (the
+    # compiled reductions may add in another order: logprobs agree to rounding).
+    low = logits.bfloat16()
+    as_bf16, as_fp32 = draw(low, p), draw(low.float(), p)
+    assert torch.equal(as_bf16.tokens, as_fp32.tokens) and torch.equal(as_bf16.done, as_fp32.done)
+    assert torch.allclose(as_bf16.logprobs, as_fp32.logprobs, atol=1e-5)
 
 
 async def _greedy_run(ckpt, graph: bool, use_nccl=None, n=32, tokens=128):

@@ -358,16 +358,18 @@ def sampling(cfg, rows, sweeps):
     dev = torch.device("cuda")
     V, n = cfg.vocab_size, 64
     torch.manual_seed(0)  # the same logits every run: top-p's cost depends on where each row's boundary falls
-    logits = lm_like_logits(n, V, dev)
+    lm_logits = lm_like_logits(n, V, dev).bfloat16()  # the model's dtype, in which the engine hands them over
     modes = {"greedy": dict(temperature=0.0), "temperature 0.8": dict(temperature=0.8),
              "Qwen default (T 0.7, top-k 20, top-p 0.8)": dict(temperature=0.7, top_k=20, top_p=0.8),
              "top-p 0.95": dict(temperature=1.0, top_p=0.95), "top-p 0.8, T 0.7": dict(temperature=0.7, top_p=0.8),
              "top-p 0.95 without the race rounds": dict(temperature=1.0, top_p=0.95, rounds=0),
+             "top-p 0.95 on fp32 logits": dict(temperature=1.0, top_p=0.95, fp32=True),
              "min-p 0.05": dict(temperature=1.0, min_p=0.05)}
     for name, kw in modes.items():
         kw = dict(kw)
         # As the engine calls it: race rounds only when some row has top-p without top-k.
         rounds = kw.pop("rounds", TOP_P_ROUNDS if kw.get("top_p", 1.0) < 1 and not kw.get("top_k") else 0)
+        logits = lm_logits.float() if kw.pop("fp32", False) else lm_logits
         p = SamplingTensors.filled(n, dev, seeds=torch.arange(n, device=dev), **kw)
         swept = "sampler" in sweeps and name in ("greedy", "Qwen default (T 0.7, top-k 20, top-p 0.8)", "top-p 0.95")
         for block, warps, splits in SAMPLER_SWEEP if swept else ():
@@ -392,7 +394,7 @@ def sampling(cfg, rows, sweeps):
         t_engine = bench(lambda: sample_on_gpu(logits, p, top_p_alone=rounds > 0))
         t_ref = bench(lambda: sample(logits, p, all_greedy=kw["temperature"] == 0, max_top_k=kw.get("top_k", 0)))
         rows.append((f"sampling, {name}, {MAX_CANDIDATES} candidates (ours, graph replay)", f"batch {n} x {V}", t_gpu,
-                     f"{n * V * 4 / t_gpu / 1e12:.2f} TB/s", f"target <= 100 us; eager call {t_eager * 1e6:.0f} us; "
+                     f"{logits.nbytes / t_gpu / 1e12:.2f} TB/s", f"target <= 100 us; eager call {t_eager * 1e6:.0f} us; "
                      f"torch reference {t_ref * 1e6:.0f} us ({t_ref / t_gpu:.1f}x); {flagged}/{n} rows left to "
                      f"the reference; with their redraw (sample_on_gpu) {t_engine * 1e6:.0f} us; {settled}/{n} rows "
                      f"settled by the top-p race rounds"))
