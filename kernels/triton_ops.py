@@ -27,7 +27,7 @@ def _pow2(n: int) -> int:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Programmatic dependent launch (sm90+). A decode step is some 230 short kernels; launched with PDL, a kernel's
-# programs start on the SMs the previous kernel's tail leaves idle and load their first weights while it finishes.
+# programs start on the SMs the previous kernel's tail leaves idle instead of after a launch gap.
 # The rule that keeps this safe: before `_wait_for_previous_kernel` a kernel reads model weights only (no kernel
 # writes them) and writes nothing. Each kernel lets the next one launch only after its own wait, so at most two
 # kernels overlap. Only the decode-step kernels take part; off (PDL = False), on the CPU and before sm90 every
@@ -164,26 +164,21 @@ def gemv_config(n: int, k: int) -> tuple:
 
 
 @triton.jit
-def _weight_tile(w_rows, ks, K, nmask, EVEN_K: tl.constexpr):
-    wmask = nmask[:, None] if EVEN_K else nmask[:, None] & (ks < K)[None, :]
-    return tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  PDL: tl.constexpr = False):
-    """out [N] = x @ w.t() for one row x. The first weight tile is loaded before the wait (PDL)."""
+    """out [N] = x @ w.t() for one row x. (Loading the first weight tile before the wait, in a peeled first
+    iteration, broke the pipelining of two-tile rows: the 9B step went from 4.32 to 5.29 ms at batch 1.)"""
+    _wait_for_previous_kernel(PDL)
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = ns < N
     w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
-    ks = tl.arange(0, BLOCK_K)
-    w = _weight_tile(w_rows, ks, K, nmask, EVEN_K)
-    _wait_for_previous_kernel(PDL)
-    acc = w * tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]  # reduced once, at the end
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # reduced once, at the end
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
-        acc += _weight_tile(w_rows, ks, K, nmask, EVEN_K) * x
+        kmask = ks < K
+        wmask = nmask[:, None] if EVEN_K else nmask[:, None] & kmask[None, :]
+        x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32) * x
     tl.store(out_ptr + ns, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -217,30 +212,12 @@ NORM_GEMV_SILU_CONFIG = (8, 512, 4, 2)  # BLOCK_N gate rows and as many up rows
 
 
 @triton.jit
-def _norm_gemv_step(acc, acc_up, sq, w, w_up, x_ptr, res_ptr, nw_ptr, res_out_ptr, ks, K, pid,
-                    HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr):
-    """One K tile of `_norm_gemv_kernel` on its weight tiles w (and w_up)."""
-    kmask = ks < K
-    x = tl.load(x_ptr + ks, mask=kmask, other=0.0)
-    if HAS_RES:
-        x = x + tl.load(res_ptr + ks, mask=kmask, other=0.0)  # in the model dtype, as the reference does
-        if pid == 0:
-            tl.store(res_out_ptr + ks, x, mask=kmask)
-    xf = x.to(tl.float32)
-    sq += xf * xf
-    scaled = (xf * (1.0 + tl.load(nw_ptr + ks, mask=kmask, other=0.0).to(tl.float32)))[None, :]
-    acc += w * scaled
-    if SILU_MUL:
-        acc_up += w_up * scaled
-    return acc, acc_up, sq
-
-
-@triton.jit
 def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, N, K, up_rows, eps,
                       HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
     """out [N] = rms_norm(x + res) @ w.t() for one row; with SILU_MUL, silu(out) * (the same for w's rows
-    up_rows on). Program 0 writes the new residual x + res. The first weight tiles are loaded before the wait."""
+    up_rows on). Program 0 writes the new residual x + res."""
+    _wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = ns < N
@@ -248,18 +225,24 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, N, K,
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # reduced once, at the end
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     sq = tl.zeros((BLOCK_K,), tl.float32)
-    ks = tl.arange(0, BLOCK_K)
-    w = _weight_tile(w_rows, ks, K, nmask, EVEN_K)
-    w_up = _weight_tile(w_rows + up_rows * K, ks, K, nmask, EVEN_K) if SILU_MUL else w
-    _wait_for_previous_kernel(PDL)
-    acc, acc_up, sq = _norm_gemv_step(acc, acc_up, sq, w, w_up, x_ptr, res_ptr, nw_ptr, res_out_ptr, ks, K, pid,
-                                      HAS_RES, SILU_MUL)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        w = _weight_tile(w_rows, ks, K, nmask, EVEN_K)
-        w_up = _weight_tile(w_rows + up_rows * K, ks, K, nmask, EVEN_K) if SILU_MUL else w
-        acc, acc_up, sq = _norm_gemv_step(acc, acc_up, sq, w, w_up, x_ptr, res_ptr, nw_ptr, res_out_ptr, ks, K,
-                                          pid, HAS_RES, SILU_MUL)
+        kmask = ks < K
+        wmask = nmask[:, None] if EVEN_K else nmask[:, None] & kmask[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32)
+        if SILU_MUL:
+            w_up = tl.load(w_rows + up_rows * K + ks[None, :], mask=wmask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + ks, mask=kmask, other=0.0)
+        if HAS_RES:
+            x = x + tl.load(res_ptr + ks, mask=kmask, other=0.0)  # in the model dtype, as the reference does
+            if pid == 0:
+                tl.store(res_out_ptr + ks, x, mask=kmask)
+        xf = x.to(tl.float32)
+        sq += xf * xf
+        scaled = (xf * (1.0 + tl.load(nw_ptr + ks, mask=kmask, other=0.0).to(tl.float32)))[None, :]
+        acc += w * scaled
+        if SILU_MUL:
+            acc_up += w_up * scaled
     inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
     y = (tl.sum(acc, axis=1) * inv).to(out_ptr.dtype.element_ty)
     if SILU_MUL:  # rounded to the model dtype first, as the unfused projection's output is
