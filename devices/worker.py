@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,12 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _STOP = object()
+
+# A rank handed a step needs the GIL to launch it, while the event loop thread makes the last step's outputs
+# (detokenising, waking every stream's consumer). CPython gives a waiting thread the GIL only after its switch
+# interval, 5 ms by default: longer than that output pass, so each step waited for all of it. With workers
+# running, the process's interval is at most this; None leaves it alone.
+WORKER_SWITCH_INTERVAL_S: float | None = 2e-4
 
 
 class ReplicaPoisoned(RuntimeError):
@@ -75,6 +82,10 @@ class WorkerGroup:
         self.workers = [DeviceWorker(r, f"device-rank{r}") for r in range(world_size)]
         self.poisoned: BaseException | None = None
         self._on_abort = on_abort  # breaks collectives so surviving ranks stop waiting
+        before = sys.getswitchinterval()
+        if WORKER_SWITCH_INTERVAL_S is not None and WORKER_SWITCH_INTERVAL_S < before:
+            sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
+        self._switch_interval = (before, sys.getswitchinterval())  # (before, as set: CPython rounds it)
 
     async def call(self, fn: Callable[[int], Any], timeout_s: float | None = None) -> list[Any]:
         return await self.gather(self.submit(fn), timeout_s)
@@ -119,3 +130,6 @@ class WorkerGroup:
         for w in self.workers:
             if not w.stop(timeout):
                 log.error("rank %d did not stop within %.0f s", w.rank, timeout)
+        before, ours = self._switch_interval
+        if sys.getswitchinterval() == ours:  # unless someone has set it since
+            sys.setswitchinterval(before)
