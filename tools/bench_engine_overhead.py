@@ -7,17 +7,24 @@ Reported as microseconds of event-loop time per decode step; a GPU step is milli
 below it (target: at most 300 us at batch 64). The critical path is the part of it between a step's result and
 the next step's hand-off to the ranks: with real devices the GPU idles for that long (the rest runs while it
 works).
+
+It also times a hand-off: how long after `WorkerGroup.submit` a rank's thread starts the step while the loop
+thread keeps running Python (as it does making the last step's outputs), with the process's GIL switch interval
+as the workers set it and as CPython leaves it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import tempfile
 import time
 
+import devices.worker
 from devices.commands import SampledToken, StepResult
+from devices.worker import WorkerGroup
 from runtime import AsyncEngine, EngineArgs, SamplingParams
 from runtime.cli import run
 from tools.make_checkpoint import write_checkpoint
@@ -73,6 +80,20 @@ async def measure(ckpt: str, batch: int, steps: int) -> float:
 RESULTS: list[tuple[float, float]] = []
 
 
+async def handoff_delay(busy_s: float = 0.02, trials: int = 7) -> float:
+    """Median seconds from a hand-off to the rank's start while the loop thread stays busy for busy_s."""
+    group = WorkerGroup(1)
+    delays = []
+    for _ in range(trials):
+        handed = time.perf_counter()
+        futures = group.submit(lambda rank: time.perf_counter())
+        while time.perf_counter() - handed < busy_s:  # pure Python, holding the GIL
+            pass
+        delays.append((await group.gather(futures))[0] - handed)
+    group.stop()
+    return statistics.median(delays)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,64")
@@ -85,6 +106,14 @@ def main(argv=None) -> int:
         run(measure(ckpt, b, ns.steps))  # on uvloop, as the server runs
         us, critical = RESULTS.pop()
         print(f"| {b} | {us:.0f} | {us / b:.1f} | {critical:.0f} |")
+    ours = devices.worker.WORKER_SWITCH_INTERVAL_S
+    for interval in (ours, None):
+        devices.worker.WORKER_SWITCH_INTERVAL_S = interval
+        delay = asyncio.run(handoff_delay())
+        setting = f"{interval * 1e3:g} ms" if interval else f"CPython's {sys.getswitchinterval() * 1e3:g} ms"
+        print(f"hand-off to a rank, loop thread busy 20 ms, switch interval {setting}: rank starts after "
+              f"{delay * 1e3:.2f} ms (median of 7)")
+    devices.worker.WORKER_SWITCH_INTERVAL_S = ours
     return 0
 
 
