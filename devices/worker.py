@@ -23,9 +23,37 @@ _STOP = object()
 
 # A rank handed a step needs the GIL to launch it, while the event loop thread makes the last step's outputs
 # (detokenising, waking every stream's consumer). CPython gives a waiting thread the GIL only after its switch
-# interval, 5 ms by default: longer than that output pass, so each step waited for all of it. With workers
-# running, the process's interval is at most this; None leaves it alone.
+# interval, 5 ms by default: longer than that output pass, so each step waited for all of it. While any worker
+# group runs, the process's interval is at most this (the previous value comes back when the last one stops);
+# None leaves it alone.
 WORKER_SWITCH_INTERVAL_S: float | None = 2e-4
+
+
+class _SwitchInterval:
+    """Holds the process's switch interval at WORKER_SWITCH_INTERVAL_S while any worker group runs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups = 0
+        self._before: float | None = None
+
+    def group_started(self) -> None:
+        with self._lock:
+            self._groups += 1
+            if self._groups == 1 and WORKER_SWITCH_INTERVAL_S is not None \
+                    and WORKER_SWITCH_INTERVAL_S < sys.getswitchinterval():
+                self._before = sys.getswitchinterval()
+                sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
+
+    def group_stopped(self) -> None:
+        with self._lock:
+            self._groups -= 1
+            if self._groups == 0 and self._before is not None:
+                sys.setswitchinterval(self._before)
+                self._before = None
+
+
+_switch_interval = _SwitchInterval()
 
 
 class ReplicaPoisoned(RuntimeError):
@@ -82,10 +110,8 @@ class WorkerGroup:
         self.workers = [DeviceWorker(r, f"device-rank{r}") for r in range(world_size)]
         self.poisoned: BaseException | None = None
         self._on_abort = on_abort  # breaks collectives so surviving ranks stop waiting
-        before = sys.getswitchinterval()
-        if WORKER_SWITCH_INTERVAL_S is not None and WORKER_SWITCH_INTERVAL_S < before:
-            sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
-        self._switch_interval = (before, sys.getswitchinterval())  # (before, as set: CPython rounds it)
+        self._running = True
+        _switch_interval.group_started()
 
     async def call(self, fn: Callable[[int], Any], timeout_s: float | None = None) -> list[Any]:
         return await self.gather(self.submit(fn), timeout_s)
@@ -130,6 +156,6 @@ class WorkerGroup:
         for w in self.workers:
             if not w.stop(timeout):
                 log.error("rank %d did not stop within %.0f s", w.rank, timeout)
-        before, ours = self._switch_interval
-        if sys.getswitchinterval() == ours:  # unless someone has set it since
-            sys.setswitchinterval(before)
+        if self._running:
+            self._running = False
+            _switch_interval.group_stopped()

@@ -166,6 +166,12 @@ def test_a_handed_step_starts_while_the_loop_thread_is_still_busy():
     assert asyncio.run(main()) < 2.5e-3
     assert sys.getswitchinterval() == default  # restored when the workers stop
 
+    first, second = WorkerGroup(1), WorkerGroup(1)
+    first.stop()
+    assert sys.getswitchinterval() <= 2e-4  # another group still runs
+    second.stop()
+    assert sys.getswitchinterval() == default
+
 
 def test_bad_compaction_from_the_engine_poisons_and_fails_requests(tiny_ckpt):
     from runtime import AsyncEngine, EngineArgs, SamplingParams
