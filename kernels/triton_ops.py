@@ -30,8 +30,8 @@ def _pow2(n: int) -> int:
 # programs start on the SMs the previous kernel's tail leaves idle instead of after a launch gap.
 # The rule that keeps this safe: before `_wait_for_previous_kernel` a kernel reads model weights only (no kernel
 # writes them) and writes nothing. Each kernel lets the next one launch only after its own wait, so at most two
-# kernels overlap. Only the decode-step kernels take part; off (PDL = False), on the CPU and before sm90 every
-# kernel launches plainly.
+# kernels overlap. The decode step's kernels take part (the norms and q/k norm + RoPE also run in prefill); off
+# (PDL = False), on the CPU and before sm90 every kernel launches plainly.
 
 PDL = True
 
@@ -166,8 +166,8 @@ def gemv_config(n: int, k: int) -> tuple:
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  PDL: tl.constexpr = False):
-    """out [N] = x @ w.t() for one row x. (Loading the first weight tile before the wait, in a peeled first
-    iteration, broke the pipelining of two-tile rows: the 9B step went from 4.32 to 5.29 ms at batch 1.)"""
+    """out [N] = x @ w.t() for one row x. It waits first: loading a first weight tile before the wait, in a
+    peeled iteration, broke the pipelining of two-tile rows (9B batch-1 step 4.32 -> 5.29 ms, decode.md)."""
     _wait_for_previous_kernel(PDL)
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = ns < N

@@ -155,7 +155,7 @@ def _row_stats(part_ptr, row, splits, MAX_SPLITS: tl.constexpr):
 
 @triton.jit
 def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, topk_ptr, part_ptr, part_i_ptr, lanes_ptr, hist_ptr, fine_ptr, count_ptr,
-                  resolved_ptr, floor_ptr, V, chunk, splits, PENALISED: tl.constexpr, BLOCK: tl.constexpr):
+                  settled_ptr, floor_ptr, V, chunk, splits, PENALISED: tl.constexpr, BLOCK: tl.constexpr):
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
     # Running maxima are scalars; the exp sums stay per lane and are rescaled only when a block raises the max.
@@ -201,7 +201,7 @@ def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, topk_ptr, part_ptr, part_i_ptr, la
         tl.store(hist_ptr + row * BINS + tl.arange(0, BINS), tl.zeros([BINS], tl.int32))
         tl.store(fine_ptr + row * FINE + tl.arange(0, FINE), tl.zeros([FINE], tl.int32))
         tl.store(count_ptr + row, 0)
-        tl.store(resolved_ptr + row, -1)
+        tl.store(settled_ptr + row, -1)
         tl.store(floor_ptr + row, NEG)
 
 
@@ -212,19 +212,19 @@ def _filtered(temp_ptr, topk_ptr, topp_ptr, row):
 
 
 @triton.jit
-def _top_p_alone(temp_ptr, topk_ptr, topp_ptr, resolved_ptr, row):
+def _top_p_alone(temp_ptr, topk_ptr, topp_ptr, settled_ptr, row):
     """True for sampled rows with top-p and no top-k that no race round has settled yet."""
     return ((tl.load(temp_ptr + row) > 0) & (tl.load(topk_ptr + row) == 0) & (tl.load(topp_ptr + row) < 1.0)
-            & (tl.load(resolved_ptr + row) == -1))
+            & (tl.load(settled_ptr + row) == -1))
 
 
 @triton.jit
-def _race_above_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, resolved_ptr,
+def _race_above_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, settled_ptr,
                        floor_ptr, race_ptr, race_i_ptr, V, chunk, splits, MAX_SPLITS: tl.constexpr,
                        BLOCK: tl.constexpr):
     """A top-p race round: each split's winner among the ids above the row's floor that min-p keeps."""
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, resolved_ptr, row):
+    if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, settled_ptr, row):
         inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
         _, _, s_m, _ = _row_stats(part_ptr, row, splits, MAX_SPLITS)
         min_p, floor = tl.load(minp_ptr + row), tl.load(floor_ptr + row)
@@ -253,12 +253,12 @@ def _round_winner(race_ptr, race_i_ptr, row, splits, MAX_SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _mass_ahead_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, resolved_ptr, race_ptr, race_i_ptr,
+def _mass_ahead_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, race_ptr, race_i_ptr,
                        ahead_ptr, V, chunk, splits, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """Each split's exp mass of the ids above the round's winner and of the other ids tied with it: whatever order
     a sort gives ties, the top-p mass before the winner lies between the first and the sum."""
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, resolved_ptr, row):
+    if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, settled_ptr, row):
         inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
         _, _, s_m, _ = _row_stats(part_ptr, row, splits, MAX_SPLITS)
         winner = _round_winner(race_ptr, race_i_ptr, row, splits, MAX_SPLITS)
@@ -279,13 +279,13 @@ def _mass_ahead_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, resolved
 
 
 @triton.jit
-def _settle_round_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, resolved_ptr, floor_ptr, race_ptr,
+def _settle_round_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr,
                          race_i_ptr, ahead_ptr, V, splits, MAX_SPLITS: tl.constexpr):
     """The winner is the row's token if top-p keeps it; if top-p drops it, it drops every id at or below it too,
     and the next round races only the ids above it. When the answer depends on how ties are ordered, the row is
-    left to the histogram passes (resolved = -2)."""
+    left to the histogram passes (settled = -2)."""
     row = tl.program_id(0).to(tl.int64)
-    if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, resolved_ptr, row):
+    if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, settled_ptr, row):
         _, _, _, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
         winner = _round_winner(race_ptr, race_i_ptr, row, splits, MAX_SPLITS)
         parts = tl.arange(0, MAX_SPLITS)
@@ -294,12 +294,12 @@ def _settle_round_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, resolv
         tied = tl.sum(tl.load(at + 1, mask=parts < splits, other=0.0), 0) / s_l
         top_p = tl.load(topp_ptr + row)
         if above + tied < top_p:
-            tl.store(resolved_ptr + row, winner)
+            tl.store(settled_ptr + row, winner)
         elif above >= top_p:
             inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
             tl.store(floor_ptr + row, tl.load(adj_ptr + row * V + winner).to(tl.float32) * inv_t)
         else:
-            tl.store(resolved_ptr + row, -2)
+            tl.store(settled_ptr + row, -2)
 
 
 TAKEN = tl.constexpr(-(2**63))  # below every key
@@ -342,13 +342,13 @@ def _kth_of_kept_lanes(lanes_ptr, row, splits, top_k, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _hist_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, lanes_ptr, kth_ptr, hist_ptr, resolved_ptr, V, chunk,
+def _hist_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, lanes_ptr, kth_ptr, hist_ptr, settled_ptr, V, chunk,
                  splits, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if _by_lanes(temp_ptr, topk_ptr, row):
         if split == 0:
             tl.store(kth_ptr + row, _kth_of_kept_lanes(lanes_ptr, row, splits, tl.load(topk_ptr + row), BLOCK_S))
-    elif _filtered(temp_ptr, topk_ptr, topp_ptr, row) & (tl.load(resolved_ptr + row) < 0):
+    elif _filtered(temp_ptr, topk_ptr, topp_ptr, row) & (tl.load(settled_ptr + row) < 0):
         inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
         _, _, s_m, _ = _row_stats(part_ptr, row, splits, MAX_SPLITS)
         counts = tl.zeros([BINS], tl.int32)
@@ -476,7 +476,7 @@ def _copy_out(count_ptr, cand_s_ptr, cand_i_ptr, row, take, s, cols, MAX_CAND: t
 
 @triton.jit
 def _take_or_refine_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, hist_ptr, fine_ptr, kth_ptr,
-                           count_ptr, cand_s_ptr, cand_i_ptr, resolved_ptr, V, chunk, splits, MAX_SPLITS: tl.constexpr,
+                           count_ptr, cand_s_ptr, cand_i_ptr, settled_ptr, V, chunk, splits, MAX_SPLITS: tl.constexpr,
                            BLOCK: tl.constexpr, MAX_CAND: tl.constexpr):
     """Threshold rows copy out every id at or above their threshold: all their candidates. Refined rows sum the
     exact mass before their window and in it (per split) and count the window's ids in FINE - 1 slices."""
@@ -492,7 +492,7 @@ def _take_or_refine_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part
             s = s_next.to(tl.float32) * inv_t
             s_next = _load_block(adj_ptr + row * V, off + BLOCK, stop, BLOCK)
             _copy_out(count_ptr, cand_s_ptr, cand_i_ptr, row, (cols < stop) & (s >= kth), s, cols, MAX_CAND)
-    elif _filtered(temp_ptr, topk_ptr, topp_ptr, row) & (tl.load(resolved_ptr + row) < 0):
+    elif _filtered(temp_ptr, topk_ptr, topp_ptr, row) & (tl.load(settled_ptr + row) < 0):
         top_k, top_p = tl.load(topk_ptr + row), tl.load(topp_ptr + row)
         _, _, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
         lo, _, _, _, refined = _coarse_band(hist_ptr, row, top_k, top_p, tl.load(minp_ptr + row), s_l, MAX_CAND)
@@ -518,14 +518,14 @@ def _take_or_refine_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part
 
 @triton.jit
 def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
-                   hist_ptr, fine_ptr, count_ptr, cand_s_ptr, cand_i_ptr, resolved_ptr, V, chunk, splits,
+                   hist_ptr, fine_ptr, count_ptr, cand_s_ptr, cand_i_ptr, settled_ptr, V, chunk, splits,
                    MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, MAX_CAND: tl.constexpr):
     """Histogram rows race their sure ids and copy out their band; rows without top-k or top-p race every id
     min-p keeps. Threshold rows took their candidates in the pass before (and have no sure ids); rows a top-p
-    race round resolved have their token."""
+    race round settled have their token."""
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t = tl.load(temp_ptr + row)
-    if (t > 0) & (tl.load(resolved_ptr + row) < 0):
+    if (t > 0) & (tl.load(settled_ptr + row) < 0):
         inv_t = 1.0 / tl.maximum(t, 1e-5)
         _, _, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
         min_p = tl.load(minp_ptr + row)
@@ -601,7 +601,7 @@ def _ahead_of(cand_s_ptr, cand_i_ptr, row, n_band, s_i, id_i, s_m,
 
 @triton.jit
 def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
-                   hist_ptr, fine_ptr, count_ptr, cand_s_ptr, cand_i_ptr, resolved_ptr, token_ptr, logprob_ptr,
+                   hist_ptr, fine_ptr, count_ptr, cand_s_ptr, cand_i_ptr, settled_ptr, token_ptr, logprob_ptr,
                    done_ptr, V, splits, MAX_SPLITS: tl.constexpr, MAX_CAND: tl.constexpr, TILE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     raw_m, raw_l, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
@@ -616,9 +616,9 @@ def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
         races = tl.load(part_ptr + part_at * PART + 5, mask=parts < splits, other=NEG)
         winner = tl.argmax(races, 0)
         token = tl.load(part_i_ptr + (row * splits + winner) * 2 + 1)  # the sure ids' (or every id's) winner
-        resolved = tl.load(resolved_ptr + row)
-        if resolved >= 0:
-            token = resolved
+        settled = tl.load(settled_ptr + row)
+        if settled >= 0:
+            token = settled
         elif _filtered(temp_ptr, topk_ptr, topp_ptr, row):
             top_k, top_p, min_p = tl.load(topk_ptr + row), tl.load(topp_ptr + row), tl.load(minp_ptr + row)
             if _by_lanes(temp_ptr, topk_ptr, row):
@@ -702,34 +702,34 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     count = torch.empty(N, dtype=torch.int32, device=dev)
     cand_s = torch.empty(N, max_candidates, dtype=torch.float32, device=dev)
     cand_i = torch.empty(N, max_candidates, dtype=torch.int32, device=dev)
-    resolved = torch.empty(N, dtype=torch.int32, device=dev)  # -1 racing, -2 left to the histogram, else the token
+    settled = torch.empty(N, dtype=torch.int32, device=dev)  # -1 racing, -2 left to the histogram, else the token
     floor = torch.empty(N, dtype=torch.float32, device=dev)
     race, race_i = (torch.empty(N, splits, dtype=dt, device=dev) for dt in (torch.float32, torch.int32))
     ahead = torch.empty(N, splits, 2, dtype=torch.float32, device=dev)
     out = Drawn(torch.empty(N, dtype=torch.long, device=dev), torch.empty(N, dtype=torch.float32, device=dev),
-                torch.empty(N, dtype=torch.int32, device=dev), resolved)
+                torch.empty(N, dtype=torch.int32, device=dev), settled)
     temp, top_p, min_p = p.temperature.float(), p.top_p.float(), p.min_p.float()
     top_k = torch.where(p.top_k >= V, 0, p.top_k)  # keeping the whole vocabulary is no top-k
     grid = (N, splits)
-    _stats_kernel[grid](logits, adjusted, temp, top_k, part, part_i, lanes, hist, fine, count, resolved, floor, V,
+    _stats_kernel[grid](logits, adjusted, temp, top_k, part, part_i, lanes, hist, fine, count, settled, floor, V,
                         chunk, splits, PENALISED=adjusted is not logits, BLOCK=block, num_warps=warps)
     for _ in range(top_p_rounds):
-        _race_above_kernel[grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, resolved, floor, race,
+        _race_above_kernel[grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, settled, floor, race,
                                  race_i, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block, num_warps=warps)
-        _mass_ahead_kernel[grid](adjusted, temp, top_k, top_p, part, resolved, race, race_i, ahead, V, chunk, splits,
+        _mass_ahead_kernel[grid](adjusted, temp, top_k, top_p, part, settled, race, race_i, ahead, V, chunk, splits,
                                  MAX_SPLITS=MAX_SPLITS, BLOCK=block, num_warps=warps)
-        _settle_round_kernel[(N,)](adjusted, temp, top_k, top_p, part, resolved, floor, race, race_i, ahead, V, splits,
+        _settle_round_kernel[(N,)](adjusted, temp, top_k, top_p, part, settled, floor, race, race_i, ahead, V, splits,
                                    MAX_SPLITS=MAX_SPLITS, num_warps=1)
-    _hist_kernel[grid](adjusted, temp, top_k, top_p, part, lanes, kth, hist, resolved, V, chunk, splits,
+    _hist_kernel[grid](adjusted, temp, top_k, top_p, part, lanes, kth, hist, settled, V, chunk, splits,
                        MAX_SPLITS=MAX_SPLITS, BLOCK=block, BLOCK_S=triton.next_power_of_2(splits), num_warps=warps)
     _take_or_refine_kernel[grid](adjusted, temp, top_k, top_p, min_p, part, hist, fine, kth, count, cand_s, cand_i,
-                                 resolved, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block,
+                                 settled, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block,
                                  MAX_CAND=max_candidates, num_warps=warps)
     _gather_kernel[grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, fine, count,
-                         cand_s, cand_i, resolved, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block,
+                         cand_s, cand_i, settled, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block,
                          MAX_CAND=max_candidates, num_warps=warps)
     _finish_kernel[(N,)](logits, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, fine, count, cand_s,
-                         cand_i, resolved, out.tokens, out.logprobs, out.done, V, splits, MAX_SPLITS=MAX_SPLITS,
+                         cand_i, settled, out.tokens, out.logprobs, out.done, V, splits, MAX_SPLITS=MAX_SPLITS,
                          MAX_CAND=max_candidates, TILE=64, num_warps=4)
     return out
 

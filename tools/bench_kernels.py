@@ -394,7 +394,8 @@ def sampling(cfg, rows, sweeps):
         t_engine = bench(lambda: sample_on_gpu(logits, p, top_p_alone=rounds > 0))
         t_ref = bench(lambda: sample(logits, p, all_greedy=kw["temperature"] == 0, max_top_k=kw.get("top_k", 0)))
         rows.append((f"sampling, {name}, {MAX_CANDIDATES} candidates (ours, graph replay)", f"batch {n} x {V}", t_gpu,
-                     f"{logits.nbytes / t_gpu / 1e12:.2f} TB/s", f"target <= 100 us; eager call {t_eager * 1e6:.0f} us; "
+                     f"{logits.nbytes / t_gpu / 1e12:.2f} TB/s",
+                     f"target <= 100 us; eager call {t_eager * 1e6:.0f} us; "
                      f"torch reference {t_ref * 1e6:.0f} us ({t_ref / t_gpu:.1f}x); {flagged}/{n} rows left to "
                      f"the reference; with their redraw (sample_on_gpu) {t_engine * 1e6:.0f} us; {settled}/{n} rows "
                      f"settled by the top-p race rounds"))
