@@ -3,7 +3,8 @@
 Randomness is counter-based: row n draws uniform u[v] = hash(seed_n, token_index_n, v) for every vocabulary
 id v and picks argmax(p[v] / -log(u[v])) (an exponential race, equivalent to sampling from p). A seeded row
 therefore gives the same token whatever batch row or batch size it lands in; unseeded rows get a per-step seed.
-The hash uses 32-bit wrapping arithmetic so a Triton kernel can reproduce it bit for bit.
+The hash uses 32-bit wrapping arithmetic so a Triton kernel can reproduce it bit for bit. Filters rank the
+vocabulary by logit with ties highest id first (`ranked`), as the Triton sampler does.
 """
 
 from __future__ import annotations
@@ -101,6 +102,24 @@ def _filter_sorted(sorted_logits: torch.Tensor, p: SamplingTensors, vocab: int) 
     return scaled.masked_fill(drop, float("-inf")).softmax(-1)
 
 
+def ranked(x: torch.Tensor, k: int = 0):
+    """(values, ids) of each row's k largest entries (every entry for k = 0), largest first. Tied entries go
+    highest id first, as the Triton sampler ranks them: torch's sort and topk leave the order of ties open, and
+    bf16 logits tie often, so which tied ids a top-k or top-p cut keeps must not be left to them."""
+    V = x.shape[1]
+    if not k or k >= V:
+        values, flipped = x.flip(-1).sort(dim=-1, descending=True, stable=True)
+        return values, V - 1 - flipped
+    kth = x.topk(k, dim=-1).values[:, -1:]
+    above, tied = x > kth, x == kth
+    # The places left after the entries above the k-th value go to the highest of the ids tied with it.
+    tied_from_here = tied.flip(-1).cumsum(-1).flip(-1)
+    take = above | (tied & (tied_from_here <= k - above.sum(-1, keepdim=True)))
+    ids = take.nonzero()[:, 1].view(-1, k).flip(-1)  # k a row, highest id first
+    values, order = x.gather(1, ids).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(1, order)
+
+
 def sample(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0, all_greedy: bool = False,
            max_top_k: int = 0):
     """Returns (tokens [N], chosen logprob [N], top ids [N, k], top logprobs [N, k]); logprobs are of the raw
@@ -116,10 +135,7 @@ def sample(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0, all_
     if all_greedy:
         return greedy, logprobs.gather(1, greedy[:, None])[:, 0], *top_logprobs(logits, num_logprobs)
     vocab = logits.shape[1]
-    if max_top_k:
-        candidates, ids = adjusted.topk(min(max_top_k, vocab), dim=-1)
-    else:
-        candidates, ids = adjusted.sort(dim=-1, descending=True)
+    candidates, ids = ranked(adjusted, max_top_k)
     probs = _filter_sorted(candidates, p, vocab)
     race = probs / -torch.log(counter_uniform(p.seeds, p.steps, ids))
     sampled = ids.gather(1, race.argmax(-1, keepdim=True))[:, 0]

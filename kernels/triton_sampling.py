@@ -1,9 +1,9 @@
 """Sampling on the GPU in five Triton passes (and race rounds for top-p alone), drawing the same tokens as
 `kernels.sampling.sample`.
 
-The reference keeps, per row, a prefix of the vocabulary sorted by scaled logit s = logit / T (top-k, then top-p
-on the top-k distribution, then min-p) and races the kept ids with counter-based uniforms: argmax p / -log u,
-i.e. argmax (s - max s) - log(-log u). No full sort is needed for that:
+The reference keeps, per row, a prefix of the vocabulary sorted by scaled logit s = logit / T, ties highest id
+first (top-k, then top-p on the top-k distribution, then min-p), and races the kept ids with counter-based
+uniforms: argmax p / -log u, i.e. argmax (s - max s) - log(-log u). No full sort is needed for that:
 
 1. stats   (row x split): max and sum-exp of the raw logits (for logprobs) and of s; the argmax (greedy). Rows
            with top-k <= LANE_TOP_K also keep the split's k largest per-lane maxima (each lane's running max over

@@ -28,6 +28,22 @@ def test_filters_that_leave_one_token_equal_greedy():
             assert torch.equal(tokens, best), kw
 
 
+def test_ties_rank_highest_id_first_in_every_path():
+    """torch's sort and topk leave the order of ties open; the reference fixes it (the Triton sampler's order),
+    so a cut through tied logits keeps the same ids in the full sort and the top-k path."""
+    from kernels.sampling import ranked
+
+    x = (torch.randn(5, 400) * 4).round() / 2  # a coarse grid: every value is shared by many ids
+    expected = [sorted(range(400), key=lambda i, row=row: (-row[i], -i)) for row in x.tolist()]
+    values, ids = ranked(x)
+    assert ids.tolist() == expected and torch.equal(values, x.gather(1, ids))
+    for k in (1, 7, 50):
+        values, ids = ranked(x, k)
+        assert ids.tolist() == [e[:k] for e in expected] and torch.equal(values, x.gather(1, ids))
+    p = params(5, top_k=torch.tensor([3, 7, 20, 50, 50]), top_p=0.8, seeds=torch.arange(5))
+    assert torch.equal(sample(x, p)[0], sample(x, p, max_top_k=50)[0])
+
+
 def test_sampling_follows_the_tempered_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
     n = 4000
@@ -206,6 +222,26 @@ def test_a_top_p_boundary_that_depends_on_tie_order_is_left_to_the_histogram():
     logits = torch.full((2, 500), 0.25, device=DEVICE)
     got = T.draw(logits, params(2, device=DEVICE, top_p=0.5, seeds=3), splits=2)
     assert got.settled.tolist() == [-2, -2]
+
+
+def test_tied_logits_draw_the_reference_tokens():
+    """bf16 logits tie often; where a top-k or top-p cut falls inside a tie, the kernels and the reference keep
+    the same tied ids (highest id first). The last four rows have 40 ids tied far above the rest, so their cuts
+    keep half the tie or less: the other order would keep other ids."""
+    T = _draw_module()
+    n, vocab = 16, 3000
+    for step in range(3):
+        logits = (torch.randn(n, vocab, device=DEVICE) * 12).round() / 4  # every value shared by ~100 ids
+        logits[12:] = torch.randn(4, vocab, device=DEVICE) - 20
+        logits[12:, torch.randperm(vocab, device=DEVICE)[:40]] = 5.0
+        p = params(n, device=DEVICE, seeds=torch.randint(0, 2**62, (n,), device=DEVICE),
+                   steps=torch.full((n,), step, device=DEVICE),
+                   top_k=torch.tensor([0, 5, 20, 0] * 3 + [20, 0, 5, 0], device=DEVICE),
+                   top_p=torch.tensor([0.5, 1.0, 0.9, 0.95] * 3 + [1.0, 0.3, 1.0, 0.5], device=DEVICE),
+                   temperature=torch.tensor([1.0, 0.8], device=DEVICE).repeat(8))
+        got = T.draw(logits, p, splits=3)
+        assert got.done.tolist() == [1] * n
+        assert torch.equal(got.tokens, sample(logits, p)[0]), step
 
 
 def test_top_k_rows_draw_the_reference_tokens_however_spread_their_top_is():
