@@ -23,7 +23,7 @@ _STOP = object()
 
 # A rank handed a step needs the GIL to launch it, while the event loop thread makes the last step's outputs
 # (detokenising, waking every stream's consumer). CPython gives a waiting thread the GIL only after its switch
-# interval, 5 ms by default: longer than that output pass, so each step waited for all of it. While any worker
+# interval, 5 ms by default: longer than that output pass, so a step could wait for all of it. While any worker
 # group runs, the process's interval is at most this (the previous value comes back when the last one stops);
 # None leaves it alone.
 WORKER_SWITCH_INTERVAL_S: float | None = 2e-4

@@ -144,29 +144,16 @@ def test_step_timeout_poisons_instead_of_hanging():
 def test_a_handed_step_starts_while_the_loop_thread_is_still_busy():
     """The loop thread keeps running Python after a hand-off (the last step's outputs); the rank must get the GIL
     and start within a fraction of a millisecond, not after CPython's default 5 ms switch interval."""
-    import statistics
     import sys
-    import time
+
+    from tools.bench_engine_overhead import handoff_delay
 
     default = sys.getswitchinterval()
-
-    async def main():
-        group = WorkerGroup(1)
-        assert sys.getswitchinterval() <= 2e-4
-        delays = []
-        for _ in range(7):
-            handed = time.perf_counter()
-            futures = group.submit(lambda rank: time.perf_counter())
-            while time.perf_counter() - handed < 0.02:  # 20 ms of pure Python on the loop thread
-                pass
-            delays.append((await group.gather(futures))[0] - handed)
-        group.stop()
-        return statistics.median(delays)
-
-    assert asyncio.run(main()) < 2.5e-3
+    assert asyncio.run(handoff_delay(busy_s=0.02)) < 2.5e-3
     assert sys.getswitchinterval() == default  # restored when the workers stop
 
     first, second = WorkerGroup(1), WorkerGroup(1)
+    assert sys.getswitchinterval() <= 2e-4
     first.stop()
     assert sys.getswitchinterval() <= 2e-4  # another group still runs
     second.stop()
