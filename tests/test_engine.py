@@ -250,3 +250,27 @@ def test_closing_the_engine_ends_live_streams_without_hanging(tiny_ckpt):
             engine.generate([1, 2], SamplingParams(max_tokens=2))
 
     run(main())
+
+
+def test_profile_engine_step_splits_the_step_and_restores_what_it_wraps(tiny_ckpt):
+    """tools.profile_engine_step on the CPU engine: rank 0's execute and the gap before the next one add up to the
+    step the streams see, the gap splits at the hand-off, and the wrapped methods come back on exit."""
+    from devices.rank import RankRuntime
+    from devices.replica import Replica
+    from tools.bench_decode import engine_step_time
+    from tools.profile_engine_step import StepTimer
+
+    originals = (Replica.start_step, RankRuntime.execute, RankRuntime._sample)
+
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt, prefill_token_budget=64)) as engine:
+            with StepTimer() as timer:
+                step, start, end = await engine_step_time(engine, 4, 16, window_tokens=32)
+            return step, timer.summary(start, end), len(timer.steps)
+
+    step, s, recorded = run(main())
+    assert (Replica.start_step, RankRuntime.execute, RankRuntime._sample) == originals
+    assert recorded >= 32
+    assert s["execute_s"] > 0 and s["sample_s"] > 0 and s["to_handoff_s"] > 0 and s["handoff_to_start_s"] > 0
+    assert abs(s["gap_s"] - s["to_handoff_s"] - s["handoff_to_start_s"]) < 1e-9
+    assert 0.5 * step < s["execute_s"] + s["gap_s"] < 1.5 * step

@@ -6,9 +6,11 @@ Random bf16 weights on a CUDA device (`tools.bench_decode`'s engine), tp = 1. Fo
 requests stream through `engine.generate` (as in bench_decode's engine column) while rank 0's `execute` and
 `_sample` are timed. Printed per batch: the engine's step; `execute`, the device thread's whole step (inputs, the
 graph's launch, sampling, the read-back); `sample`, the part of it from the sampler's launch to the read-back
-(it includes waiting for the forward); and the gap between two `execute`s, the host time on the event loop
-(results routed, the next step scheduled) during which the GPU has nothing queued. All are means over the
-window in which every request decodes, so `execute` and the gap add up to the engine's step.
+(it includes waiting for the forward); and the gap between two `execute`s, during which the GPU has nothing
+queued. The gap is split in two: from a step's end to the next step's hand-off (the event loop routes the
+results and plans the step) and from the hand-off to rank 0's start (its thread waking and taking the GIL).
+All are means over the window in which every request decodes, so `execute` and the gap add up to the engine's
+step.
 """
 
 from __future__ import annotations
@@ -22,18 +24,27 @@ import time
 import torch
 
 from devices.rank import RankRuntime
+from devices.replica import Replica
 from tools.bench_decode import add_engine_args, engine_step_time, open_engine
 
 
 class StepTimer:
-    """Wraps RankRuntime.execute and _sample to record, for each of rank 0's steps, when it started and ended and
-    how long its sampling took."""
+    """While entered, wraps Replica.start_step, RankRuntime.execute and RankRuntime._sample to record, for each of
+    rank 0's steps, when it was handed to the ranks, when it started and ended, and how long its sampling took."""
 
     def __init__(self) -> None:
-        self.steps: list[tuple[float, float, float]] = []  # (start, end, seconds in _sample)
+        self.steps: list[tuple[float, float, float, float]] = []  # (handed, start, end, seconds in _sample)
+        self._handed = 0.0
         self._sampling = 0.0
-        execute, sample = RankRuntime.execute, RankRuntime._sample
+        self._wrapped = (Replica.start_step, RankRuntime.execute, RankRuntime._sample)
+
+    def __enter__(self) -> "StepTimer":
+        start_step, execute, sample = self._wrapped
         timer = self
+
+        def timed_start_step(replica, cmd):
+            timer._handed = time.perf_counter()  # the ranks cannot start before it, nor the next hand-off come
+            return start_step(replica, cmd)
 
         def timed_execute(runtime, cmd):
             if runtime.rank == 0:  # only rank 0 samples
@@ -43,7 +54,7 @@ class StepTimer:
                 return execute(runtime, cmd)
             finally:
                 if runtime.rank == 0:
-                    timer.steps.append((started, time.perf_counter(), timer._sampling))
+                    timer.steps.append((timer._handed, started, time.perf_counter(), timer._sampling))
 
         def timed_sample(runtime, logits, setup):
             started = time.perf_counter()
@@ -52,31 +63,40 @@ class StepTimer:
             finally:
                 timer._sampling += time.perf_counter() - started
 
-        RankRuntime.execute, RankRuntime._sample = timed_execute, timed_sample
+        Replica.start_step, RankRuntime.execute, RankRuntime._sample = timed_start_step, timed_execute, timed_sample
+        return self
+
+    def __exit__(self, *exc) -> None:
+        Replica.start_step, RankRuntime.execute, RankRuntime._sample = self._wrapped
 
     def summary(self, start: float, end: float) -> dict:
         """Means over the steps inside [start, end]: the window in which every request decodes (before it the
-        batch fills up, after it the batch drains). Means, as the engine step is one: execute + gap add up to it."""
-        spans = [s for s in self.steps if start <= s[0] and s[1] <= end]
+        batch fills up, after it the batch drains). Means, as the engine step is one: execute + gap add up to it,
+        and the gap is the time to the hand-off plus the hand-off to the start."""
+        spans = [s for s in self.steps if start <= s[1] and s[2] <= end]
+        pairs = list(zip(spans, spans[1:]))
         return {
-            "execute_s": statistics.fmean(b - a for a, b, _ in spans),
-            "gap_s": statistics.fmean(spans[i + 1][0] - spans[i][1] for i in range(len(spans) - 1)),
-            "sample_s": statistics.fmean(s for _, _, s in spans),
+            "execute_s": statistics.fmean(e - b for _, b, e, _ in spans),
+            "sample_s": statistics.fmean(s for *_, s in spans),
+            "gap_s": statistics.fmean(nxt[1] - cur[2] for cur, nxt in pairs),
+            "to_handoff_s": statistics.fmean(nxt[0] - cur[2] for cur, nxt in pairs),
+            "handoff_to_start_s": statistics.fmean(nxt[1] - nxt[0] for _, nxt in pairs),
         }
 
 
 async def run(ns) -> None:
     batches = [int(b) for b in ns.batches.split(",")]
-    timer = StepTimer()
     async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp) as engine:
-        print("| batch | engine step ms | execute ms | sample ms (launch to read-back) | gap between executes ms |")
-        print("|---:|---:|---:|---:|---:|")
+        print("| batch | engine step ms | execute ms | sample ms (launch to read-back) | gap between executes ms "
+              "| of it, to the hand-off ms | of it, hand-off to rank 0's start ms |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
         for rows in batches:
-            timer.steps.clear()
-            step, start, end = await engine_step_time(engine, rows, ns.context)
+            with StepTimer() as timer:
+                step, start, end = await engine_step_time(engine, rows, ns.context)
             s = timer.summary(start, end)
             print(f"| {rows} | {step * 1e3:.3f} | {s['execute_s'] * 1e3:.3f} | {s['sample_s'] * 1e3:.3f} | "
-                  f"{s['gap_s'] * 1e3:.3f} |", flush=True)
+                  f"{s['gap_s'] * 1e3:.3f} | {s['to_handoff_s'] * 1e3:.3f} | {s['handoff_to_start_s'] * 1e3:.3f} |",
+                  flush=True)
 
 
 def main(argv=None) -> int:
