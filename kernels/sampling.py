@@ -110,14 +110,15 @@ def ranked(x: torch.Tensor, k: int = 0):
     if not k or k >= V:
         values, flipped = x.flip(-1).sort(dim=-1, descending=True, stable=True)
         return values, V - 1 - flipped
-    kth = x.topk(k, dim=-1).values[:, -1:]
-    above, tied = x > kth, x == kth
-    # The places left after the entries above the k-th value go to the highest of the ids tied with it.
-    tied_from_here = tied.flip(-1).cumsum(-1).flip(-1)
-    take = above | (tied & (tied_from_here <= k - above.sum(-1, keepdim=True)))
-    ids = take.nonzero()[:, 1].view(-1, k).flip(-1)  # k a row, highest id first
-    values, order = x.gather(1, ids).sort(dim=-1, descending=True, stable=True)
-    return values, ids.gather(1, order)
+    # Every entry tied with a row's k-th value is a candidate: enough of the largest to hold them all in any row,
+    # put in id order (highest first), then stably in value order.
+    values, ids = x.topk(k, dim=-1)
+    wide = int((x >= values[:, -1:]).sum(-1).max())
+    if wide > k:
+        values, ids = x.topk(wide, dim=-1)
+    ids, by_id = ids.sort(dim=-1, descending=True)
+    values, order = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    return values[:, :k], ids.gather(1, order)[:, :k]
 
 
 def sample(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0, all_greedy: bool = False,
