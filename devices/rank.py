@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kernels.sampling import SamplingTensors, sample
-from kernels.triton_sampling import sample_on_gpu
+from kernels.triton_sampling import sample_on_gpu, top_p_alone
 from model.batch import DecodeBatch, PrefillBatch, PrefillChunk
 from model.forward import Qwen35Shard
 from model.state import ModelState
@@ -184,8 +184,8 @@ class RankRuntime:
                 logits[i, list(r.stop_token_ids)] = float("-inf")  # min_tokens: no stop token yet
         k = max(r.logprobs for r in rows)
         if logits.is_cuda:
-            top_p_alone = any(r.temperature > 0 and r.top_p < 1 and not 0 < r.top_k < self.vocab for r in rows)
-            tokens, chosen, top_ids, top_lp = sample_on_gpu(logits, params, k, top_p_alone=top_p_alone)
+            rounds = any(top_p_alone(r.temperature, r.top_p, r.top_k, self.vocab) for r in rows)
+            tokens, chosen, top_ids, top_lp = sample_on_gpu(logits, params, k, top_p_alone=rounds)
         else:
             all_greedy = all(r.temperature <= 0 for r in rows)
             top_ks = [r.top_k for r in rows if r.temperature > 0]

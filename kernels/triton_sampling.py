@@ -734,6 +734,12 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     return out
 
 
+def top_p_alone(temperature: float, top_p: float, top_k: int, vocab: int) -> bool:
+    """Whether a row's parameters take the top-p race rounds (sampled, top-p on, no top-k short of the
+    vocabulary): the host's twin of `_top_p_alone`, so callers launch the rounds only when a row needs them."""
+    return temperature > 0 and top_p < 1 and not 0 < top_k < vocab
+
+
 def sample_on_gpu(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0,
                   max_candidates: int = MAX_CANDIDATES, top_p_alone: bool = True):
     """`kernels.sampling.sample`'s contract on `draw`: rows `draw` flags are sampled again by the reference.

@@ -216,6 +216,14 @@ def test_top_p_race_rounds_settle_rows_exactly_and_leave_the_rest_to_the_histogr
     assert 0 < settled_by_rounds < 3 * n
 
 
+def test_the_host_knows_which_rows_take_the_race_rounds():
+    T = _draw_module()
+    assert T.top_p_alone(1.0, 0.9, 0, 1000) and T.top_p_alone(0.7, 0.9, 1000, 1000)  # top-k of the whole vocab
+    assert not T.top_p_alone(0.0, 0.9, 0, 1000)  # greedy
+    assert not T.top_p_alone(1.0, 1.0, 0, 1000)  # no top-p
+    assert not T.top_p_alone(1.0, 0.9, 20, 1000)  # top-k first
+
+
 def test_a_top_p_boundary_that_depends_on_tie_order_is_left_to_the_histogram():
     """All ids tie: which of them top-p keeps depends on how a sort orders ties, so no race round settles the row."""
     T = _draw_module()

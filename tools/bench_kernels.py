@@ -19,7 +19,7 @@ from triton.runtime.errors import OutOfResources
 import kernels.reference as R
 import kernels.triton_ops as T
 from kernels.sampling import SamplingTensors, lm_like_logits, sample
-from kernels.triton_sampling import MAX_CANDIDATES, TOP_P_ROUNDS, draw, sample_on_gpu
+from kernels.triton_sampling import MAX_CANDIDATES, TOP_P_ROUNDS, draw, sample_on_gpu, top_p_alone
 from model.config import ModelConfig
 from tools.make_checkpoint import text_config
 
@@ -368,7 +368,8 @@ def sampling(cfg, rows, sweeps):
     for name, kw in modes.items():
         kw = dict(kw)
         # As the engine calls it: race rounds only when some row has top-p without top-k.
-        rounds = kw.pop("rounds", TOP_P_ROUNDS if kw.get("top_p", 1.0) < 1 and not kw.get("top_k") else 0)
+        alone = top_p_alone(kw.get("temperature", 1.0), kw.get("top_p", 1.0), kw.get("top_k", 0), V)
+        rounds = kw.pop("rounds", TOP_P_ROUNDS if alone else 0)
         logits = lm_logits.float() if kw.pop("fp32", False) else lm_logits
         p = SamplingTensors.filled(n, dev, seeds=torch.arange(n, device=dev), **kw)
         swept = "sampler" in sweeps and name in ("greedy", "Qwen default (T 0.7, top-k 20, top-p 0.8)", "top-p 0.95")
