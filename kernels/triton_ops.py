@@ -729,7 +729,7 @@ CHUNK = reference.GDN_CHUNK
 def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr, kscale_ptr, qscale_ptr, w_ptr,
                            kd_ptr, p_ptr, glast_ptr, C, ab_row_stride, HV, GROUP, scale,
                            DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr, BT: tl.constexpr,
-                           BH: tl.constexpr, PRECISION: tl.constexpr):
+                           BH: tl.constexpr, PRECISION: tl.constexpr, BF16_DOTS: tl.constexpr):
     ch = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.load(chunk_ptr + 2 * ch).to(tl.int64)
@@ -776,16 +776,23 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
         if step < 4:
             power = tl.dot(power, power, input_precision=PRECISION)
     kd_row = (beta * tl.exp(c) * rk)[:, None]
+    inv_bf16 = inv.to(tl.bfloat16)  # the factors' products in bf16, as fla-core's (BF16_DOTS)
     for c0 in tl.static_range(0, DK, BH):
         m = tmask[:, None] & (c0 + cols[None, :] < DK)
         kb = tl.load(mixed_ptr + rows_k + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(kd_ptr + (t[:, None] * HV + h) * DK + c0 + cols[None, :],
-                 tl.dot(inv, kd_row * kb, input_precision=PRECISION), mask=m)
+        if BF16_DOTS:
+            kd = tl.dot(inv_bf16, (kd_row * kb).to(tl.bfloat16))
+        else:
+            kd = tl.dot(inv, kd_row * kb, input_precision=PRECISION)
+        tl.store(kd_ptr + (t[:, None] * HV + h) * DK + c0 + cols[None, :], kd.to(kd_ptr.dtype.element_ty), mask=m)
     for c0 in tl.static_range(0, DV, BH):
         m = tmask[:, None] & (c0 + cols[None, :] < DV)
         vb = tl.load(mixed_ptr + rows_v + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(w_ptr + (t[:, None] * HV + h) * DV + c0 + cols[None, :],
-                 tl.dot(inv, beta[:, None] * vb, input_precision=PRECISION), mask=m)
+        if BF16_DOTS:
+            wb = tl.dot(inv_bf16, (beta[:, None] * vb).to(tl.bfloat16))
+        else:
+            wb = tl.dot(inv, beta[:, None] * vb, input_precision=PRECISION)
+        tl.store(w_ptr + (t[:, None] * HV + h) * DV + c0 + cols[None, :], wb.to(w_ptr.dtype.element_ty), mask=m)
     tl.store(kscale_ptr + t * HV + h, rk * tl.exp(c_last - c), mask=tmask)  # Ke = k as stored, times this
     tl.store(qscale_ptr + t * HV + h, rq * tl.exp(c), mask=tmask)  # Qd = q as stored, times this
     tl.store(glast_ptr + ch * HV + h, c_last)
@@ -795,7 +802,7 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
 def _gdn_chunk_scan_kernel(mixed_ptr, kscale_ptr, w_ptr, kd_ptr, glast_ptr, chunk_ptr, req_chunk_ptr, slot_ptr,
                            state_ptr, hs_ptr, u_ptr, trash, C, HV, GROUP, DK: tl.constexpr, DV: tl.constexpr,
                            KEY_DIM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
-                           PRECISION: tl.constexpr):
+                           PRECISION: tl.constexpr, BF16_DOTS: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -819,10 +826,14 @@ def _gdn_chunk_scan_kernel(mixed_ptr, kscale_ptr, w_ptr, kd_ptr, glast_ptr, chun
         w = tl.load(w_ptr + (t[:, None] * HV + h) * DV + vs[None, :], mask=vmask, other=0.0)
         tl.store(hs_ptr + ((ch * HV + h) * DK + ks[:, None]) * DV + vs[None, :], S.to(hs_ptr.dtype.element_ty),
                  mask=smask)
-        u = w - tl.dot(kd, S, input_precision=PRECISION)
+        if BF16_DOTS:  # the state rounded to bf16 in both products, as fla-core does; S itself stays fp32
+            u = w.to(tl.float32) - tl.dot(kd.to(tl.bfloat16), S.to(tl.bfloat16))
+            step = tl.dot(tl.trans(k.to(tl.bfloat16)), (u * kscale[:, None]).to(tl.bfloat16))
+        else:
+            u = w.to(tl.float32) - tl.dot(kd.to(tl.float32), S, input_precision=PRECISION)
+            step = tl.dot(tl.trans(k.to(tl.float32)), u * kscale[:, None], input_precision=PRECISION)
         tl.store(u_ptr + (t[:, None] * HV + h) * DV + vs[None, :], u.to(u_ptr.dtype.element_ty), mask=vmask)
-        S = S * tl.exp(tl.load(glast_ptr + ch * HV + h)) + tl.dot(tl.trans(k.to(tl.float32)), u * kscale[:, None],
-                                                                   input_precision=PRECISION)
+        S = S * tl.exp(tl.load(glast_ptr + ch * HV + h)) + step
     tl.store(sptr, S, mask=smask)
 
 
@@ -851,13 +862,21 @@ def _gdn_chunk_out_kernel(mixed_ptr, qscale_ptr, p_ptr, hs_ptr, u_ptr, chunk_ptr
 
 GDN_PREP_CONFIG = (4, 1, 64)  # (warps, stages, column block) of the parallel prep kernel: best in run G4
 GDN_SCAN_CONFIG = (64, 4, 3)  # (block of dv, warps, stages) of the sequential kernel: best in runs G2 and G3
+# How a bf16 model keeps the WY factors Kd and W between the prep and the scan kernel: "fp32"; "bf16" (stored in
+# bf16, the scan's products still TF32 on the fp32 state); "bf16-dots" (stored in bf16, formed from the inverse
+# rounded to bf16, and the scan's two products take the state rounded to bf16, as fla-core's do). An fp32 model
+# always keeps fp32.
+GDN_FACTOR_MODES = ("fp32", "bf16", "bf16-dots")
+GDN_FACTORS = "fp32"
 
 
 def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads: int, head_k_dim: int,
-                head_v_dim: int, chunks: reference.GdnChunks | None = None, scan_config=None, prep_config=None):
+                head_v_dim: int, chunks: reference.GdnChunks | None = None, scan_config=None, prep_config=None,
+                factors: str | None = None):
     """Same contract as reference.gdn_prefill (chunked WY GDN from each request's slot state). Without `chunks`
     (the forward passes its batch's) the chunk layout is built here, reading `cu_seqlens` back from the device.
-    `scan_config` and `prep_config` override GDN_SCAN_CONFIG and GDN_PREP_CONFIG (the benchmark sweeps them)."""
+    `scan_config`, `prep_config` and `factors` override GDN_SCAN_CONFIG, GDN_PREP_CONFIG and GDN_FACTORS (the
+    benchmark sweeps them)."""
     mixed = mixed.contiguous()
     if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
         a, b = a.contiguous(), b.contiguous()
@@ -867,7 +886,8 @@ def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k
     chunks = chunks or reference.GdnChunks.build(cu_seqlens.tolist(), mixed.device)
     try:
         return _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads, chunks, head_k_dim,
-                                   head_v_dim, scan_config or GDN_SCAN_CONFIG, prep_config or GDN_PREP_CONFIG)
+                                   head_v_dim, scan_config or GDN_SCAN_CONFIG, prep_config or GDN_PREP_CONFIG,
+                                   factors or GDN_FACTORS)
     except OutOfResources as exc:  # a capability gate, decided once per process
         log.warning("Triton chunked GDN prefill does not fit this GPU (%s); using the torch chunked form", exc)
         _PREFILL_FALLBACK.append(True)
@@ -879,16 +899,21 @@ _PREFILL_FALLBACK: list[bool] = []
 
 
 def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads, chunks, dk, dv, scan_config,
-                        prep_config):
+                        prep_config, factors):
     T, C = mixed.shape
     HV = a.shape[1]
     dev, dt = mixed.device, mixed.dtype
     precision = "tf32" if dt != torch.float32 else "ieee"  # fp32 models keep fp32 accuracy
     chunk_table, req_chunks = chunks.spans, chunks.first
     n, requests = chunk_table.shape[0], req_chunks.shape[0] - 1
-    # The state path (Kd, W, S, the scales) stays fp32; what only feeds the output (P, H, u) is in the model dtype.
-    kd = torch.empty(T, HV, dk, dtype=torch.float32, device=dev)
-    w = torch.empty(T, HV, dv, dtype=torch.float32, device=dev)
+    if factors not in GDN_FACTOR_MODES:
+        raise ValueError(f"factors must be one of {GDN_FACTOR_MODES}, got {factors!r}")
+    factors = "fp32" if dt == torch.float32 else factors
+    # The state S and the scales stay fp32, the WY factors Kd and W as `factors` says; what only feeds the output
+    # (P, H, u) is in the model dtype.
+    factor_dtype = torch.float32 if factors == "fp32" else torch.bfloat16
+    kd = torch.empty(T, HV, dk, dtype=factor_dtype, device=dev)
+    w = torch.empty(T, HV, dv, dtype=factor_dtype, device=dev)
     kscale = torch.empty(T, HV, dtype=torch.float32, device=dev)
     qscale = torch.empty_like(kscale)
     P = torch.empty(T, HV, CHUNK, dtype=dt, device=dev)
@@ -896,7 +921,8 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
     _gdn_chunk_prep_kernel[(n, HV)](
         mixed, a, b, A_log, dt_bias, chunk_table, kscale, qscale, w, kd, P, glast, C, a.stride(0), HV,
         HV // num_k_heads, dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK,
-        BH=min(prep_config[2], _pow2(max(dk, dv))), PRECISION=precision, num_warps=prep_config[0],
+        BH=min(prep_config[2], _pow2(max(dk, dv))), PRECISION=precision, BF16_DOTS=factors == "bf16-dots",
+        num_warps=prep_config[0],
         num_stages=prep_config[1])
     hs = torch.empty(n, HV, dk, dv, dtype=dt, device=dev)
     u = torch.empty(T, HV, dv, dtype=dt, device=dev)
@@ -905,7 +931,7 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
     _gdn_chunk_scan_kernel[(requests, HV, triton.cdiv(dv, BVB))](
         mixed, kscale, w, kd, glast, chunk_table, req_chunks, slots, ssm_state, hs, u, ssm_state.shape[0] - 1, C, HV,
         HV // num_k_heads, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BVB=BVB,
-        PRECISION=precision, num_warps=warps, num_stages=stages)
+        PRECISION=precision, BF16_DOTS=factors == "bf16-dots", num_warps=warps, num_stages=stages)
     out = torch.empty(T, HV, dv, dtype=dt, device=dev)
     BVO = min(64, _pow2(dv))
     _gdn_chunk_out_kernel[(n, HV, triton.cdiv(dv, BVO))](

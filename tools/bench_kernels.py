@@ -48,14 +48,20 @@ def device_seconds(event) -> float:
 def kernel_time(fn, reps: int = 10) -> float:
     """Seconds of GPU kernel time per call (the profiler's sum over every kernel the call launches): unlike
     `bench`, blind to the host gaps of a call that synchronises (fla's reads the request lengths back)."""
+    return sum(seconds for _, seconds in kernel_split(fn, reps))
+
+
+def kernel_split(fn, reps: int = 10) -> list[tuple[str, float]]:
+    """(kernel name, GPU seconds per call) for every kernel `fn` launches, longest first."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    total = sum(device_seconds(e) for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return total / reps
+    split = [(e.key, device_seconds(e) / reps) for e in prof.key_averages()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(split, key=lambda item: -item[1])
 
 
 def ceilings(dev):
@@ -236,6 +242,68 @@ def decode_gdn(rows, memory_row, sweeps, mixed, a, b, A_log, dt_bias, state, slo
     rows.append(("fla fused_recurrent (decode)", f"batch {N}", t_fla, "", f"ours/fla time {t_ours / t_fla:.2f}"))
 
 
+def gdn_prefill_case(cfg, dev="cuda", seed=0) -> dict:
+    """Four packed requests (1, 700, 64 and 2000 tokens) from slots 2, 0, 3, 1 of a five-slot state pool, bf16
+    activations and fast decay (g down to about -20 a token): the case the GPU test and the accuracy rows use."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    lens, bf = [1, 700, 64, 2000], torch.bfloat16
+    tokens, C = sum(lens), 2 * hk * dk + hv * dv
+
+    def randn(*shape):
+        return torch.randn(*shape, device=dev, generator=gen)
+
+    return dict(mixed=randn(tokens, C).to(bf), a=randn(tokens, hv).to(bf), b=randn(tokens, hv).to(bf),
+                A_log=torch.rand(hv, device=dev, generator=gen) * 2, dt_bias=torch.rand(hv, device=dev, generator=gen),
+                ssm_state=randn(5, hv, dk, dv) * 0.1, cu_seqlens=torch.tensor([0, 1, 701, 765, 2765], dtype=torch.int32,
+                                                                            device=dev),
+                slots=torch.tensor([2, 0, 3, 1], device=dev), num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
+
+
+def gdn_prefill_errors(case: dict, call) -> tuple[float, float]:
+    """Largest error of `call(**case)` (which updates its ssm_state) against the fp32 reference, relative to the
+    reference's largest value: (output, final states of the requests' slots). The case itself is left as it was."""
+    ref_case = dict(case, ssm_state=case["ssm_state"].clone(), mixed=case["mixed"].float())
+    ref = R.gdn_prefill(**ref_case)
+    run_case = dict(case, ssm_state=case["ssm_state"].clone())
+    got = call(**run_case)
+    used = run_case["slots"]
+
+    def rel(x, y):
+        return ((x.float() - y).abs().max() / y.abs().max()).item()
+
+    return rel(got, ref), rel(run_case["ssm_state"][used], ref_case["ssm_state"][used])
+
+
+def fla_prefill(chunk_gated_delta_rule, mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads,
+                head_k_dim, head_v_dim):
+    """fla-core's chunked GDN under our prefill contract: raw bf16 q and k (fla normalises them), the gates in fp32,
+    each request's initial state gathered from its slot and its final state written back."""
+    hv = a.shape[1]
+    q, k, v = mixed.split([num_k_heads * head_k_dim, num_k_heads * head_k_dim, hv * head_v_dim], dim=-1)
+    group = hv // num_k_heads
+    q, k = (x.unflatten(1, (num_k_heads, head_k_dim)).repeat_interleave(group, dim=1)[None] for x in (q, k))
+    g, beta = R.gdn_gates(a, b, A_log, dt_bias)
+    out, final = chunk_gated_delta_rule(q, k, v.unflatten(1, (hv, head_v_dim))[None], g=g[None], beta=beta[None],
+                                        scale=head_k_dim**-0.5, initial_state=ssm_state[slots],
+                                        output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                        cu_seqlens=cu_seqlens.long())
+    ssm_state[slots] = final.float()
+    return out[0]
+
+
+def prefill_accuracy(cfg, rows, chunk_gated_delta_rule) -> None:
+    case = gdn_prefill_case(cfg)
+    shape = "4 requests, 2765 tokens"
+    for mode in T.GDN_FACTOR_MODES:
+        out_err, state_err = gdn_prefill_errors(case, lambda **c: T.gdn_prefill(**c, factors=mode))
+        rows.append((f"gdn_prefill accuracy, factors {mode}", shape, None, "",
+                     f"error vs fp32 reference: output {out_err:.1e}, state {state_err:.1e}"))
+    out_err, state_err = gdn_prefill_errors(case, lambda **c: fla_prefill(chunk_gated_delta_rule, **c))
+    rows.append(("fla chunk_gated_delta_rule accuracy", shape, None, "",
+                 f"error vs fp32 reference: output {out_err:.1e}, state {state_err:.1e}"))
+
+
 def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
     dev, bf = torch.device("cuda"), torch.bfloat16
     hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -252,12 +320,9 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
         chunks = R.GdnChunks.build([0, L], dev)  # built with the batch, as the forward does
         pool = torch.zeros(2, hv, dk, dv, device=dev)
         t_pre = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, chunks))
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, chunks)
-            torch.cuda.synchronize()
-        for e in prof.key_averages():
-            if "gdn_chunk" in e.key:
-                rows.append((f"gdn_prefill phase {e.key[:40]}", f"{L} tokens", device_seconds(e), "", ""))
+        for name, seconds in kernel_split(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk,
+                                                                dk, dv, chunks)):
+            rows.append((f"gdn_prefill phase {name[:40]}", f"{L} tokens", seconds, "", ""))
         for kind, sweep in (("scan", GDN_SCAN_SWEEP), ("prep", GDN_PREP_SWEEP)):
             for config in sweep if kind in sweeps else ():
                 t = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, chunks,
@@ -284,6 +349,16 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
         rows.append(("gdn_prefill kernel time (ours)", f"{L} tokens", k_pre, "",
                      f"ours/fla kernel time {k_pre / k_fla:.2f} (target <= 1.0)"))
         rows.append(("fla chunk_gated_delta_rule kernel time", f"{L} tokens", k_fla, "", ""))
+        for name, seconds in kernel_split(lambda: chunk_gated_delta_rule(
+                qp, kp, vp, g=gp[None], beta=betap[None], scale=dk**-0.5, initial_state=pool[:1],
+                output_final_state=True, cu_seqlens=cu.long())):
+            rows.append((f"fla phase {name[:40]}", f"{L} tokens", seconds, "", ""))
+        for mode in T.GDN_FACTOR_MODES:
+            k_mode = kernel_time(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv,
+                                                       chunks, factors=mode))
+            rows.append((f"gdn_prefill kernel time, factors {mode}", f"{L} tokens", k_mode, "",
+                         f"ours/fla kernel time {k_mode / k_fla:.2f}"))
+        prefill_accuracy(cfg, rows, chunk_gated_delta_rule)
     except ImportError:
         rows.append(("fla-core", "not installed", float("nan"), "", "no GDN comparison"))
 
