@@ -865,7 +865,7 @@ GDN_SCAN_CONFIG = (64, 4, 3)  # (block of dv, warps, stages) of the sequential k
 # How a bf16 model keeps the WY factors Kd and W between the prep and the scan kernel: "fp32"; "bf16" (stored in
 # bf16, the scan's products still TF32 on the fp32 state); "bf16-dots" (stored in bf16, formed from the inverse
 # rounded to bf16, and the scan's two products take the state rounded to bf16, as fla-core's do). An fp32 model
-# always keeps fp32.
+# keeps fp32 unless a caller asks otherwise.
 GDN_FACTOR_MODES = ("fp32", "bf16", "bf16-dots")
 GDN_FACTORS = "fp32"
 
@@ -887,7 +887,7 @@ def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k
     try:
         return _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads, chunks, head_k_dim,
                                    head_v_dim, scan_config or GDN_SCAN_CONFIG, prep_config or GDN_PREP_CONFIG,
-                                   factors or GDN_FACTORS)
+                                   factors or ("fp32" if mixed.dtype == torch.float32 else GDN_FACTORS))
     except OutOfResources as exc:  # a capability gate, decided once per process
         log.warning("Triton chunked GDN prefill does not fit this GPU (%s); using the torch chunked form", exc)
         _PREFILL_FALLBACK.append(True)
@@ -908,7 +908,6 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
     n, requests = chunk_table.shape[0], req_chunks.shape[0] - 1
     if factors not in GDN_FACTOR_MODES:
         raise ValueError(f"factors must be one of {GDN_FACTOR_MODES}, got {factors!r}")
-    factors = "fp32" if dt == torch.float32 else factors
     # The state S and the scales stay fp32, the WY factors Kd and W as `factors` says; what only feeds the output
     # (P, H, u) is in the model dtype.
     factor_dtype = torch.float32 if factors == "fp32" else torch.bfloat16

@@ -228,28 +228,50 @@ def test_the_forward_on_triton_ops_matches_the_reference_forward(tiny_ckpt):
         positions = {s: p + 1 for s, p in positions.items()}
 
 
-@pytest.mark.parametrize("hk,hv,dk,dv,column_block", [(2, 4, 16, 16, 32), (1, 2, 32, 16, 32), (1, 2, 32, 16, 16)])
-def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv, column_block):
+def _packed_gdn_requests(hk, hv, dk, dv):
     lens = [1, 64, 150, 37]
     T_ = sum(lens)
     C = 2 * hk * dk + hv * dv
-    mixed, a, b = randn(T_, C), randn(T_, hv), randn(T_, hv)
     # Slow decay (about -0.05 a token), so a chunk's first rows still weigh on its last and on the state.
-    A_log, dt_bias = torch.rand(hv, device=DEVICE) - 3.5, torch.rand(hv, device=DEVICE)
-    state = randn(6, hv, dk, dv) * 0.3
-    ref_state = state.clone()
-    cu = torch.tensor([0, 1, 65, 215, 252], dtype=torch.int32, device=DEVICE)
-    slots = torch.tensor([3, 0, 4, 1], device=DEVICE)
-    chunks = R.GdnChunks.build(cu.tolist(), DEVICE)
+    case = dict(mixed=randn(T_, C), a=randn(T_, hv), b=randn(T_, hv), A_log=torch.rand(hv, device=DEVICE) - 3.5,
+                dt_bias=torch.rand(hv, device=DEVICE), ssm_state=randn(6, hv, dk, dv) * 0.3,
+                cu_seqlens=torch.tensor([0, 1, 65, 215, 252], dtype=torch.int32, device=DEVICE),
+                slots=torch.tensor([3, 0, 4, 1], device=DEVICE), num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
+    return case, R.GdnChunks.build(case["cu_seqlens"].tolist(), DEVICE)
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,column_block", [(2, 4, 16, 16, 32), (1, 2, 32, 16, 32), (1, 2, 32, 16, 16)])
+def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv, column_block):
+    case, chunks = _packed_gdn_requests(hk, hv, dk, dv)
     assert chunks.spans.tolist() == [[0, 1], [1, 65], [65, 129], [129, 193], [193, 215], [215, 252]]
     assert chunks.first.tolist() == [0, 1, 2, 5, 6]
+    state = case["ssm_state"]
+    ref_state = state.clone()
     with poisoned_outputs():
-        got = T.gdn_prefill(mixed, a, b, A_log, dt_bias, state, cu, slots, hk, dk, dv, chunks,
+        got = T.gdn_prefill(**case, chunks=chunks,
                             prep_config=(4, 1, column_block))  # 16: the prep kernel loops over two column blocks
-    ref = R.gdn_prefill(mixed, a, b, A_log, dt_bias, ref_state, cu, slots, hk, dk, dv)
+    ref = R.gdn_prefill(**dict(case, ssm_state=ref_state))
     assert rel(got, ref) <= REDUCTION
     assert rel(state[:5], ref_state[:5]) <= REDUCTION
     assert torch.equal(state[2], ref_state[2])  # a slot no request uses is untouched
+
+
+def test_chunked_gdn_prefill_with_bf16_factors():
+    """The WY factors stored in bf16 (GDN_FACTORS "bf16"): their rounding shows, and stays at bf16's scale. (The
+    "bf16-dots" mode needs bf16 products, which the interpreter gets wrong; the GPU test covers it.)"""
+    case, chunks = _packed_gdn_requests(2, 4, 32, 32)
+    ref_case = dict(case, ssm_state=case["ssm_state"].clone())
+    ref = R.gdn_prefill(**ref_case)
+    errors = {}
+    for factors in ("fp32", "bf16"):
+        run = dict(case, ssm_state=case["ssm_state"].clone())
+        with poisoned_outputs():
+            out = T.gdn_prefill(**run, chunks=chunks, factors=factors)
+        errors[factors] = rel(out, ref), rel(run["ssm_state"][:5], ref_case["ssm_state"][:5])
+    assert max(errors["fp32"]) <= REDUCTION
+    assert all(REDUCTION < e <= 2e-2 for e in errors["bf16"]), errors
+    with pytest.raises(ValueError, match="factors"):
+        T.gdn_prefill(**case, chunks=chunks, factors="fp16")
 
 
 @pytest.mark.parametrize("k", [256, 200])
