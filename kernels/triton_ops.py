@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 import triton
@@ -23,6 +24,20 @@ log = logging.getLogger(__name__)
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(n)
+
+
+# The interpreter's tl.dot on bf16 operands returns garbage (Triton 3.9), so there `_dot_bf16` multiplies the
+# bf16-rounded operands in fp32: the same products (exact in fp32), summed in another order.
+BF16_MMA = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+@triton.jit
+def _dot_bf16(a, b):
+    """a @ b on operands rounded to bf16, accumulated in fp32."""
+    a, b = a.to(tl.bfloat16), b.to(tl.bfloat16)
+    if BF16_MMA:
+        return tl.dot(a, b)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -726,10 +741,37 @@ CHUNK = reference.GDN_CHUNK
 
 
 @triton.jit
+def _unit_lower_inverse_by_blocks(A, BT: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + A)^-1 for a strictly lower-triangular [BT, BT] A, in four matrix products instead of the series' eleven.
+    The 16-row diagonal blocks of I + A are inverted by forward substitution (fp32, all blocks at once), giving D;
+    with L the rest of A, I + A = D^-1 (I + N) for N = D L, and N^(BT/16) = 0, so for BT = 64
+    (I + A)^-1 = (I - N)(I + N^2) D."""
+    NB: tl.constexpr = BT // 16
+    blk = tl.arange(0, NB)
+    same = blk[:, None, None, None] == blk[None, None, :, None]
+    diag = tl.sum(tl.where(same, tl.reshape(A, (NB, 16, NB, 16)), 0.0), axis=2)  # [NB, 16, 16]
+    li = tl.arange(0, 16)
+    rows, cols = li[None, :, None], li[None, None, :]
+    X = tl.where(rows == cols, 1.0, 0.0) + tl.zeros([NB, 16, 16], tl.float32)
+    for i in tl.static_range(1, 16):  # row i = e_i - sum_j diag[i, j] row j (row j >= i is still e_j: diag[i, j] = 0)
+        a_row = tl.sum(tl.where(rows == i, diag, 0.0), axis=1)
+        new = tl.where(cols == i, 1.0, 0.0) - tl.sum(a_row[:, :, None] * X, axis=1)[:, None, :]
+        X = tl.where(rows == i, new, X)
+    D = tl.reshape(tl.where(same, X[:, :, None, :], 0.0), (BT, BT))
+    r = tl.arange(0, BT)[:, None]
+    c = tl.arange(0, BT)[None, :]
+    eye = tl.where(r == c, 1.0, 0.0)
+    N = tl.dot(D, tl.where(r // 16 != c // 16, A, 0.0), input_precision=PRECISION)
+    M = tl.dot(eye - N, eye + tl.dot(N, N, input_precision=PRECISION), input_precision=PRECISION)
+    return tl.dot(M, D, input_precision=PRECISION)
+
+
+@triton.jit
 def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr, kscale_ptr, qscale_ptr, w_ptr,
                            kd_ptr, p_ptr, glast_ptr, C, ab_row_stride, HV, GROUP, scale,
                            DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr, BT: tl.constexpr,
-                           BH: tl.constexpr, PRECISION: tl.constexpr, BF16_DOTS: tl.constexpr):
+                           BH: tl.constexpr, PRECISION: tl.constexpr, BF16_DOTS: tl.constexpr,
+                           BLOCK_INVERSE: tl.constexpr):
     ch = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.load(chunk_ptr + 2 * ch).to(tl.int64)
@@ -768,20 +810,22 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
     P = (rq[:, None] * qk * rk_col) * tl.exp(tl.where(i >= j, c[:, None] - c[None, :], float("-inf")))
     tl.store(p_ptr + (t[:, None] * HV + h) * BT + j, P.to(p_ptr.dtype.element_ty), mask=tmask[:, None])
     A = (beta * rk)[:, None] * gram * rk_col * tl.exp(tl.where(i > j, c[:, None] - c[None, :], float("-inf")))
-    eye = tl.where(i == j, 1.0, 0.0)
-    inv = eye - A
-    power = tl.dot(A, A, input_precision=PRECISION)
-    for step in tl.static_range(5):
-        inv = tl.dot(inv, eye + power, input_precision=PRECISION)
-        if step < 4:
-            power = tl.dot(power, power, input_precision=PRECISION)
+    if BLOCK_INVERSE:
+        inv = _unit_lower_inverse_by_blocks(A, BT, PRECISION)
+    else:
+        eye = tl.where(i == j, 1.0, 0.0)
+        inv = eye - A
+        power = tl.dot(A, A, input_precision=PRECISION)
+        for step in tl.static_range(5):
+            inv = tl.dot(inv, eye + power, input_precision=PRECISION)
+            if step < 4:
+                power = tl.dot(power, power, input_precision=PRECISION)
     kd_row = (beta * tl.exp(c) * rk)[:, None]
-    inv_bf16 = inv.to(tl.bfloat16)  # the factors' products in bf16, as fla-core's (BF16_DOTS)
     for c0 in tl.static_range(0, DK, BH):
         m = tmask[:, None] & (c0 + cols[None, :] < DK)
         kb = tl.load(mixed_ptr + rows_k + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
         if BF16_DOTS:
-            kd = tl.dot(inv_bf16, (kd_row * kb).to(tl.bfloat16))
+            kd = _dot_bf16(inv, kd_row * kb)  # the factors' products in bf16, as fla-core's
         else:
             kd = tl.dot(inv, kd_row * kb, input_precision=PRECISION)
         tl.store(kd_ptr + (t[:, None] * HV + h) * DK + c0 + cols[None, :], kd.to(kd_ptr.dtype.element_ty), mask=m)
@@ -789,7 +833,7 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
         m = tmask[:, None] & (c0 + cols[None, :] < DV)
         vb = tl.load(mixed_ptr + rows_v + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
         if BF16_DOTS:
-            wb = tl.dot(inv_bf16, (beta[:, None] * vb).to(tl.bfloat16))
+            wb = _dot_bf16(inv, beta[:, None] * vb)
         else:
             wb = tl.dot(inv, beta[:, None] * vb, input_precision=PRECISION)
         tl.store(w_ptr + (t[:, None] * HV + h) * DV + c0 + cols[None, :], wb.to(w_ptr.dtype.element_ty), mask=m)
@@ -827,8 +871,8 @@ def _gdn_chunk_scan_kernel(mixed_ptr, kscale_ptr, w_ptr, kd_ptr, glast_ptr, chun
         tl.store(hs_ptr + ((ch * HV + h) * DK + ks[:, None]) * DV + vs[None, :], S.to(hs_ptr.dtype.element_ty),
                  mask=smask)
         if BF16_DOTS:  # the state rounded to bf16 in both products, as fla-core does; S itself stays fp32
-            u = w.to(tl.float32) - tl.dot(kd.to(tl.bfloat16), S.to(tl.bfloat16))
-            step = tl.dot(tl.trans(k.to(tl.bfloat16)), (u * kscale[:, None]).to(tl.bfloat16))
+            u = w.to(tl.float32) - _dot_bf16(kd, S)
+            step = _dot_bf16(tl.trans(k), u * kscale[:, None])
         else:
             u = w.to(tl.float32) - tl.dot(kd.to(tl.float32), S, input_precision=PRECISION)
             step = tl.dot(tl.trans(k.to(tl.float32)), u * kscale[:, None], input_precision=PRECISION)
@@ -868,6 +912,7 @@ GDN_SCAN_CONFIG = (64, 4, 3)  # (block of dv, warps, stages) of the sequential k
 # keeps fp32 unless a caller asks otherwise.
 GDN_FACTOR_MODES = ("fp32", "bf16", "bf16-dots")
 GDN_FACTORS = "fp32"
+GDN_BLOCK_INVERSE = False  # the chunk's (I + A)^-1 by 16-row blocks (four products) instead of the series (eleven)
 
 
 def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads: int, head_k_dim: int,
@@ -921,6 +966,7 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
         mixed, a, b, A_log, dt_bias, chunk_table, kscale, qscale, w, kd, P, glast, C, a.stride(0), HV,
         HV // num_k_heads, dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK,
         BH=min(prep_config[2], _pow2(max(dk, dv))), PRECISION=precision, BF16_DOTS=factors == "bf16-dots",
+        BLOCK_INVERSE=GDN_BLOCK_INVERSE,
         num_warps=prep_config[0],
         num_stages=prep_config[1])
     hs = torch.empty(n, HV, dk, dv, dtype=dt, device=dev)

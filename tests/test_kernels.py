@@ -257,19 +257,19 @@ def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv, column_block):
 
 
 def test_chunked_gdn_prefill_with_bf16_factors():
-    """The WY factors stored in bf16 (GDN_FACTORS "bf16"): their rounding shows, and stays at bf16's scale. (The
-    "bf16-dots" mode needs bf16 products, which the interpreter gets wrong; the GPU test covers it.)"""
+    """The WY factors in bf16 (GDN_FACTOR_MODES): stored in bf16, and also formed and applied in bf16 products. The
+    rounding shows, and stays at bf16's scale."""
     case, chunks = _packed_gdn_requests(2, 4, 32, 32)
     ref_case = dict(case, ssm_state=case["ssm_state"].clone())
     ref = R.gdn_prefill(**ref_case)
     errors = {}
-    for factors in ("fp32", "bf16"):
+    for factors in T.GDN_FACTOR_MODES:
         run = dict(case, ssm_state=case["ssm_state"].clone())
         with poisoned_outputs():
             out = T.gdn_prefill(**run, chunks=chunks, factors=factors)
         errors[factors] = rel(out, ref), rel(run["ssm_state"][:5], ref_case["ssm_state"][:5])
     assert max(errors["fp32"]) <= REDUCTION
-    assert all(REDUCTION < e <= 2e-2 for e in errors["bf16"]), errors
+    assert all(REDUCTION < e <= 2e-2 for e in errors["bf16"] + errors["bf16-dots"]), errors
     with pytest.raises(ValueError, match="factors"):
         T.gdn_prefill(**case, chunks=chunks, factors="fp16")
 
