@@ -240,8 +240,10 @@ def _packed_gdn_requests(hk, hv, dk, dv):
     return case, R.GdnChunks.build(case["cu_seqlens"].tolist(), DEVICE)
 
 
+@pytest.mark.parametrize("block_inverse", [False, True])
 @pytest.mark.parametrize("hk,hv,dk,dv,column_block", [(2, 4, 16, 16, 32), (1, 2, 32, 16, 32), (1, 2, 32, 16, 16)])
-def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv, column_block):
+def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv, column_block, block_inverse, monkeypatch):
+    monkeypatch.setattr(T, "GDN_BLOCK_INVERSE", block_inverse)
     case, chunks = _packed_gdn_requests(hk, hv, dk, dv)
     assert chunks.spans.tolist() == [[0, 1], [1, 65], [65, 129], [129, 193], [193, 215], [215, 252]]
     assert chunks.first.tolist() == [0, 1, 2, 5, 6]
