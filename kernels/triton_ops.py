@@ -741,37 +741,10 @@ CHUNK = reference.GDN_CHUNK
 
 
 @triton.jit
-def _unit_lower_inverse_by_blocks(A, BT: tl.constexpr, PRECISION: tl.constexpr):
-    """(I + A)^-1 for a strictly lower-triangular [BT, BT] A, in four matrix products instead of the series' eleven.
-    The 16-row diagonal blocks of I + A are inverted by forward substitution (fp32, all blocks at once), giving D;
-    with L the rest of A, I + A = D^-1 (I + N) for N = D L, and N^(BT/16) = 0, so for BT = 64
-    (I + A)^-1 = (I - N)(I + N^2) D."""
-    NB: tl.constexpr = BT // 16
-    blk = tl.arange(0, NB)
-    same = blk[:, None, None, None] == blk[None, None, :, None]
-    diag = tl.sum(tl.where(same, tl.reshape(A, (NB, 16, NB, 16)), 0.0), axis=2)  # [NB, 16, 16]
-    li = tl.arange(0, 16)
-    rows, cols = li[None, :, None], li[None, None, :]
-    X = tl.where(rows == cols, 1.0, 0.0) + tl.zeros([NB, 16, 16], tl.float32)
-    for i in tl.static_range(1, 16):  # row i = e_i - sum_j diag[i, j] row j (row j >= i is still e_j: diag[i, j] = 0)
-        a_row = tl.sum(tl.where(rows == i, diag, 0.0), axis=1)
-        new = tl.where(cols == i, 1.0, 0.0) - tl.sum(a_row[:, :, None] * X, axis=1)[:, None, :]
-        X = tl.where(rows == i, new, X)
-    D = tl.reshape(tl.where(same, X[:, :, None, :], 0.0), (BT, BT))
-    r = tl.arange(0, BT)[:, None]
-    c = tl.arange(0, BT)[None, :]
-    eye = tl.where(r == c, 1.0, 0.0)
-    N = tl.dot(D, tl.where(r // 16 != c // 16, A, 0.0), input_precision=PRECISION)
-    M = tl.dot(eye - N, eye + tl.dot(N, N, input_precision=PRECISION), input_precision=PRECISION)
-    return tl.dot(M, D, input_precision=PRECISION)
-
-
-@triton.jit
 def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr, kscale_ptr, qscale_ptr, w_ptr,
                            kd_ptr, p_ptr, glast_ptr, C, ab_row_stride, HV, GROUP, scale,
                            DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr, BT: tl.constexpr,
-                           BH: tl.constexpr, PRECISION: tl.constexpr, BF16_DOTS: tl.constexpr,
-                           BLOCK_INVERSE: tl.constexpr):
+                           BH: tl.constexpr, PRECISION: tl.constexpr, BF16_FACTORS: tl.constexpr):
     ch = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.load(chunk_ptr + 2 * ch).to(tl.int64)
@@ -789,12 +762,14 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
     q_sq = tl.zeros([BT], tl.float32)
     for c0 in tl.static_range(0, DK, BH):
         m = tmask[:, None] & (c0 + cols[None, :] < DK)
-        kb = tl.load(mixed_ptr + rows_k + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        qb = tl.load(mixed_ptr + rows_k - KEY_DIM + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        k_raw = tl.load(mixed_ptr + rows_k + c0 + cols[None, :], mask=m, other=0.0)
+        q_raw = tl.load(mixed_ptr + rows_k - KEY_DIM + c0 + cols[None, :], mask=m, other=0.0)
+        kb, qb = k_raw.to(tl.float32), q_raw.to(tl.float32)
         k_sq += tl.sum(kb * kb, axis=1)
         q_sq += tl.sum(qb * qb, axis=1)
-        gram += tl.dot(kb, tl.trans(kb), input_precision=PRECISION)
-        qk += tl.dot(qb, tl.trans(kb), input_precision=PRECISION)
+        # On k and q as stored: in a bf16 model these products are exact on bf16 operands, at twice the TF32 rate.
+        gram += tl.dot(k_raw, tl.trans(k_raw), input_precision=PRECISION)
+        qk += tl.dot(q_raw, tl.trans(k_raw), input_precision=PRECISION)
     rk = 1.0 / tl.sqrt(k_sq + 1e-6)  # the l2 norms, applied to the Gram products by rank-one scaling
     rq = scale / tl.sqrt(q_sq + 1e-6)
     rk_col = tl.reshape(rk, (1, BT))
@@ -810,21 +785,18 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
     P = (rq[:, None] * qk * rk_col) * tl.exp(tl.where(i >= j, c[:, None] - c[None, :], float("-inf")))
     tl.store(p_ptr + (t[:, None] * HV + h) * BT + j, P.to(p_ptr.dtype.element_ty), mask=tmask[:, None])
     A = (beta * rk)[:, None] * gram * rk_col * tl.exp(tl.where(i > j, c[:, None] - c[None, :], float("-inf")))
-    if BLOCK_INVERSE:
-        inv = _unit_lower_inverse_by_blocks(A, BT, PRECISION)
-    else:
-        eye = tl.where(i == j, 1.0, 0.0)
-        inv = eye - A
-        power = tl.dot(A, A, input_precision=PRECISION)
-        for step in tl.static_range(5):
-            inv = tl.dot(inv, eye + power, input_precision=PRECISION)
-            if step < 4:
-                power = tl.dot(power, power, input_precision=PRECISION)
+    eye = tl.where(i == j, 1.0, 0.0)
+    inv = eye - A
+    power = tl.dot(A, A, input_precision=PRECISION)
+    for step in tl.static_range(5):
+        inv = tl.dot(inv, eye + power, input_precision=PRECISION)
+        if step < 4:
+            power = tl.dot(power, power, input_precision=PRECISION)
     kd_row = (beta * tl.exp(c) * rk)[:, None]
     for c0 in tl.static_range(0, DK, BH):
         m = tmask[:, None] & (c0 + cols[None, :] < DK)
         kb = tl.load(mixed_ptr + rows_k + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        if BF16_DOTS:
+        if BF16_FACTORS:
             kd = _dot_bf16(inv, kd_row * kb)  # the factors' products in bf16, as fla-core's
         else:
             kd = tl.dot(inv, kd_row * kb, input_precision=PRECISION)
@@ -832,7 +804,7 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
     for c0 in tl.static_range(0, DV, BH):
         m = tmask[:, None] & (c0 + cols[None, :] < DV)
         vb = tl.load(mixed_ptr + rows_v + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        if BF16_DOTS:
+        if BF16_FACTORS:
             wb = _dot_bf16(inv, beta[:, None] * vb)
         else:
             wb = tl.dot(inv, beta[:, None] * vb, input_precision=PRECISION)
@@ -846,7 +818,7 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
 def _gdn_chunk_scan_kernel(mixed_ptr, kscale_ptr, w_ptr, kd_ptr, glast_ptr, chunk_ptr, req_chunk_ptr, slot_ptr,
                            state_ptr, hs_ptr, u_ptr, trash, C, HV, GROUP, DK: tl.constexpr, DV: tl.constexpr,
                            KEY_DIM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
-                           PRECISION: tl.constexpr, BF16_DOTS: tl.constexpr):
+                           PRECISION: tl.constexpr, BF16_FACTORS: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -870,7 +842,7 @@ def _gdn_chunk_scan_kernel(mixed_ptr, kscale_ptr, w_ptr, kd_ptr, glast_ptr, chun
         w = tl.load(w_ptr + (t[:, None] * HV + h) * DV + vs[None, :], mask=vmask, other=0.0)
         tl.store(hs_ptr + ((ch * HV + h) * DK + ks[:, None]) * DV + vs[None, :], S.to(hs_ptr.dtype.element_ty),
                  mask=smask)
-        if BF16_DOTS:  # the state rounded to bf16 in both products, as fla-core does; S itself stays fp32
+        if BF16_FACTORS:  # the state rounded to bf16 in both products, as fla-core does; S itself stays fp32
             u = w.to(tl.float32) - _dot_bf16(kd, S)
             step = _dot_bf16(tl.trans(k), u * kscale[:, None])
         else:
@@ -906,13 +878,12 @@ def _gdn_chunk_out_kernel(mixed_ptr, qscale_ptr, p_ptr, hs_ptr, u_ptr, chunk_ptr
 
 GDN_PREP_CONFIG = (4, 1, 64)  # (warps, stages, column block) of the parallel prep kernel: best in run G4
 GDN_SCAN_CONFIG = (64, 4, 3)  # (block of dv, warps, stages) of the sequential kernel: best in runs G2 and G3
-# How a bf16 model keeps the WY factors Kd and W between the prep and the scan kernel: "fp32"; "bf16" (stored in
-# bf16, the scan's products still TF32 on the fp32 state); "bf16-dots" (stored in bf16, formed from the inverse
-# rounded to bf16, and the scan's two products take the state rounded to bf16, as fla-core's do). An fp32 model
-# keeps fp32 unless a caller asks otherwise.
-GDN_FACTOR_MODES = ("fp32", "bf16", "bf16-dots")
-GDN_FACTORS = "fp32"
-GDN_BLOCK_INVERSE = False  # the chunk's (I + A)^-1 by 16-row blocks (four products) instead of the series (eleven)
+# The precision of the WY factors Kd and W. "bf16": formed from the inverse rounded to bf16, stored in bf16, and
+# applied in the scan to the state rounded to bf16 (S itself stays fp32), as fla-core does: 1.35x faster than
+# "fp32" at the 27B heads, with fla-core's accuracy (run J1, kernels.md). "fp32": fp32 factors and TF32 products,
+# about 5x closer to the fp32 reference in the final state. A bf16 model takes GDN_FACTORS, an fp32 model "fp32".
+GDN_FACTOR_MODES = ("fp32", "bf16")
+GDN_FACTORS = "bf16"
 
 
 def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads: int, head_k_dim: int,
@@ -965,8 +936,7 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
     _gdn_chunk_prep_kernel[(n, HV)](
         mixed, a, b, A_log, dt_bias, chunk_table, kscale, qscale, w, kd, P, glast, C, a.stride(0), HV,
         HV // num_k_heads, dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK,
-        BH=min(prep_config[2], _pow2(max(dk, dv))), PRECISION=precision, BF16_DOTS=factors == "bf16-dots",
-        BLOCK_INVERSE=GDN_BLOCK_INVERSE,
+        BH=min(prep_config[2], _pow2(max(dk, dv))), PRECISION=precision, BF16_FACTORS=factors == "bf16",
         num_warps=prep_config[0],
         num_stages=prep_config[1])
     hs = torch.empty(n, HV, dk, dv, dtype=dt, device=dev)
@@ -976,7 +946,7 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
     _gdn_chunk_scan_kernel[(requests, HV, triton.cdiv(dv, BVB))](
         mixed, kscale, w, kd, glast, chunk_table, req_chunks, slots, ssm_state, hs, u, ssm_state.shape[0] - 1, C, HV,
         HV // num_k_heads, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BVB=BVB,
-        PRECISION=precision, BF16_DOTS=factors == "bf16-dots", num_warps=warps, num_stages=stages)
+        PRECISION=precision, BF16_FACTORS=factors == "bf16", num_warps=warps, num_stages=stages)
     out = torch.empty(T, HV, dv, dtype=dt, device=dev)
     BVO = min(64, _pow2(dv))
     _gdn_chunk_out_kernel[(n, HV, triton.cdiv(dv, BVO))](
