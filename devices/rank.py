@@ -205,7 +205,11 @@ class RankRuntime:
 
     # The step -------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, cmd: StepCommand) -> StepResult | None:
+    def execute(self, cmd: StepCommand, on_launched: Callable[[], None] = lambda: None) -> StepResult | None:
+        """Run one step; `on_launched()` once the decode graph is queued on the GPU (at the start, when this step
+        has no graph to launch: on the CPU, eager, prefill only)."""
+        if self.decode_runner is None or not cmd.decode_tokens:
+            on_launched()
         self._apply_slot_changes(cmd)
         for p in cmd.prefill:
             if p.sampling is not None:
@@ -225,6 +229,7 @@ class RankRuntime:
             batch = self.inputs.batch(cmd.bucket)
             if self.decode_runner is not None:
                 decode_logits = self.decode_runner(cmd.bucket, batch)
+                on_launched()
             else:
                 decode_logits = self.model.decode(self.state, batch)
             decode_logits = decode_logits[:n]

@@ -8,6 +8,7 @@ state; on CUDA, warm up and capture the decode graphs. Shutdown destroys graphs,
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -26,6 +27,11 @@ from .rank import RankRuntime
 from .worker import WorkerGroup
 
 log = logging.getLogger(__name__)
+
+# The longest start_step waits for the ranks to launch: their host work before a graph's launch (slot changes, the
+# inputs' copies) takes a fraction of a millisecond; a step that takes longer (a bucket the capability gate left
+# eager) no longer holds up the loop.
+LAUNCH_WAIT_S = 2e-3
 
 
 @dataclass
@@ -193,16 +199,27 @@ class Replica:
 
     # Steps ----------------------------------------------------------------------------------------------------------
     def start_step(self, cmd: StepCommand) -> Awaitable[StepResult]:
-        """Hand `cmd` to every rank now, before the caller does anything else; await the result (rank 0's)."""
-        return self._result(self.group.submit(lambda rank: self._execute(rank, cmd)))
+        """Hand `cmd` to every rank now, and return once each has launched its decode step (at most
+        LAUNCH_WAIT_S later); await the result (rank 0's). The caller's work after the hand-off (the last step's
+        outputs, in Python) would otherwise hold the GIL while the ranks need it to launch, and the GPU would wait
+        for it: a thread waiting for the GIL gets it only after the switch interval."""
+        launched = [threading.Event() for _ in self.ranks]
+        futures = self.group.submit(lambda rank: self._execute(rank, cmd, launched[rank].set))
+        deadline = time.monotonic() + LAUNCH_WAIT_S
+        for event in launched:  # releases the GIL while it waits
+            event.wait(max(0.0, deadline - time.monotonic()))
+        return self._result(futures)
 
     async def _result(self, futures) -> StepResult:
         return (await self.group.gather(futures))[0]
 
-    def _execute(self, rank: int, cmd: StepCommand) -> StepResult | None:
+    def _execute(self, rank: int, cmd: StepCommand, on_launched) -> StepResult | None:
         r = self.ranks[rank]
-        with r.backend.context():
-            return r.runtime.execute(cmd)
+        try:
+            with r.backend.context():
+                return r.runtime.execute(cmd, on_launched)
+        finally:
+            on_launched()  # a step that failed, or launched nothing, releases the caller too
 
     # Shutdown -------------------------------------------------------------------------------------------------------
     async def close(self) -> None:

@@ -1,6 +1,7 @@
 """The asyncio engine end to end on the CPU device with a tiny checkpoint."""
 
 import asyncio
+import time
 
 import pytest
 from helpers import CpuRunner
@@ -145,6 +146,49 @@ def test_each_step_is_handed_over_before_the_last_steps_outputs_are_made(tiny_ck
     assert final.finish_reason == "length" and len(final.token_ids) == 12
     assert "".join(o.delta_text for o in outputs) == final.text
     assert [t for o in outputs for t in o.delta_token_ids] == final.token_ids
+
+
+@pytest.mark.parametrize("wake_s,wait_s", [(0.005, 1.0), (0.05, 0.001)])
+def test_the_hand_off_returns_once_every_rank_has_launched(tiny_ckpt, monkeypatch, wake_s, wait_s):
+    """start_step keeps the event loop (and the GIL) away from the ranks until each has launched its step (here,
+    with no graph to launch, until each has started), but never longer than LAUNCH_WAIT_S."""
+    import devices.replica
+    from devices.rank import RankRuntime
+
+    execute, started = RankRuntime.execute, {}
+
+    def late_rank(runtime, cmd, *args):
+        time.sleep(wake_s)  # a rank thread that wakes late
+        started[runtime.rank] = time.perf_counter()
+        return execute(runtime, cmd, *args)
+
+    monkeypatch.setattr(RankRuntime, "execute", late_rank)
+    monkeypatch.setattr(devices.replica, "LAUNCH_WAIT_S", wait_s)
+
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt, tp=2)) as engine:
+            stream = engine.generate("the cat", SamplingParams(max_tokens=3, ignore_eos=True, **GREEDY))
+            handed = []
+            start_step = engine.replica.start_step
+
+            def timed_start_step(cmd):
+                started.clear()
+                called = time.perf_counter()
+                step = start_step(cmd)
+                handed.append((called, time.perf_counter(), dict(started)))
+                return step
+
+            engine.replica.start_step = timed_start_step
+            outs = [out async for out in stream]
+            return handed, outs
+
+    handed, outs = run(main())
+    assert len(handed) >= 3 and outs[-1].finished and len(outs[-1].token_ids) == 3
+    for called, returned, ranks in handed:
+        if wait_s > wake_s:
+            assert sorted(ranks) == [0, 1] and max(ranks.values()) <= returned
+        else:
+            assert not ranks and returned - called < wake_s / 2
 
 
 def test_stop_strings_stop_tokens_min_tokens_and_logprobs(tiny_ckpt):

@@ -46,12 +46,12 @@ class StepTimer:
             timer._handed = time.perf_counter()  # the ranks cannot start before it, nor the next hand-off come
             return start_step(replica, cmd)
 
-        def timed_execute(runtime, cmd):
+        def timed_execute(runtime, cmd, *args):
             if runtime.rank == 0:  # only rank 0 samples
                 timer._sampling = 0.0
             started = time.perf_counter()
             try:
-                return execute(runtime, cmd)
+                return execute(runtime, cmd, *args)
             finally:
                 if runtime.rank == 0:
                     timer.steps.append((timer._handed, started, time.perf_counter(), timer._sampling))
