@@ -1,7 +1,8 @@
 """Device worker threads: one per rank, each with its command queue (and, on CUDA, its own stream).
 
-The event loop never blocks on a device: `WorkerGroup.call` puts one command on every rank's queue and awaits
-futures that the worker threads resolve with `loop.call_soon_threadsafe`. Every rank runs the same commands
+The event loop never waits for a device to compute: `WorkerGroup.call` puts one command on every rank's queue and
+awaits futures that the worker threads resolve with `loop.call_soon_threadsafe`. (A decode step's hand-off,
+`Replica.start_step`, waits at most 2 ms for the ranks' threads to launch it, never for the GPU to run it.) Every rank runs the same commands
 in the same order. A rank that fails, or a step that outlives the watchdog, poisons the replica: the group
 refuses every later command, aborts the collectives so no rank waits forever, and the engine ends every live
 request with an error.

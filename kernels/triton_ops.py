@@ -880,7 +880,7 @@ GDN_PREP_CONFIG = (4, 1, 64)  # (warps, stages, column block) of the parallel pr
 GDN_SCAN_CONFIG = (64, 4, 3)  # (block of dv, warps, stages) of the sequential kernel: best in runs G2 and G3
 # The precision of the WY factors Kd and W. "bf16": formed from the inverse rounded to bf16, stored in bf16, and
 # applied in the scan to the state rounded to bf16 (S itself stays fp32), as fla-core does: 1.35x faster than
-# "fp32" at the 27B heads, with fla-core's accuracy (run J1, kernels.md). "fp32": fp32 factors and TF32 products,
+# "fp32" at the 27B heads, with fla-core's accuracy (runs J1-J5, kernels.md). "fp32": fp32 factors and TF32 products,
 # about 5x closer to the fp32 reference in the final state. A bf16 model takes GDN_FACTORS, an fp32 model "fp32".
 GDN_FACTOR_MODES = ("fp32", "bf16")
 GDN_FACTORS = "bf16"
@@ -937,8 +937,7 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
         mixed, a, b, A_log, dt_bias, chunk_table, kscale, qscale, w, kd, P, glast, C, a.stride(0), HV,
         HV // num_k_heads, dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK,
         BH=min(prep_config[2], _pow2(max(dk, dv))), PRECISION=precision, BF16_FACTORS=factors == "bf16",
-        num_warps=prep_config[0],
-        num_stages=prep_config[1])
+        num_warps=prep_config[0], num_stages=prep_config[1])
     hs = torch.empty(n, HV, dk, dv, dtype=dt, device=dev)
     u = torch.empty(T, HV, dv, dtype=dt, device=dev)
     block_v, warps, stages = scan_config
