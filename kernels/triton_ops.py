@@ -846,7 +846,7 @@ def _gdn_chunk_scan_kernel(mixed_ptr, kscale_ptr, w_ptr, kd_ptr, glast_ptr, chun
             u = w.to(tl.float32) - _dot_bf16(kd, S)
             step = _dot_bf16(tl.trans(k), u * kscale[:, None])
         else:
-            u = w.to(tl.float32) - tl.dot(kd.to(tl.float32), S, input_precision=PRECISION)
+            u = w - tl.dot(kd, S, input_precision=PRECISION)
             step = tl.dot(tl.trans(k.to(tl.float32)), u * kscale[:, None], input_precision=PRECISION)
         tl.store(u_ptr + (t[:, None] * HV + h) * DV + vs[None, :], u.to(u_ptr.dtype.element_ty), mask=vmask)
         S = S * tl.exp(tl.load(glast_ptr + ch * HV + h)) + step
@@ -877,10 +877,12 @@ def _gdn_chunk_out_kernel(mixed_ptr, qscale_ptr, p_ptr, hs_ptr, u_ptr, chunk_ptr
 
 
 GDN_PREP_CONFIG = (4, 1, 64)  # (warps, stages, column block) of the parallel prep kernel: best in run G4
-GDN_SCAN_CONFIG = (64, 4, 3)  # (block of dv, warps, stages) of the sequential kernel: best in runs G2 and G3
+# (block of dv, warps, stages) of the sequential kernel, by factor precision: best in runs G2 and G3 (fp32) and J6
+# (bf16: 918 against 968 us for (64, 4, 3) at the 27B heads, 702 against 771 at the 4B heads).
+GDN_SCAN_CONFIG = {"fp32": (64, 4, 3), "bf16": (32, 4, 2)}
 # The precision of the WY factors Kd and W. "bf16": formed from the inverse rounded to bf16, stored in bf16, and
-# applied in the scan to the state rounded to bf16 (S itself stays fp32), as fla-core does: 1.35x faster than
-# "fp32" at the 27B heads, with fla-core's accuracy (runs J1-J5, kernels.md). "fp32": fp32 factors and TF32 products,
+# applied in the scan to the state rounded to bf16 (S itself stays fp32), as fla-core does: 1.4x faster than
+# "fp32" at the 27B heads, with fla-core's accuracy (runs J1-J7, kernels.md). "fp32": fp32 factors and TF32 products,
 # about 5x closer to the fp32 reference in the final state. A bf16 model takes GDN_FACTORS, an fp32 model "fp32".
 GDN_FACTOR_MODES = ("fp32", "bf16")
 GDN_FACTORS = "bf16"
@@ -891,8 +893,8 @@ def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k
                 factors: str | None = None):
     """Same contract as reference.gdn_prefill (chunked WY GDN from each request's slot state). Without `chunks`
     (the forward passes its batch's) the chunk layout is built here, reading `cu_seqlens` back from the device.
-    `scan_config`, `prep_config` and `factors` override GDN_SCAN_CONFIG, GDN_PREP_CONFIG and GDN_FACTORS (the
-    benchmark sweeps them)."""
+    `scan_config`, `prep_config` and `factors` override GDN_SCAN_CONFIG[factors], GDN_PREP_CONFIG and GDN_FACTORS
+    (the benchmark sweeps them)."""
     mixed = mixed.contiguous()
     if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
         a, b = a.contiguous(), b.contiguous()
@@ -902,7 +904,7 @@ def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k
     chunks = chunks or reference.GdnChunks.build(cu_seqlens.tolist(), mixed.device)
     try:
         return _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads, chunks, head_k_dim,
-                                   head_v_dim, scan_config or GDN_SCAN_CONFIG, prep_config or GDN_PREP_CONFIG,
+                                   head_v_dim, scan_config, prep_config or GDN_PREP_CONFIG,
                                    factors or ("fp32" if mixed.dtype == torch.float32 else GDN_FACTORS))
     except OutOfResources as exc:  # a capability gate, decided once per process
         log.warning("Triton chunked GDN prefill does not fit this GPU (%s); using the torch chunked form", exc)
@@ -940,7 +942,7 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
         num_warps=prep_config[0], num_stages=prep_config[1])
     hs = torch.empty(n, HV, dk, dv, dtype=dt, device=dev)
     u = torch.empty(T, HV, dv, dtype=dt, device=dev)
-    block_v, warps, stages = scan_config
+    block_v, warps, stages = scan_config or GDN_SCAN_CONFIG[factors]
     BVB = min(block_v, _pow2(dv))
     _gdn_chunk_scan_kernel[(requests, HV, triton.cdiv(dv, BVB))](
         mixed, kscale, w, kd, glast, chunk_table, req_chunks, slots, ssm_state, hs, u, ssm_state.shape[0] - 1, C, HV,
