@@ -146,10 +146,11 @@ def test_gdn_matches_fla_core():
 def test_triton_gdn_prefill_at_real_shapes(T, size):
     """Both factor precisions against the fp32 reference on packed requests from slots; the bf16 factors (what a
     bf16 model runs) also against fla-core's error on the same case, when it is installed."""
-    from tools.bench_kernels import fla_prefill, gdn_prefill_case, gdn_prefill_errors
+    from tools.bench_kernels import fla_prefill, gdn_prefill_case, gdn_prefill_errors, gdn_prefill_reference
 
     case = gdn_prefill_case(ModelConfig.from_dict(text_config(size, 248320)))
-    errors = {mode: gdn_prefill_errors(case, lambda **c: T.gdn_prefill(**c, factors=mode))
+    reference = gdn_prefill_reference(case)
+    errors = {mode: gdn_prefill_errors(case, lambda **c: T.gdn_prefill(**c, factors=mode), reference)
               for mode in T.GDN_FACTOR_MODES}
     (out_fp32, state_fp32), (out_bf16, state_bf16) = errors["fp32"], errors["bf16"]
     assert out_fp32 <= BF16_TOL and state_fp32 <= 5e-3
@@ -158,7 +159,7 @@ def test_triton_gdn_prefill_at_real_shapes(T, size):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return
-    fla_out, fla_state = gdn_prefill_errors(case, lambda **c: fla_prefill(chunk_gated_delta_rule, **c))
+    fla_out, fla_state = gdn_prefill_errors(case, lambda **c: fla_prefill(chunk_gated_delta_rule, **c), reference)
     assert out_bf16 <= 2 * fla_out and state_bf16 <= 2 * fla_state, (errors, fla_out, fla_state)
 
 

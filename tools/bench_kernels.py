@@ -260,19 +260,25 @@ def gdn_prefill_case(cfg, dev="cuda", seed=0) -> dict:
                 slots=torch.tensor([2, 0, 3, 1], device=dev), num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
 
 
-def gdn_prefill_errors(case: dict, call) -> tuple[float, float]:
-    """Largest error of `call(**case)` (which updates its ssm_state) against the fp32 reference, relative to the
-    reference's largest value: (output, final states of the requests' slots). The case itself is left as it was."""
-    ref_case = dict(case, ssm_state=case["ssm_state"].clone(), mixed=case["mixed"].float())
-    ref = R.gdn_prefill(**ref_case)
+def gdn_prefill_reference(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 reference's output and final slot states for `case` (which is left as it was)."""
+    state = case["ssm_state"].clone()
+    out = R.gdn_prefill(**dict(case, ssm_state=state, mixed=case["mixed"].float()))
+    return out, state
+
+
+def gdn_prefill_errors(case: dict, call, reference: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
+    """Largest error of `call(**case)` (which updates its ssm_state) against `gdn_prefill_reference(case)`,
+    relative to the reference's largest value: (output, final states of the requests' slots)."""
     run_case = dict(case, ssm_state=case["ssm_state"].clone())
     got = call(**run_case)
     used = run_case["slots"]
+    ref_out, ref_state = reference
 
     def rel(x, y):
         return ((x.float() - y).abs().max() / y.abs().max()).item()
 
-    return rel(got, ref), rel(run_case["ssm_state"][used], ref_case["ssm_state"][used])
+    return rel(got, ref_out), rel(run_case["ssm_state"][used], ref_state[used])
 
 
 def fla_prefill(chunk_gated_delta_rule, mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k_heads,
@@ -294,12 +300,13 @@ def fla_prefill(chunk_gated_delta_rule, mixed, a, b, A_log, dt_bias, ssm_state, 
 
 def prefill_accuracy(cfg, rows, chunk_gated_delta_rule) -> None:
     case = gdn_prefill_case(cfg)
+    reference = gdn_prefill_reference(case)
     shape = "4 requests, 2765 tokens"
     for mode in T.GDN_FACTOR_MODES:
-        out_err, state_err = gdn_prefill_errors(case, lambda **c: T.gdn_prefill(**c, factors=mode))
+        out_err, state_err = gdn_prefill_errors(case, lambda **c: T.gdn_prefill(**c, factors=mode), reference)
         rows.append((f"gdn_prefill accuracy, factors {mode}", shape, None, "",
                      f"error vs fp32 reference: output {out_err:.1e}, state {state_err:.1e}"))
-    out_err, state_err = gdn_prefill_errors(case, lambda **c: fla_prefill(chunk_gated_delta_rule, **c))
+    out_err, state_err = gdn_prefill_errors(case, lambda **c: fla_prefill(chunk_gated_delta_rule, **c), reference)
     rows.append(("fla chunk_gated_delta_rule accuracy", shape, None, "",
                  f"error vs fp32 reference: output {out_err:.1e}, state {state_err:.1e}"))
 
