@@ -2,10 +2,10 @@
 
 The event loop never waits for a device to compute: `WorkerGroup.call` puts one command on every rank's queue and
 awaits futures that the worker threads resolve with `loop.call_soon_threadsafe`. (A decode step's hand-off,
-`Replica.start_step`, waits at most 2 ms for the ranks' threads to launch it, never for the GPU to run it.) Every rank runs the same commands
-in the same order. A rank that fails, or a step that outlives the watchdog, poisons the replica: the group
-refuses every later command, aborts the collectives so no rank waits forever, and the engine ends every live
-request with an error.
+`Replica.start_step`, waits at most `LAUNCH_WAIT_S` for the ranks' threads to launch it, never for the GPU to run
+it.) Every rank runs the same commands in the same order. A rank that fails, or a step that outlives the
+watchdog, poisons the replica: the group refuses every later command, aborts the collectives so no rank waits
+forever, and the engine ends every live request with an error.
 """
 
 from __future__ import annotations
