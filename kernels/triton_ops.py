@@ -32,12 +32,12 @@ BF16_MMA = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
-def _dot_bf16(a, b):
-    """a @ b on operands rounded to bf16, accumulated in fp32."""
+def _dot_bf16(a, b, acc=None):
+    """acc + a @ b on operands rounded to bf16, accumulated in fp32."""
     a, b = a.to(tl.bfloat16), b.to(tl.bfloat16)
     if BF16_MMA:
-        return tl.dot(a, b)
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b, acc)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -742,18 +742,21 @@ CHUNK = reference.GDN_CHUNK
 
 @triton.jit
 def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr, kscale_ptr, qscale_ptr, w_ptr,
-                           kd_ptr, p_ptr, glast_ptr, C, ab_row_stride, HV, GROUP, scale,
+                           kd_ptr, p_ptr, glast_ptr, ab_row_stride, HV: tl.constexpr, GROUP: tl.constexpr, scale,
                            DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr, BT: tl.constexpr,
                            BH: tl.constexpr, PRECISION: tl.constexpr, BF16_FACTORS: tl.constexpr):
     ch = tl.program_id(0)
     h = tl.program_id(1)
+    # As in the scan: constant row strides from scalar bases, so the tiles' offsets need no 64-bit registers.
+    C: tl.constexpr = 2 * KEY_DIM + HV * DV
     start = tl.load(chunk_ptr + 2 * ch).to(tl.int64)
-    end = tl.load(chunk_ptr + 2 * ch + 1).to(tl.int64)
-    t = start + tl.arange(0, BT)
-    tmask = t < end
+    rows = tl.arange(0, BT)
+    tmask = rows < tl.load(chunk_ptr + 2 * ch + 1) - start
     cols = tl.arange(0, BH)
-    rows_k = t[:, None] * C + KEY_DIM + (h // GROUP) * DK  # k of this head's rows in mixed; q is KEY_DIM before
-    rows_v = t[:, None] * C + 2 * KEY_DIM + h * DV
+    k_rows = mixed_ptr + start * C + KEY_DIM + (h // GROUP) * DK + rows[:, None] * C  # q is KEY_DIM before k
+    v_rows = mixed_ptr + start * C + 2 * KEY_DIM + h * DV + rows[:, None] * C
+    first_row = start * HV + h  # this head's first row in the [T, HV, ...] outputs, and its rows' steps
+    steps = rows * HV
     # Every [BT, dk] or [BT, dv] product runs over column blocks of BH (64), so only [BT, BH] fp32 tiles are ever
     # live beside the [BT, BT] ones: whole 128-wide fp32 tiles made this kernel spill kilobytes a thread.
     gram = tl.zeros([BT, BT], tl.float32)
@@ -762,8 +765,8 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
     q_sq = tl.zeros([BT], tl.float32)
     for c0 in tl.static_range(0, DK, BH):
         m = tmask[:, None] & (c0 + cols[None, :] < DK)
-        k_raw = tl.load(mixed_ptr + rows_k + c0 + cols[None, :], mask=m, other=0.0)
-        q_raw = tl.load(mixed_ptr + rows_k - KEY_DIM + c0 + cols[None, :], mask=m, other=0.0)
+        k_raw = tl.load(k_rows + c0 + cols[None, :], mask=m, other=0.0)
+        q_raw = tl.load(k_rows - KEY_DIM + c0 + cols[None, :], mask=m, other=0.0)
         kb, qb = k_raw.to(tl.float32), q_raw.to(tl.float32)
         k_sq += tl.sum(kb * kb, axis=1)
         q_sq += tl.sum(qb * qb, axis=1)
@@ -773,83 +776,116 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
     rk = 1.0 / tl.sqrt(k_sq + 1e-6)  # the l2 norms, applied to the Gram products by rank-one scaling
     rq = scale / tl.sqrt(q_sq + 1e-6)
     rk_col = tl.reshape(rk, (1, BT))
-    a = tl.load(a_ptr + t * ab_row_stride + h, mask=tmask, other=0.0).to(tl.float32) + tl.load(dtb_ptr + h)
+    ab_rows = (start + rows) * ab_row_stride + h
+    a = tl.load(a_ptr + ab_rows, mask=tmask, other=0.0).to(tl.float32) + tl.load(dtb_ptr + h)
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
     g = tl.where(tmask, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)
-    beta = tl.where(tmask, 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + t * ab_row_stride + h, mask=tmask, other=0.0)
-                                                .to(tl.float32))), 0.0)
+    beta = tl.where(tmask, 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + ab_rows, mask=tmask, other=0.0).to(tl.float32))), 0.0)
     c = tl.cumsum(g, axis=0)
     c_last = tl.min(c, axis=0)  # c never increases; padding rows repeat the last value
     i = tl.arange(0, BT)[:, None]
     j = tl.arange(0, BT)[None, :]
     P = (rq[:, None] * qk * rk_col) * tl.exp(tl.where(i >= j, c[:, None] - c[None, :], float("-inf")))
-    tl.store(p_ptr + (t[:, None] * HV + h) * BT + j, P.to(p_ptr.dtype.element_ty), mask=tmask[:, None])
+    tl.store(p_ptr + first_row * BT + steps[:, None] * BT + j, P.to(p_ptr.dtype.element_ty), mask=tmask[:, None])
     A = (beta * rk)[:, None] * gram * rk_col * tl.exp(tl.where(i > j, c[:, None] - c[None, :], float("-inf")))
-    eye = tl.where(i == j, 1.0, 0.0)
-    inv = eye - A
+    inv = tl.where(i == j, 1.0, 0.0) - A
     power = tl.dot(A, A, input_precision=PRECISION)
-    for step in tl.static_range(5):
-        inv = tl.dot(inv, eye + power, input_precision=PRECISION)
+    for step in tl.static_range(5):  # inv (I + power) as inv + inv power: no identity tile stays live
+        inv = tl.dot(inv, power, inv, input_precision=PRECISION)
         if step < 4:
             power = tl.dot(power, power, input_precision=PRECISION)
+    if BF16_FACTORS:
+        inv = inv.to(tl.bfloat16)  # rounded once for the four products below
     kd_row = (beta * tl.exp(c) * rk)[:, None]
     for c0 in tl.static_range(0, DK, BH):
         m = tmask[:, None] & (c0 + cols[None, :] < DK)
-        kb = tl.load(mixed_ptr + rows_k + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        kb = tl.load(k_rows + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
         if BF16_FACTORS:
             kd = _dot_bf16(inv, kd_row * kb)  # the factors' products in bf16, as fla-core's
         else:
             kd = tl.dot(inv, kd_row * kb, input_precision=PRECISION)
-        tl.store(kd_ptr + (t[:, None] * HV + h) * DK + c0 + cols[None, :], kd.to(kd_ptr.dtype.element_ty), mask=m)
+        tl.store(kd_ptr + first_row * DK + steps[:, None] * DK + c0 + cols[None, :], kd.to(kd_ptr.dtype.element_ty),
+                 mask=m)
     for c0 in tl.static_range(0, DV, BH):
         m = tmask[:, None] & (c0 + cols[None, :] < DV)
-        vb = tl.load(mixed_ptr + rows_v + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        vb = tl.load(v_rows + c0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
         if BF16_FACTORS:
             wb = _dot_bf16(inv, beta[:, None] * vb)
         else:
             wb = tl.dot(inv, beta[:, None] * vb, input_precision=PRECISION)
-        tl.store(w_ptr + (t[:, None] * HV + h) * DV + c0 + cols[None, :], wb.to(w_ptr.dtype.element_ty), mask=m)
-    tl.store(kscale_ptr + t * HV + h, rk * tl.exp(c_last - c), mask=tmask)  # Ke = k as stored, times this
-    tl.store(qscale_ptr + t * HV + h, rq * tl.exp(c), mask=tmask)  # Qd = q as stored, times this
+        tl.store(w_ptr + first_row * DV + steps[:, None] * DV + c0 + cols[None, :], wb.to(w_ptr.dtype.element_ty),
+                 mask=m)
+    tl.store(kscale_ptr + first_row + steps, rk * tl.exp(c_last - c), mask=tmask)  # Ke = k as stored, times this
+    tl.store(qscale_ptr + first_row + steps, rq * tl.exp(c), mask=tmask)  # Qd = q as stored, times this
     tl.store(glast_ptr + ch * HV + h, c_last)
 
 
 @triton.jit
 def _gdn_chunk_scan_kernel(mixed_ptr, kscale_ptr, w_ptr, kd_ptr, glast_ptr, chunk_ptr, req_chunk_ptr, slot_ptr,
-                           state_ptr, hs_ptr, u_ptr, trash, C, HV, GROUP, DK: tl.constexpr, DV: tl.constexpr,
-                           KEY_DIM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr,
-                           PRECISION: tl.constexpr, BF16_FACTORS: tl.constexpr):
+                           state_ptr, hs_ptr, u_ptr, trash, HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
+                           DV: tl.constexpr, KEY_DIM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                           BVB: tl.constexpr, PRECISION: tl.constexpr, BF16_FACTORS: tl.constexpr):
+    # The row strides are compile-time constants (mixed is contiguous) and each chunk moves scalar base pointers
+    # only: per-element int64 offsets rebuilt from a loaded chunk start made this loop spill kilobytes a thread
+    # (396 against 258-267 us at the 27B heads, run K1).
+    C: tl.constexpr = 2 * KEY_DIM + HV * DV
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
     slot = tl.load(slot_ptr + r)
     slot = tl.where(slot < 0, trash, slot).to(tl.int64)
+    first = tl.load(req_chunk_ptr + r)
+    last = tl.load(req_chunk_ptr + r + 1)
+    some = first < last  # an empty request has no chunk to read
+    start = tl.load(chunk_ptr + 2 * first, mask=some, other=0).to(tl.int64)  # a request's chunks are contiguous
+    left = tl.load(chunk_ptr + 2 * last - 1, mask=some, other=0).to(tl.int64) - start  # from this chunk to the end
+    rows = tl.arange(0, BT)
     ks = tl.arange(0, BK)
     vs = vb * BVB + tl.arange(0, BVB)
-    smask = (ks[:, None] < DK) & (vs[None, :] < DV)
-    sptr = state_ptr + ((slot * HV + h) * DK + ks[:, None]) * DV + vs[None, :]
-    S = tl.load(sptr, mask=smask, other=0.0)
-    for ch in range(tl.load(req_chunk_ptr + r), tl.load(req_chunk_ptr + r + 1)):
-        t = tl.load(chunk_ptr + 2 * ch).to(tl.int64) + tl.arange(0, BT)
-        tmask = t < tl.load(chunk_ptr + 2 * ch + 1)
-        kmask = tmask[:, None] & (ks[None, :] < DK)
-        vmask = tmask[:, None] & (vs[None, :] < DV)
-        row_k = (t[:, None] * HV + h) * DK + ks[None, :]
-        kd = tl.load(kd_ptr + row_k, mask=kmask, other=0.0)
-        # Ke^T u = k^T (kscale u), k as stored: a quarter of the bytes of an fp32 Ke from the prep kernel.
-        k = tl.load(mixed_ptr + t[:, None] * C + KEY_DIM + (h // GROUP) * DK + ks[None, :], mask=kmask, other=0.0)
-        kscale = tl.load(kscale_ptr + t * HV + h, mask=tmask, other=0.0)
-        w = tl.load(w_ptr + (t[:, None] * HV + h) * DV + vs[None, :], mask=vmask, other=0.0)
-        tl.store(hs_ptr + ((ch * HV + h) * DK + ks[:, None]) * DV + vs[None, :], S.to(hs_ptr.dtype.element_ty),
-                 mask=smask)
+    # Masks cost registers this loop has none to spare for: where the tiles cover whole heads, only rows have them.
+    WHOLE: tl.constexpr = (BK == DK) & (DV % BVB == 0)
+    sptr = state_ptr + (slot * HV + h) * DK * DV + ks[:, None] * DV + vs[None, :]
+    if WHOLE:
+        smask = None
+        columns = tl.full([1, BK], 1, tl.int1)
+        S = tl.load(sptr)
+    else:
+        smask = (ks[:, None] < DK) & (vs[None, :] < DV)
+        columns = ks[None, :] < DK
+        S = tl.load(sptr, mask=smask, other=0.0)
+    kd_base = kd_ptr + (start * HV + h) * DK
+    k_base = mixed_ptr + start * C + KEY_DIM + (h // GROUP) * DK
+    w_base = w_ptr + (start * HV + h) * DV  # u has w's layout
+    u_base = u_ptr + (start * HV + h) * DV
+    kscale_base = kscale_ptr + start * HV + h
+    hs_base = hs_ptr + (first.to(tl.int64) * HV + h) * DK * DV
+    for ch in range(first, last):
+        tmask = rows < left
+        kmask = tmask[:, None] & columns
+        vmask = tmask[:, None] if WHOLE else tmask[:, None] & (vs[None, :] < DV)
+        tl.store(hs_base + ks[:, None] * DV + vs[None, :], S.to(hs_ptr.dtype.element_ty), mask=smask)
+        kd = tl.load(kd_base + rows[:, None] * (HV * DK) + ks[None, :], mask=kmask, other=0.0)
         if BF16_FACTORS:  # the state rounded to bf16 in both products, as fla-core does; S itself stays fp32
-            u = w.to(tl.float32) - _dot_bf16(kd, S)
-            step = _dot_bf16(tl.trans(k), u * kscale[:, None])
+            kd_s = _dot_bf16(kd, S)
         else:
-            u = w - tl.dot(kd, S, input_precision=PRECISION)
-            step = tl.dot(tl.trans(k.to(tl.float32)), u * kscale[:, None], input_precision=PRECISION)
-        tl.store(u_ptr + (t[:, None] * HV + h) * DV + vs[None, :], u.to(u_ptr.dtype.element_ty), mask=vmask)
-        S = S * tl.exp(tl.load(glast_ptr + ch * HV + h)) + step
+            kd_s = tl.dot(kd, S, input_precision=PRECISION)
+        u = tl.load(w_base + rows[:, None] * (HV * DV) + vs[None, :], mask=vmask, other=0.0).to(tl.float32) - kd_s
+        tl.store(u_base + rows[:, None] * (HV * DV) + vs[None, :], u.to(u_ptr.dtype.element_ty), mask=vmask)
+        # Ke^T u = k^T (kscale u), k as stored: a quarter of the bytes of an fp32 Ke from the prep kernel.
+        u *= tl.load(kscale_base + rows * HV, mask=tmask, other=0.0)[:, None]
+        decayed = S * tl.exp(tl.load(glast_ptr + ch * HV + h))
+        k = tl.load(k_base + rows[:, None] * C + ks[None, :], mask=kmask, other=0.0)
+        if BF16_FACTORS:
+            S = _dot_bf16(tl.trans(k), u, decayed)
+        else:
+            S = tl.dot(tl.trans(k.to(tl.float32)), u, decayed, input_precision=PRECISION)
+        left -= BT
+        hs_base += HV * DK * DV
+        kd_base += BT * HV * DK
+        k_base += BT * C
+        w_base += BT * HV * DV
+        u_base += BT * HV * DV
+        kscale_base += BT * HV
     tl.store(sptr, S, mask=smask)
 
 
@@ -877,9 +913,26 @@ def _gdn_chunk_out_kernel(mixed_ptr, qscale_ptr, p_ptr, hs_ptr, u_ptr, chunk_ptr
 
 
 GDN_PREP_CONFIG = (4, 1, 64)  # (warps, stages, column block) of the parallel prep kernel: best in run G4
-# (block of dv, warps, stages) of the sequential kernel, by factor precision: best in runs G2 and G3 (fp32) and J6
-# (bf16: 918 against 968 us for (64, 4, 3) at the 27B heads, 702 against 771 at the 4B heads).
-GDN_SCAN_CONFIG = {"fp32": (64, 4, 3), "bf16": (32, 4, 2)}
+# (block of dv, warps, stages) of the sequential kernel. Its programs walk their request's chunks one after another,
+# so a batch of few long requests is bound by that walk's latency: narrow blocks, and three stages (which leave room
+# for one program an SM), pay while every program runs at once; once they take turns, wide blocks (k and Kd read
+# half as often) and two stages (two programs an SM) do. Run K2, bf16 factors, 8k tokens as 1 to 64 requests: this
+# choice was the fastest of the four in every layout at the 4B and 27B heads (1x8k: 197 us narrow against 249 wide
+# at the 4B heads, 269 one-wave against 325 two-stage at the 27B heads), and within 1.09x of it with fp32 factors.
+GDN_SCAN_NARROW = (32, 4, 3)
+GDN_SCAN_WIDE_ONE_WAVE = (64, 4, 3)
+GDN_SCAN_WIDE = (64, 4, 2)
+
+
+def gdn_scan_config(requests: int, v_heads: int, dv: int, device: torch.device) -> tuple:
+    sms = multiprocessors(device)
+    if requests * v_heads * triton.cdiv(dv, GDN_SCAN_NARROW[0]) <= sms:
+        return GDN_SCAN_NARROW
+    if requests * v_heads * triton.cdiv(dv, GDN_SCAN_WIDE_ONE_WAVE[0]) <= sms:
+        return GDN_SCAN_WIDE_ONE_WAVE
+    return GDN_SCAN_WIDE
+
+
 # The precision of the WY factors Kd and W. "bf16": formed from the inverse rounded to bf16, stored in bf16, and
 # applied in the scan to the state rounded to bf16 (S itself stays fp32), as fla-core does: 1.4x faster than
 # "fp32" at the 27B heads, with fla-core's accuracy (runs J1-J7, kernels.md). "fp32": fp32 factors and TF32 products,
@@ -893,7 +946,7 @@ def gdn_prefill(mixed, a, b, A_log, dt_bias, ssm_state, cu_seqlens, slots, num_k
                 factors: str | None = None):
     """Same contract as reference.gdn_prefill (chunked WY GDN from each request's slot state). Without `chunks`
     (the forward passes its batch's) the chunk layout is built here, reading `cu_seqlens` back from the device.
-    `scan_config`, `prep_config` and `factors` override GDN_SCAN_CONFIG[factors], GDN_PREP_CONFIG and GDN_FACTORS
+    `scan_config`, `prep_config` and `factors` override gdn_scan_config's choice, GDN_PREP_CONFIG and GDN_FACTORS
     (the benchmark sweeps them)."""
     mixed = mixed.contiguous()
     if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
@@ -920,6 +973,9 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
                         prep_config, factors):
     T, C = mixed.shape
     HV = a.shape[1]
+    if C != 2 * num_k_heads * dk + HV * dv:  # the kernels derive the row stride from the heads
+        raise ValueError(f"mixed has {C} columns; {num_k_heads} key heads of {dk} and {HV} value heads of {dv} make "
+                         f"{2 * num_k_heads * dk + HV * dv}")
     dev, dt = mixed.device, mixed.dtype
     precision = "tf32" if dt != torch.float32 else "ieee"  # fp32 models keep fp32 accuracy
     chunk_table, req_chunks = chunks.spans, chunks.first
@@ -936,17 +992,17 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
     P = torch.empty(T, HV, CHUNK, dtype=dt, device=dev)
     glast = torch.empty(n, HV, dtype=torch.float32, device=dev)
     _gdn_chunk_prep_kernel[(n, HV)](
-        mixed, a, b, A_log, dt_bias, chunk_table, kscale, qscale, w, kd, P, glast, C, a.stride(0), HV,
-        HV // num_k_heads, dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK,
+        mixed, a, b, A_log, dt_bias, chunk_table, kscale, qscale, w, kd, P, glast, a.stride(0), HV=HV,
+        GROUP=HV // num_k_heads, scale=dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK,
         BH=min(prep_config[2], _pow2(max(dk, dv))), PRECISION=precision, BF16_FACTORS=factors == "bf16",
         num_warps=prep_config[0], num_stages=prep_config[1])
     hs = torch.empty(n, HV, dk, dv, dtype=dt, device=dev)
     u = torch.empty(T, HV, dv, dtype=dt, device=dev)
-    block_v, warps, stages = scan_config or GDN_SCAN_CONFIG[factors]
+    block_v, warps, stages = scan_config or gdn_scan_config(requests, HV, dv, dev)
     BVB = min(block_v, _pow2(dv))
     _gdn_chunk_scan_kernel[(requests, HV, triton.cdiv(dv, BVB))](
-        mixed, kscale, w, kd, glast, chunk_table, req_chunks, slots, ssm_state, hs, u, ssm_state.shape[0] - 1, C, HV,
-        HV // num_k_heads, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BVB=BVB,
+        mixed, kscale, w, kd, glast, chunk_table, req_chunks, slots, ssm_state, hs, u, ssm_state.shape[0] - 1, HV=HV,
+        GROUP=HV // num_k_heads, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BVB=BVB,
         PRECISION=precision, BF16_FACTORS=factors == "bf16", num_warps=warps, num_stages=stages)
     out = torch.empty(T, HV, dv, dtype=dt, device=dev)
     BVO = min(64, _pow2(dv))

@@ -240,7 +240,8 @@ def _packed_gdn_requests(hk, hv, dk, dv):
     return case, R.GdnChunks.build(case["cu_seqlens"].tolist(), DEVICE)
 
 
-@pytest.mark.parametrize("hk,hv,dk,dv,column_block", [(2, 4, 16, 16, 32), (1, 2, 32, 16, 32), (1, 2, 32, 16, 16)])
+@pytest.mark.parametrize("hk,hv,dk,dv,column_block", [(2, 4, 16, 16, 32), (1, 2, 32, 16, 32), (1, 2, 32, 16, 16),
+                                                      (1, 2, 24, 20, 16)])  # heads the tiles overhang: masked
 def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv, column_block):
     case, chunks = _packed_gdn_requests(hk, hv, dk, dv)
     assert chunks.spans.tolist() == [[0, 1], [1, 65], [65, 129], [129, 193], [193, 215], [215, 252]]
@@ -254,6 +255,17 @@ def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv, column_block):
     assert rel(got, ref) <= REDUCTION
     assert rel(state[:5], ref_state[:5]) <= REDUCTION
     assert torch.equal(state[2], ref_state[2])  # a slot no request uses is untouched
+    with pytest.raises(ValueError, match="columns"):
+        T.gdn_prefill(**dict(case, mixed=case["mixed"][:, 1:]), chunks=chunks)
+
+
+def test_the_state_pass_config_follows_how_many_programs_the_gpu_holds_at_once():
+    cpu = torch.device("cpu")  # four "SMs": multiprocessors() on the CPU
+    assert T.multiprocessors(cpu) == 4
+    assert T.gdn_scan_config(1, 1, 128, cpu) == T.GDN_SCAN_NARROW  # 4 narrow programs fit
+    assert T.gdn_scan_config(1, 2, 128, cpu) == T.GDN_SCAN_WIDE_ONE_WAVE  # 8 narrow do not, 4 wide do
+    assert T.gdn_scan_config(2, 2, 128, cpu) == T.GDN_SCAN_WIDE  # 8 wide take turns
+    assert T.gdn_scan_config(1, 4, 32, cpu) == T.GDN_SCAN_NARROW  # one narrow block covers dv 32
 
 
 def test_chunked_gdn_prefill_with_bf16_factors():
