@@ -25,9 +25,9 @@ from tools.make_checkpoint import text_config
 
 
 PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)]  # (BLOCK_M, BLOCK_N, warps, stages)
-GDN_SCAN_SWEEP = [(32, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 8, 2),
-                  (64, 8, 2)]  # (block of dv, warps, stages)
-GDN_PREP_SWEEP = [(8, 1, 64), (4, 1, 32), (8, 2, 32), (4, 1, 16)]  # (warps, stages, column block)
+GDN_SCAN_SWEEP = [(32, 4, 3), (64, 4, 3), (32, 4, 2), (64, 4, 2), (64, 8, 2),
+                  (128, 8, 2)]  # (block of dv, warps, stages)
+GDN_PREP_SWEEP = [(4, 1, 64), (8, 1, 64), (8, 2, 64), (4, 1, 32), (8, 1, 32)]  # (warps, stages, column block)
 SAMPLER_SWEEP = [(1024, 4, 16), (1024, 4, 32), (1024, 4, 64), (512, 4, 64), (512, 2, 128), (2048, 4, 32),
                  (256, 2, 128)]  # (block, warps, splits per row) of the sampler's passes
 GEMV_SWEEP = [(2, 4096, 4, 1), (2, 2048, 2, 2), (2, 2048, 4, 2), (2, 1024, 2, 3), (4, 2048, 4, 2),
