@@ -311,6 +311,26 @@ def prefill_accuracy(cfg, rows, chunk_gated_delta_rule) -> None:
                  f"error vs fp32 reference: output {out_err:.1e}, state {state_err:.1e}"))
 
 
+def scan_layouts(rows, mixed, a, b, A_log, dt_bias, hk, dk, dv) -> None:
+    """The state pass's GPU time with each tile gdn_scan_config can choose, for the same tokens packed as 1 to 64
+    requests: the evidence for its choice."""
+    L, hv = mixed.shape[0], a.shape[1]
+    tiles = (T.GDN_SCAN_NARROW, T.GDN_SCAN_WIDE_ONE_WAVE, T.GDN_SCAN_WIDE)
+    for requests in (1, 2, 4, 16, 64):
+        cu = [L // requests * r for r in range(requests + 1)]
+        chunks = R.GdnChunks.build(cu, mixed.device)
+        cu_t = torch.tensor(cu, device=mixed.device, dtype=torch.int32)
+        slots = torch.arange(requests, device=mixed.device)
+        pool = torch.zeros(requests + 1, hv, dk, dv, device=mixed.device)
+        times = {tile: dict(kernel_split(lambda: T.gdn_prefill(mixed, a, b, A_log, dt_bias, pool, cu_t, slots, hk, dk,
+                                                               dv, chunks, scan_config=tile)))["_gdn_chunk_scan_kernel"]
+                 for tile in tiles}
+        chosen = T.gdn_scan_config(requests, hv, dv, mixed.device)
+        rows.append((f"gdn_prefill state pass, {requests} x {L // requests} tokens", "tiles " + ", ".join(
+            f"{tile}: {seconds * 1e6:.1f}" for tile, seconds in times.items()), times[chosen], "",
+            f"chosen {chosen}, {times[chosen] / min(times.values()):.2f}x the fastest"))
+
+
 def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
     dev, bf = torch.device("cuda"), torch.bfloat16
     hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -338,6 +358,8 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
                 T._PREFILL_FALLBACK.clear()
                 rows.append((f"gdn_prefill {kind} config {config}", f"{L} tokens", t if fits else float("nan"), "",
                              "" if fits else "does not fit this GPU"))
+        if "scan" in sweeps:
+            scan_layouts(rows, mixed_p, ap, bp, A_log, dt_bias, hk, dk, dv)
         qp, kp, vp = R.gdn_split_qkv(mixed_p, hk, dk, hv, dv)
         gp, betap = R.gdn_gates(ap, bp, A_log, dt_bias)
         qp, kp, vp = ((x / dk**-0.5 if i == 0 else x).to(bf)[None] for i, x in enumerate((qp, kp, vp)))
