@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import sys
 
 import torch
@@ -253,7 +254,7 @@ def gdn_prefill_case(cfg, dev="cuda", seed=0) -> dict:
     def randn(*shape):
         return torch.randn(*shape, device=dev, generator=gen)
 
-    cu_seqlens = torch.tensor([0, 1, 701, 765, 2765], dtype=torch.int32, device=dev)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
     return dict(mixed=randn(tokens, C).to(bf), a=randn(tokens, hv).to(bf), b=randn(tokens, hv).to(bf),
                 A_log=torch.rand(hv, device=dev, generator=gen) * 2, dt_bias=torch.rand(hv, device=dev, generator=gen),
                 ssm_state=randn(5, hv, dk, dv) * 0.1, cu_seqlens=cu_seqlens,
