@@ -730,12 +730,14 @@ def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens,
 #   W = T (beta V), Kd = T (beta exp(c) K) with T = (I + A)^-1, A_ij = beta_i exp(c_i - c_j) k_i.k_j (j < i)
 #   (A is nilpotent, so T = (I - A)(I + A^2)(I + A^4)(I + A^8)(I + A^16)(I + A^32): eleven 64x64 matmuls), the
 #   causal intra-chunk scores P = (q k^T exp(c_i - c_j))_{j<=i}, and two per-token scales: Ke = k exp(c_last - c)
-#   and Qd = q exp(c) are those scales times k and q as stored, so kernels 2 and 3 read k and q (bf16) instead of
+#   and Qd = q exp(c) are those scales times k and q as stored, so kernel 2 reads k and q (bf16) instead of
 #   Ke and Qd written here (fp32 Ke was a third of this kernel's writes and of kernel 2's reads).
-# Kernel 2, parallel over (request, value head, block of dv), sequential over the request's chunks, with only the
-#   state recurrence on that path: keep the chunk's entry state H, u = W - Kd S, S = exp(c_last) S + Ke^T u. The
-#   initial state comes from the request's slot and the final state is written back there (fp32).
-# Kernel 3, parallel over (chunk, value head, block of dv): o = Qd H + P u.
+# Kernel 2, parallel over (request, value head, block of dv), sequential over the request's chunks: per chunk,
+#   u = W - Kd S and the chunk's output o = Qd S + P u from its entry state S, then S = exp(c_last) S + Ke^T u. Only
+#   the recurrence is on the dependent path; the output's two products run beside it. The initial state comes from
+#   the request's slot and the final state is written back there (fp32). Forming o here, not in a third kernel
+#   parallel over chunks, saves writing and reading every chunk's entry state and u (at the 27B heads and 8k tokens,
+#   some 600 MB), and made the whole 13% faster there, 8% at the 4B heads (run L1).
 
 CHUNK = reference.GDN_CHUNK
 
@@ -821,14 +823,18 @@ def _gdn_chunk_prep_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, chunk_ptr
 
 
 @triton.jit
-def _gdn_chunk_scan_kernel(mixed_ptr, kscale_ptr, w_ptr, kd_ptr, glast_ptr, chunk_ptr, req_chunk_ptr, slot_ptr,
-                           state_ptr, hs_ptr, u_ptr, trash, HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
-                           DV: tl.constexpr, KEY_DIM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                           BVB: tl.constexpr, PRECISION: tl.constexpr, BF16_FACTORS: tl.constexpr):
-    # The row strides are compile-time constants (mixed is contiguous) and each chunk moves scalar base pointers
-    # only: per-element int64 offsets rebuilt from a loaded chunk start made this loop spill kilobytes a thread
-    # (347 against 264-269 us at the 27B heads, runs K1-K5).
+def _gdn_chunk_scan_out_kernel(mixed_ptr, kscale_ptr, qscale_ptr, w_ptr, kd_ptr, p_ptr, glast_ptr, chunk_ptr,
+                               req_chunk_ptr, slot_ptr, state_ptr, out_ptr, trash, HV: tl.constexpr,
+                               GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr,
+                               BT: tl.constexpr, BK: tl.constexpr, BVB: tl.constexpr, PRECISION: tl.constexpr,
+                               BF16_FACTORS: tl.constexpr):
+    # The state pass with the output fused in: each chunk's o = qscale (q S) + P u is formed from the entry state
+    # and u while they are in registers, off the state's dependent chain, instead of storing both for a third
+    # kernel. The row strides are compile-time constants (mixed is contiguous) and each chunk moves scalar base
+    # pointers only: per-element int64 offsets rebuilt from a loaded chunk start made this loop spill kilobytes a
+    # thread (347 against 264-269 us at the 27B heads, runs K1-K5).
     C: tl.constexpr = 2 * KEY_DIM + HV * DV
+    MODEL_BF16: tl.constexpr = mixed_ptr.dtype.element_ty == tl.bfloat16
     r = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -855,22 +861,35 @@ def _gdn_chunk_scan_kernel(mixed_ptr, kscale_ptr, w_ptr, kd_ptr, glast_ptr, chun
         S = tl.load(sptr, mask=smask, other=0.0)
     kd_base = kd_ptr + (start * HV + h) * DK
     k_base = mixed_ptr + start * C + KEY_DIM + (h // GROUP) * DK
-    w_base = w_ptr + (start * HV + h) * DV  # u has w's layout
-    u_base = u_ptr + (start * HV + h) * DV
-    kscale_base = kscale_ptr + start * HV + h
-    hs_base = hs_ptr + (first.to(tl.int64) * HV + h) * DK * DV
+    row_base = (start * HV + h)  # this head's first row in the [T, HV, ...] tensors
+    w_base = w_ptr + row_base * DV  # the output has w's layout
+    out_base = out_ptr + row_base * DV
+    p_base = p_ptr + row_base * BT
+    kscale_base = kscale_ptr + row_base
+    qscale_base = qscale_ptr + row_base
     for ch in range(first, last):
         tmask = rows < left
         kmask = tmask[:, None] & columns
         vmask = tmask[:, None] if WHOLE else tmask[:, None] & (vs[None, :] < DV)
-        tl.store(hs_base + ks[:, None] * DV + vs[None, :], S.to(hs_ptr.dtype.element_ty), mask=smask)
         kd = tl.load(kd_base + rows[:, None] * (HV * DK) + ks[None, :], mask=kmask, other=0.0)
+        q = tl.load(k_base - KEY_DIM + rows[:, None] * C + ks[None, :], mask=kmask, other=0.0)
         if BF16_FACTORS:  # the state rounded to bf16 in both products, as fla-core does; S itself stays fp32
             kd_s = _dot_bf16(kd, S)
         else:
             kd_s = tl.dot(kd, S, input_precision=PRECISION)
+        # The output's two terms take the state and u in the model dtype (q as stored; Qd = q qscale).
+        if MODEL_BF16:
+            q_s = _dot_bf16(q, S)
+        else:
+            q_s = tl.dot(q, S.to(q.dtype), input_precision=PRECISION)
         u = tl.load(w_base + rows[:, None] * (HV * DV) + vs[None, :], mask=vmask, other=0.0).to(tl.float32) - kd_s
-        tl.store(u_base + rows[:, None] * (HV * DV) + vs[None, :], u.to(u_ptr.dtype.element_ty), mask=vmask)
+        P = tl.load(p_base + rows[:, None] * (HV * BT) + rows[None, :], mask=tmask[:, None], other=0.0)
+        q_s *= tl.load(qscale_base + rows * HV, mask=tmask, other=0.0)[:, None]
+        if MODEL_BF16:
+            o = _dot_bf16(P, u, q_s)
+        else:
+            o = tl.dot(P, u.to(P.dtype), q_s, input_precision=PRECISION)
+        tl.store(out_base + rows[:, None] * (HV * DV) + vs[None, :], o.to(out_ptr.dtype.element_ty), mask=vmask)
         # Ke^T u = k^T (kscale u), k as stored: a quarter of the bytes of an fp32 Ke from the prep kernel.
         u *= tl.load(kscale_base + rows * HV, mask=tmask, other=0.0)[:, None]
         decayed = S * tl.exp(tl.load(glast_ptr + ch * HV + h))
@@ -880,56 +899,34 @@ def _gdn_chunk_scan_kernel(mixed_ptr, kscale_ptr, w_ptr, kd_ptr, glast_ptr, chun
         else:
             S = tl.dot(tl.trans(k.to(tl.float32)), u, decayed, input_precision=PRECISION)
         left -= BT
-        hs_base += HV * DK * DV
         kd_base += BT * HV * DK
         k_base += BT * C
         w_base += BT * HV * DV
-        u_base += BT * HV * DV
+        out_base += BT * HV * DV
+        p_base += BT * HV * BT
         kscale_base += BT * HV
+        qscale_base += BT * HV
     tl.store(sptr, S, mask=smask)
 
 
-@triton.jit
-def _gdn_chunk_out_kernel(mixed_ptr, qscale_ptr, p_ptr, hs_ptr, u_ptr, chunk_ptr, out_ptr, C, HV, GROUP,
-                          DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVO: tl.constexpr,
-                          PRECISION: tl.constexpr):
-    ch, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t = tl.load(chunk_ptr + 2 * ch).to(tl.int64) + tl.arange(0, BT)
-    tmask = t < tl.load(chunk_ptr + 2 * ch + 1)
-    ks = tl.arange(0, BK)
-    vs = vb * BVO + tl.arange(0, BVO)
-    j = tl.arange(0, BT)
-    vmask = tmask[:, None] & (vs[None, :] < DV)
-    # Qd H = qscale (q H), q as stored (Qd = q exp(c), q l2-normalised and scaled)
-    q = tl.load(mixed_ptr + t[:, None] * C + (h // GROUP) * DK + ks[None, :], mask=tmask[:, None] & (ks[None, :] < DK),
-                other=0.0)
-    qscale = tl.load(qscale_ptr + t * HV + h, mask=tmask, other=0.0)
-    P = tl.load(p_ptr + (t[:, None] * HV + h) * BT + j[None, :], mask=tmask[:, None], other=0.0)
-    H = tl.load(hs_ptr + ((ch * HV + h) * DK + ks[:, None]) * DV + vs[None, :],
-                mask=(ks[:, None] < DK) & (vs[None, :] < DV), other=0.0)
-    u = tl.load(u_ptr + (t[:, None] * HV + h) * DV + vs[None, :], mask=vmask, other=0.0)
-    o = qscale[:, None] * tl.dot(q, H, input_precision=PRECISION) + tl.dot(P, u, input_precision=PRECISION)
-    tl.store(out_ptr + (t[:, None] * HV + h) * DV + vs[None, :], o.to(out_ptr.dtype.element_ty), mask=vmask)
-
-
-GDN_PREP_CONFIG = (4, 1, 64)  # (warps, stages, column block) of the parallel prep kernel: best in run G4
-# (block of dv, warps, stages) of the sequential kernel. Its programs walk their request's chunks one after another,
-# so a batch of few long requests is bound by that walk's latency: narrow blocks, and three stages (which leave room
-# for one program an SM), pay while every program runs at once; once they take turns, wide blocks (k and Kd read
-# half as often) and two stages (two programs an SM) do. Run K2, bf16 factors, 8k tokens as 1 to 64 requests: this
-# choice was the fastest of the four in every layout at the 4B and 27B heads (1x8k: 197 us narrow against 249 wide
-# at the 4B heads, 269 one-wave against 325 two-stage at the 27B heads), and within 1.09x of it with fp32 factors.
+# (warps, stages, column block, register cap) of the parallel prep kernel. Uncapped, it takes 255 registers a
+# thread, which leaves room for two programs an SM; capped at 168 (the most that lets three programs of four warps
+# share an SM's 64K registers) it spills a little and runs 18% faster: 299.5 against 365.5 us at the 27B heads,
+# 205.6 against 252.6 at the 4B heads (run L1; a cap of 128, four programs, gave 319.6 and 238.6).
+GDN_PREP_CONFIG = (4, 1, 64, 168)
+# (block of dv, warps, stages) of the state pass, whose programs walk their request's chunks one after another. A
+# batch of few long requests is bound by that walk's latency, so narrow blocks pay while every program runs at once;
+# otherwise wide blocks (k, q, Kd and P read half as often) do. Run L1, 8k tokens as 1, 4, 16, 64 requests, at the
+# 4B and 27B heads: (32, 4, 3) was the fastest of five tiles for one 8k request at the 4B heads (282 against 313 us
+# wide), and (64, 4, 3) everywhere else (two stages: 1.0-1.2x slower; 32-wide blocks once programs take turns:
+# 1.5-1.7x).
 GDN_SCAN_NARROW = (32, 4, 3)
-GDN_SCAN_WIDE_ONE_WAVE = (64, 4, 3)
-GDN_SCAN_WIDE = (64, 4, 2)
+GDN_SCAN_WIDE = (64, 4, 3)
 
 
 def gdn_scan_config(requests: int, v_heads: int, dv: int, device: torch.device) -> tuple:
-    sms = multiprocessors(device)
-    if requests * v_heads * triton.cdiv(dv, GDN_SCAN_NARROW[0]) <= sms:
+    if requests * v_heads * triton.cdiv(dv, GDN_SCAN_NARROW[0]) <= multiprocessors(device):
         return GDN_SCAN_NARROW
-    if requests * v_heads * triton.cdiv(dv, GDN_SCAN_WIDE_ONE_WAVE[0]) <= sms:
-        return GDN_SCAN_WIDE_ONE_WAVE
     return GDN_SCAN_WIDE
 
 
@@ -982,8 +979,8 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
     n, requests = chunk_table.shape[0], req_chunks.shape[0] - 1
     if factors not in GDN_FACTOR_MODES:
         raise ValueError(f"factors must be one of {GDN_FACTOR_MODES}, got {factors!r}")
-    # The state S and the scales stay fp32, the WY factors Kd and W as `factors` says; what only feeds the output
-    # (P, H, u) is in the model dtype.
+    # The state S and the scales stay fp32, the WY factors Kd and W as `factors` says; P, which only feeds the
+    # output, is in the model dtype.
     factor_dtype = torch.float32 if factors == "fp32" else torch.bfloat16
     kd = torch.empty(T, HV, dk, dtype=factor_dtype, device=dev)
     w = torch.empty(T, HV, dv, dtype=factor_dtype, device=dev)
@@ -995,18 +992,12 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
         mixed, a, b, A_log, dt_bias, chunk_table, kscale, qscale, w, kd, P, glast, a.stride(0), HV=HV,
         GROUP=HV // num_k_heads, scale=dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK,
         BH=min(prep_config[2], _pow2(max(dk, dv))), PRECISION=precision, BF16_FACTORS=factors == "bf16",
-        num_warps=prep_config[0], num_stages=prep_config[1])
-    hs = torch.empty(n, HV, dk, dv, dtype=dt, device=dev)
-    u = torch.empty(T, HV, dv, dtype=dt, device=dev)
+        num_warps=prep_config[0], num_stages=prep_config[1], maxnreg=prep_config[3])
     block_v, warps, stages = scan_config or gdn_scan_config(requests, HV, dv, dev)
     BVB = min(block_v, _pow2(dv))
-    _gdn_chunk_scan_kernel[(requests, HV, triton.cdiv(dv, BVB))](
-        mixed, kscale, w, kd, glast, chunk_table, req_chunks, slots, ssm_state, hs, u, ssm_state.shape[0] - 1, HV=HV,
-        GROUP=HV // num_k_heads, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BVB=BVB,
-        PRECISION=precision, BF16_FACTORS=factors == "bf16", num_warps=warps, num_stages=stages)
     out = torch.empty(T, HV, dv, dtype=dt, device=dev)
-    BVO = min(64, _pow2(dv))
-    _gdn_chunk_out_kernel[(n, HV, triton.cdiv(dv, BVO))](
-        mixed, qscale, P, hs, u, chunk_table, out, C, HV, HV // num_k_heads, DK=dk, DV=dv, BT=CHUNK, BK=_pow2(dk),
-        BVO=BVO, PRECISION=precision, num_warps=4)
+    _gdn_chunk_scan_out_kernel[(requests, HV, triton.cdiv(dv, BVB))](
+        mixed, kscale, qscale, w, kd, P, glast, chunk_table, req_chunks, slots, ssm_state, out, ssm_state.shape[0] - 1,
+        HV=HV, GROUP=HV // num_k_heads, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BVB=BVB,
+        PRECISION=precision, BF16_FACTORS=factors == "bf16", num_warps=warps, num_stages=stages)
     return out

@@ -249,8 +249,8 @@ def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv, column_block):
     state = case["ssm_state"]
     ref_state = state.clone()
     with poisoned_outputs():
-        got = T.gdn_prefill(**case, chunks=chunks,
-                            prep_config=(4, 1, column_block))  # 16: the prep kernel loops over two column blocks
+        got = T.gdn_prefill(**case, chunks=chunks,  # 16: the prep kernel loops over two column blocks
+                            prep_config=(4, 1, column_block, T.GDN_PREP_CONFIG[3]))
     ref = R.gdn_prefill(**dict(case, ssm_state=ref_state))
     assert rel(got, ref) <= REDUCTION
     assert rel(state[:5], ref_state[:5]) <= REDUCTION
@@ -263,8 +263,7 @@ def test_the_state_pass_config_follows_how_many_programs_the_gpu_holds_at_once()
     cpu = torch.device("cpu")  # four "SMs": multiprocessors() on the CPU
     assert T.multiprocessors(cpu) == 4
     assert T.gdn_scan_config(1, 1, 128, cpu) == T.GDN_SCAN_NARROW  # 4 narrow programs fit
-    assert T.gdn_scan_config(1, 2, 128, cpu) == T.GDN_SCAN_WIDE_ONE_WAVE  # 8 narrow do not, 4 wide do
-    assert T.gdn_scan_config(2, 2, 128, cpu) == T.GDN_SCAN_WIDE  # 8 wide take turns
+    assert T.gdn_scan_config(1, 2, 128, cpu) == T.GDN_SCAN_WIDE  # 8 narrow programs would take turns
     assert T.gdn_scan_config(1, 4, 32, cpu) == T.GDN_SCAN_NARROW  # one narrow block covers dv 32
 
 

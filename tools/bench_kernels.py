@@ -26,9 +26,9 @@ from tools.make_checkpoint import text_config
 
 
 PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)]  # (BLOCK_M, BLOCK_N, warps, stages)
-GDN_SCAN_SWEEP = [(32, 4, 3), (64, 4, 3), (32, 4, 2), (64, 4, 2), (64, 8, 2),
-                  (128, 8, 2)]  # (block of dv, warps, stages)
-GDN_PREP_SWEEP = [(4, 1, 64), (8, 1, 64), (8, 2, 64), (4, 1, 32), (8, 1, 32)]  # (warps, stages, column block)
+GDN_SCAN_SWEEP = [(32, 4, 3), (64, 4, 3), (32, 4, 2), (64, 4, 2), (64, 8, 2)]  # (block of dv, warps, stages)
+GDN_PREP_SWEEP = [(4, 1, 64, 168), (4, 1, 64, None), (4, 1, 64, 128), (8, 1, 64, None),
+                  (4, 1, 32, 168)]  # (warps, stages, column block, register cap)
 SAMPLER_SWEEP = [(1024, 4, 16), (1024, 4, 32), (1024, 4, 64), (512, 4, 64), (512, 2, 128), (2048, 4, 32),
                  (256, 2, 128)]  # (block, warps, splits per row) of the sampler's passes
 GEMV_SWEEP = [(2, 4096, 4, 1), (2, 2048, 2, 2), (2, 2048, 4, 2), (2, 1024, 2, 3), (4, 2048, 4, 2),
@@ -313,19 +313,21 @@ def prefill_accuracy(cfg, rows, chunk_gated_delta_rule) -> None:
 
 
 def scan_layouts(rows, mixed, a, b, A_log, dt_bias, hk, dk, dv) -> None:
-    """The state pass's GPU time with each tile gdn_scan_config can choose, for the same tokens packed as 1 to 64
-    requests: the evidence for its choice."""
+    """The state pass's GPU time with gdn_scan_config's two tiles and two others, for the same tokens packed as 1 to
+    64 requests: the evidence for its choice."""
     L, hv = mixed.shape[0], a.shape[1]
-    tiles = (T.GDN_SCAN_NARROW, T.GDN_SCAN_WIDE_ONE_WAVE, T.GDN_SCAN_WIDE)
+    tiles = GDN_SCAN_SWEEP[:4]  # both of gdn_scan_config's, and each with the other block and stage count
     for requests in (1, 2, 4, 16, 64):
         cu = [L // requests * r for r in range(requests + 1)]
         chunks = R.GdnChunks.build(cu, mixed.device)
         cu_t = torch.tensor(cu, device=mixed.device, dtype=torch.int32)
         slots = torch.arange(requests, device=mixed.device)
         pool = torch.zeros(requests + 1, hv, dk, dv, device=mixed.device)
-        times = {tile: dict(kernel_split(lambda: T.gdn_prefill(mixed, a, b, A_log, dt_bias, pool, cu_t, slots, hk, dk,
-                                                               dv, chunks, scan_config=tile)))["_gdn_chunk_scan_kernel"]
-                 for tile in tiles}
+        times = {}
+        for tile in tiles:
+            split = kernel_split(lambda: T.gdn_prefill(mixed, a, b, A_log, dt_bias, pool, cu_t, slots, hk, dk, dv,
+                                                       chunks, scan_config=tile))
+            times[tile] = dict(split)["_gdn_chunk_scan_out_kernel"]
         chosen = T.gdn_scan_config(requests, hv, dv, mixed.device)
         rows.append((f"gdn_prefill state pass, {requests} x {L // requests} tokens", "tiles " + ", ".join(
             f"{tile}: {seconds * 1e6:.1f}" for tile, seconds in times.items()), times[chosen], "",
