@@ -916,15 +916,21 @@ def _gdn_chunk_scan_out_kernel(mixed_ptr, kscale_ptr, qscale_ptr, w_ptr, kd_ptr,
 GDN_PREP_CONFIG = (4, 1, 64, 168)
 # (block of dv, warps, stages) of the state pass, whose programs walk their request's chunks one after another. A
 # batch of few long requests is bound by that walk's latency, so narrow blocks pay while every program runs at once;
-# otherwise wide blocks (k, q, Kd and P read half as often) do. Run L1, 8k tokens as 1, 4, 16, 64 requests, at the
-# 4B and 27B heads: (32, 4, 3) was the fastest of five tiles for one 8k request at the 4B heads (282 against 313 us
-# wide), and (64, 4, 3) everywhere else (two stages: 1.0-1.2x slower; 32-wide blocks once programs take turns:
-# 1.5-1.7x).
+# otherwise wide blocks (k, q, Kd and P read half as often) do. Runs L1 and L2, bf16 factors, 8k tokens as 1 to 64
+# requests at the 4B and 27B heads: (32, 4, 3) was the fastest tile for one 8k request at the 4B heads (291 against
+# 318 us wide in L2), and (64, 4, 3) in every other layout (two stages: 1.03-1.18x slower; 32-wide blocks, once
+# programs take turns: 1.3-1.7x).
 GDN_SCAN_NARROW = (32, 4, 3)
 GDN_SCAN_WIDE = (64, 4, 3)
+# fp32 factors take the wide block with two stages whatever the layout: three stages of fp32 Kd and W tiles need
+# 254 KB of shared memory at the 27B heads (run L2), and 32-wide blocks with fp32 factors in a bf16 model gave NaN
+# outputs on the H200 (Triton 3.6, run L4; the state was right, and bf16 factors at 32 wide were right too).
+GDN_SCAN_FP32_FACTORS = (64, 4, 2)
 
 
-def gdn_scan_config(requests: int, v_heads: int, dv: int, device: torch.device) -> tuple:
+def gdn_scan_config(requests: int, v_heads: int, dv: int, device: torch.device, factors: str = "bf16") -> tuple:
+    if factors == "fp32":
+        return GDN_SCAN_FP32_FACTORS
     if requests * v_heads * triton.cdiv(dv, GDN_SCAN_NARROW[0]) <= multiprocessors(device):
         return GDN_SCAN_NARROW
     return GDN_SCAN_WIDE
@@ -993,7 +999,7 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
         GROUP=HV // num_k_heads, scale=dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK,
         BH=min(prep_config[2], _pow2(max(dk, dv))), PRECISION=precision, BF16_FACTORS=factors == "bf16",
         num_warps=prep_config[0], num_stages=prep_config[1], maxnreg=prep_config[3])
-    block_v, warps, stages = scan_config or gdn_scan_config(requests, HV, dv, dev)
+    block_v, warps, stages = scan_config or gdn_scan_config(requests, HV, dv, dev, factors)
     BVB = min(block_v, _pow2(dv))
     out = torch.empty(T, HV, dv, dtype=dt, device=dev)
     _gdn_chunk_scan_out_kernel[(requests, HV, triton.cdiv(dv, BVB))](

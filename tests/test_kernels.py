@@ -265,6 +265,7 @@ def test_the_state_pass_config_follows_how_many_programs_the_gpu_holds_at_once()
     assert T.gdn_scan_config(1, 1, 128, cpu) == T.GDN_SCAN_NARROW  # 4 narrow programs fit
     assert T.gdn_scan_config(1, 2, 128, cpu) == T.GDN_SCAN_WIDE  # 8 narrow programs would take turns
     assert T.gdn_scan_config(1, 4, 32, cpu) == T.GDN_SCAN_NARROW  # one narrow block covers dv 32
+    assert T.gdn_scan_config(1, 1, 128, cpu, "fp32") == T.GDN_SCAN_FP32_FACTORS  # the one tile measured right
 
 
 def test_chunked_gdn_prefill_with_bf16_factors():
