@@ -161,6 +161,15 @@ def add_engine_args(parser: argparse.ArgumentParser, batches: str) -> None:
     parser.add_argument("--batches", default=batches)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pdl", choices=["on", "off"], default=None,
+                        help="launch the decode kernels with programmatic dependent launch (sm90+) "
+                        f"(default {'on' if triton_ops.PDL else 'off'})")
+
+
+def apply_launch_flags(ns) -> None:
+    """Set what `--pdl` asks for, before the engine captures its graphs (it holds for the whole process)."""
+    if ns.pdl is not None:
+        triton_ops.PDL = ns.pdl == "on"
 
 
 def main(argv=None) -> int:
@@ -173,9 +182,6 @@ def main(argv=None) -> int:
     parser.add_argument("--fused-norm", choices=["on", "off"], default=None,
                         help="each block's add-and-norm fused into its one-row input projection, or a kernel of its "
                         f"own (default {'on' if triton_ops.GEMV_FUSED_NORM else 'off'})")
-    parser.add_argument("--pdl", choices=["on", "off"], default=None,
-                        help="launch the decode kernels with programmatic dependent launch (sm90+) "
-                        f"(default {'on' if triton_ops.PDL else 'off'})")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
@@ -185,8 +191,7 @@ def main(argv=None) -> int:
         triton_ops.GEMV_ONE_ROW = triton_ops.GEMV_FUSED_NORM = ns.gemv == "on"
     if ns.fused_norm is not None:
         triton_ops.GEMV_FUSED_NORM = ns.fused_norm == "on"
-    if ns.pdl is not None:
-        triton_ops.PDL = ns.pdl == "on"
+    apply_launch_flags(ns)
     results = asyncio.run(run(ns))
     text = table(ns, results)
     stamp = f"{datetime.date.today()} {torch.cuda.get_device_name()} `python -m tools.bench_decode {' '.join(argv or sys.argv[1:])}`"

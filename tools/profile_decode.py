@@ -1,11 +1,13 @@
 """Where a decode step's GPU time goes: per-kernel time of the graph replay, and the gaps between kernels.
 
-    python -m tools.profile_decode --size 4b [--layers N] [--batches 1,64] [--context 1024] [--top 25]
+    python -m tools.profile_decode --size 4b [--layers N] [--batches 1,64] [--context 1024] [--top 25] [--pdl off]
 
 Random bf16 weights (generated on the device), tp = 1. For each batch size the decode graph is replayed under
 the torch profiler; kernels are grouped by name, with calls and GPU microseconds per step. "busy" is the sum of
 kernel times of one step, "step" the replay time from CUDA events, and their difference the time the GPU spends
-between kernels (launch latency, ramp and tail), which fusing kernels removes.
+between kernels (launch latency, ramp and tail), which fusing kernels removes. With programmatic dependent launch
+on (the default on sm90), each kernel starts while the one before drains and waits for it inside: its time then
+holds that wait, and "between kernels" turns negative. `--pdl off` gives each kernel's own time.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tools.bench_decode import add_engine_args, open_engine
+from tools.bench_decode import add_engine_args, apply_launch_flags, open_engine
 from tools.capture_check import time_per_call
 from tools.live_rows import fill_live_rows, restore, snapshot
 
@@ -89,6 +91,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         logging.error("profile_decode needs a CUDA device")
         return 2
+    apply_launch_flags(ns)
     for result in asyncio.run(run(ns)):
         print(report(result, ns.top), flush=True)
     return 0

@@ -25,7 +25,7 @@ import torch
 
 from devices.rank import RankRuntime
 from devices.replica import Replica
-from tools.bench_decode import add_engine_args, engine_step_time, open_engine
+from tools.bench_decode import add_engine_args, apply_launch_flags, engine_step_time, open_engine
 
 
 class StepTimer:
@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("profile_engine_step needs a CUDA device")
         return 2
+    apply_launch_flags(ns)
     asyncio.run(run(ns))
     return 0
 
