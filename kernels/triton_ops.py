@@ -861,7 +861,7 @@ def _gdn_chunk_scan_out_kernel(mixed_ptr, kscale_ptr, qscale_ptr, w_ptr, kd_ptr,
         S = tl.load(sptr, mask=smask, other=0.0)
     kd_base = kd_ptr + (start * HV + h) * DK
     k_base = mixed_ptr + start * C + KEY_DIM + (h // GROUP) * DK
-    row_base = (start * HV + h)  # this head's first row in the [T, HV, ...] tensors
+    row_base = start * HV + h  # this head's first row in the [T, HV, ...] tensors
     w_base = w_ptr + row_base * DV  # the output has w's layout
     out_base = out_ptr + row_base * DV
     p_base = p_ptr + row_base * BT
