@@ -155,7 +155,8 @@ def table(ns, results) -> str:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, batches: str) -> None:
-    """The flags of `open_engine`: model size and layers, batch sizes (graph buckets), context, tp."""
+    """The flags of `open_engine` (model size and layers, batch sizes (graph buckets), context, tp) and `--pdl`,
+    which `apply_launch_flags` sets."""
     parser.add_argument("--size", default="4b")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--batches", default=batches)

@@ -7,7 +7,8 @@ the torch profiler; kernels are grouped by name, with calls and GPU microseconds
 kernel times of one step, "step" the replay time from CUDA events, and their difference the time the GPU spends
 between kernels (launch latency, ramp and tail), which fusing kernels removes. With programmatic dependent launch
 on (the default on sm90), each kernel starts while the one before drains and waits for it inside: its time then
-holds that wait, and "between kernels" turns negative. `--pdl off` gives each kernel's own time.
+holds that wait, and "between kernels" can turn negative (-872 us for the 4B batch-1 step in run L5, decode.md).
+`--pdl off` gives each kernel's own time.
 """
 
 from __future__ import annotations
