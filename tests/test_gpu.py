@@ -144,18 +144,23 @@ def test_gdn_matches_fla_core():
 
 @pytest.mark.parametrize("size", ["4b", "27b"])
 def test_triton_gdn_prefill_at_real_shapes(T, size):
-    """Both factor precisions against the fp32 reference on packed requests from slots; the bf16 factors (what a
-    bf16 model runs) also against fla-core's error on the same case, when it is installed."""
+    """Both factor precisions against the fp32 reference on packed requests from slots, bf16 factors (what a bf16
+    model runs) with each state-pass tile gdn_scan_config can choose for them, since a tile can miscompile on its
+    own (32-wide fp32 factors gave NaN outputs, kernels.md run L4); bf16 factors also against fla-core's error on the
+    same case, when it is installed."""
     from tools.bench_kernels import fla_prefill, gdn_prefill_case, gdn_prefill_errors, gdn_prefill_reference
 
     case = gdn_prefill_case(ModelConfig.from_dict(text_config(size, 248320)))
     reference = gdn_prefill_reference(case)
     errors = {mode: gdn_prefill_errors(case, lambda **c: T.gdn_prefill(**c, factors=mode), reference)
               for mode in T.GDN_FACTOR_MODES}
+    by_tile = {tile: gdn_prefill_errors(case, lambda **c: T.gdn_prefill(**c, factors="bf16", scan_config=tile),
+                                        reference) for tile in (T.GDN_SCAN_NARROW, T.GDN_SCAN_WIDE)}
     assert not T._PREFILL_FALLBACK, "a Triton kernel did not fit; the torch chunked form ran instead"
     (out_fp32, state_fp32), (out_bf16, state_bf16) = errors["fp32"], errors["bf16"]
     assert out_fp32 <= BF16_TOL and state_fp32 <= 5e-3
     assert out_bf16 <= BF16_TOL and state_bf16 <= 1e-2
+    assert all(out <= BF16_TOL and state <= 1e-2 for out, state in by_tile.values()), by_tile
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
