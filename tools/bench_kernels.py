@@ -77,7 +77,7 @@ def ceilings(dev):
     return copy_bw, flops
 
 
-SWEEPS = ("decode", "scan", "prep", "attention", "sampler", "gemv")
+SWEEPS = ("decode", "scan", "prep", "attention", "sampler", "rounds", "gemv")
 
 
 def graph_time_per_call(make_call, weights: list[torch.Tensor]) -> float:
@@ -497,6 +497,8 @@ def sampling(cfg, rows, sweeps):
                 if e.key.startswith("_") and e.key.endswith("_kernel"):
                     rows.append((f"sampling pass {e.key}, {name}", f"batch {n} x {V}",
                                  device_seconds(e) / 10, "", ""))
+        if "rounds" in sweeps and name in ("top-p 0.95", "top-p 0.8, T 0.7"):
+            top_p_rounds_sweep(name, logits, p, rows)
         drawn = draw(logits, p, top_p_rounds=rounds)
         flagged, settled = int((drawn.done == 0).sum()), int((drawn.settled >= 0).sum())
         t_gpu = triton.testing.do_bench_cudagraph(lambda: draw(logits, p, top_p_rounds=rounds)) / 1e3
@@ -510,6 +512,35 @@ def sampling(cfg, rows, sweeps):
                      f"torch reference {t_ref * 1e6:.0f} us ({t_ref / t_gpu:.1f}x); {flagged}/{n} rows left to "
                      f"the reference; with their redraw (sample_on_gpu) {t_engine * 1e6:.0f} us; {settled}/{n} rows "
                      f"settled by the top-p race rounds"))
+
+
+TOP_P_ROUNDS_SWEEP = (2, 3, 4, 5, 6)
+ROUND_STEPS = 200  # token steps drawn per round count: the share of batches a row leaves to the histogram
+
+
+def top_p_rounds_sweep(name, logits, p, rows):
+    """Per race-round count: graph-replay time of a batch the rounds settle whole and of one they leave a row of
+    to the histogram passes, and how often a batch is of the second kind over ROUND_STEPS token steps (each step
+    draws fresh uniforms for every row)."""
+    n, V = logits.shape
+    for rounds in TOP_P_ROUNDS_SWEEP:
+        left = []  # per step: rows the rounds left to the histogram
+        for step in range(ROUND_STEPS):
+            p.steps.fill_(step)
+            left.append(int((draw(logits, p, top_p_rounds=rounds).settled < 0).sum()))
+        times = {}
+        for kind, steps in (("settled", [s for s, k in enumerate(left) if k == 0]),
+                            ("left", [s for s, k in enumerate(left) if k > 0])):
+            if steps:
+                p.steps.fill_(steps[0])
+                times[kind] = triton.testing.do_bench_cudagraph(lambda: draw(logits, p, top_p_rounds=rounds)) / 1e3
+        p.steps.fill_(0)
+        hit = sum(k > 0 for k in left)
+        mean = (times.get("settled", 0) * (ROUND_STEPS - hit) + times.get("left", 0) * hit) / ROUND_STEPS
+        fmt = {kind: f"{t * 1e6:.1f} us" for kind, t in times.items()}
+        rows.append((f"sampling, {name}, {rounds} race rounds (graph replay, expected over steps)", f"batch {n} x {V}",
+                     mean, "", f"batch settled whole: {fmt.get('settled', 'none seen')}; batch with a row left: "
+                     f"{fmt.get('left', 'none seen')}; {hit}/{ROUND_STEPS} steps left a row ({sum(left)} rows)"))
 
 
 def main(argv=None) -> int:
