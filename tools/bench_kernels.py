@@ -2,7 +2,7 @@
 same run (a large device-to-device copy; a large bf16 matmul), and for GDN the ratio to fla-core.
 
     python -m tools.bench_kernels [--size 4b|9b|27b] [--out FILE] [--only decode,projections,prefill,sampling]
-        [--sweeps decode,scan,prep,attention,sampler,gemv]
+        [--sweeps decode,scan,prep,attention,sampler,rounds,gemv]
 """
 
 from __future__ import annotations
