@@ -31,6 +31,8 @@ GDN_PREP_SWEEP = [(4, 1, 64, 168), (4, 1, 64, None), (4, 1, 64, 128), (8, 1, 64,
                   (4, 1, 32, 168)]  # (warps, stages, column block, register cap)
 SAMPLER_SWEEP = [(1024, 4, 16), (1024, 4, 32), (1024, 4, 64), (512, 4, 64), (512, 2, 128), (2048, 4, 32),
                  (256, 2, 128)]  # (block, warps, splits per row) of the sampler's passes
+TOP_P_ROUNDS_SWEEP = (2, 3, 4, 5, 6)  # top-p race rounds
+ROUND_STEPS = 200  # token steps drawn per round count: the share of batches a row leaves to the histogram
 GEMV_SWEEP = [(2, 4096, 4, 1), (2, 2048, 2, 2), (2, 2048, 4, 2), (2, 1024, 2, 3), (4, 2048, 4, 2),
               (1, 2048, 2, 2), (4, 512, 4, 2), (8, 512, 4, 2), (8, 256, 4, 3)]  # (BLOCK_N, BLOCK_K, warps, stages)
 NORM_GEMV_SWEEP = [(8, 512, 4, 2), (4, 512, 4, 2), (4, 512, 4, 3), (8, 256, 4, 3), (8, 256, 2, 3), (4, 1024, 4, 2),
@@ -512,10 +514,6 @@ def sampling(cfg, rows, sweeps):
                      f"torch reference {t_ref * 1e6:.0f} us ({t_ref / t_gpu:.1f}x); {flagged}/{n} rows left to "
                      f"the reference; with their redraw (sample_on_gpu) {t_engine * 1e6:.0f} us; {settled}/{n} rows "
                      f"settled by the top-p race rounds"))
-
-
-TOP_P_ROUNDS_SWEEP = (2, 3, 4, 5, 6)
-ROUND_STEPS = 200  # token steps drawn per round count: the share of batches a row leaves to the histogram
 
 
 def top_p_rounds_sweep(name, logits, p, rows):
