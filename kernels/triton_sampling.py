@@ -12,7 +12,8 @@ uniforms: argmax p / -log u, i.e. argmax (s - max s) - log(-log u). No full sort
            boundary, so the race's winner over every id is the winner over the kept ones whenever top-p keeps it,
            which it does with probability about top_p. A round races the ids above the row's floor (each split's
            winner), sums the mass above the winner and tied with it, and settles the row on the winner if top-p
-           keeps it whatever the order of its ties; if top-p drops it even so, the floor rises to it. A row left
+           keeps it whatever the order of its ties; if top-p drops it even so, the floor rises to it. Rounds
+           after the first race only the rows the round before listed, with more programs to a row. A row left
            unsettled (or whose answer depends on the order of ties) takes the passes below like any other.
 2. hist    (row x split): threshold rows (top-k <= LANE_TOP_K) take the k-th largest of all the splits' kept
            lane maxima: k distinct ids reach it, so the k-th id does, and only the ids in the k lanes whose max
@@ -220,28 +221,51 @@ def _top_p_alone(temp_ptr, topk_ptr, topp_ptr, settled_ptr, row):
 
 @triton.jit
 def _race_above_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, settled_ptr,
-                       floor_ptr, race_ptr, race_i_ptr, V, chunk, splits, MAX_SPLITS: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """A top-p race round: each split's winner among the ids above the row's floor that min-p keeps."""
-    row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
+                       floor_ptr, race_ptr, race_i_ptr, rows_ptr, n_rows_ptr, next_n_ptr, V, splits, rchunk, W,
+                       MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, LISTED: tl.constexpr):
+    """A top-p race round: each of a row's W programs' winner among the ids above the row's floor that min-p
+    keeps. The first round takes program (row, split); a LISTED round walks the rows the last round left (rows_ptr,
+    n_rows_ptr of them), W programs to a row, so a round that few rows run is short."""
+    if LISTED:
+        p = tl.program_id(0)
+        if p == 0:
+            tl.store(next_n_ptr, 0)  # the settle kernel after this round lists the rows it leaves there
+        for a in range(p // W, tl.load(n_rows_ptr), tl.num_programs(0) // W):
+            _race_above(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, settled_ptr,
+                        floor_ptr, race_ptr, race_i_ptr, tl.load(rows_ptr + a).to(tl.int64), p % W, V, splits, rchunk,
+                        W, MAX_SPLITS, BLOCK)
+    else:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(next_n_ptr, 0)
+        _race_above(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, settled_ptr,
+                    floor_ptr, race_ptr, race_i_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), V, splits,
+                    rchunk, W, MAX_SPLITS, BLOCK)
+
+
+@triton.jit
+def _race_above(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, settled_ptr, floor_ptr,
+                race_ptr, race_i_ptr, row, split, V, splits, rchunk, W, MAX_SPLITS: tl.constexpr,
+                BLOCK: tl.constexpr):
     if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, settled_ptr, row):
         inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
         _, _, s_m, _ = _row_stats(part_ptr, row, splits, MAX_SPLITS)
         min_p, floor = tl.load(minp_ptr + row), tl.load(floor_ptr + row)
         key = _row_key(seed_ptr, step_ptr, row)
-        start = split * chunk
-        stop = tl.minimum(start + chunk, V)
+        start = split * rchunk
+        stop = tl.minimum(start + rchunk, V)
         best, best_i = tl.full([BLOCK], NEG, tl.float32), tl.zeros([BLOCK], tl.int32)
         s_next = _load_block(adj_ptr + row * V, start, stop, BLOCK)
         for off in range(start, stop, BLOCK):
             cols = off + tl.arange(0, BLOCK)
             s = s_next.to(tl.float32) * inv_t
             s_next = _load_block(adj_ptr + row * V, off + BLOCK, stop, BLOCK)
-            keep = (cols < stop) & (s > floor) & (tl.exp(s - s_m) >= min_p)
+            keep = (cols < stop) & (s > floor)
+            if min_p > 0:  # exp(.) >= 0 holds for every id: without min-p the race skips an exp an id
+                keep = keep & (tl.exp(s - s_m) >= min_p)
             best, best_i = _keep_best(best, best_i, tl.where(keep, _race_key(s - s_m, cols, key), NEG), cols)
         b, b_i = _lanes_best(best, best_i)
-        tl.store(race_ptr + row * splits + split, b)
-        tl.store(race_i_ptr + row * splits + split, b_i)
+        tl.store(race_ptr + row * W + split, b)
+        tl.store(race_i_ptr + row * W + split, b_i)
 
 
 @triton.jit
@@ -254,17 +278,31 @@ def _round_winner(race_ptr, race_i_ptr, row, splits, MAX_SPLITS: tl.constexpr):
 
 @triton.jit
 def _mass_ahead_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, race_ptr, race_i_ptr,
-                       ahead_ptr, V, chunk, splits, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Each split's exp mass of the ids above the round's winner and of the other ids tied with it: whatever order
-    a sort gives ties, the top-p mass before the winner lies between the first and the sum."""
-    row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
+                       ahead_ptr, rows_ptr, n_rows_ptr, V, splits, rchunk, W, MAX_SPLITS: tl.constexpr,
+                       BLOCK: tl.constexpr, LISTED: tl.constexpr):
+    """Each of a row's W programs' exp mass of the ids above the round's winner and of the other ids tied with it:
+    whatever order a sort gives ties, the top-p mass before the winner lies between the first and the sum. Rows
+    and programs as in `_race_above_kernel`."""
+    if LISTED:
+        p = tl.program_id(0)
+        for a in range(p // W, tl.load(n_rows_ptr), tl.num_programs(0) // W):
+            _mass_ahead(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, race_ptr, race_i_ptr, ahead_ptr,
+                        tl.load(rows_ptr + a).to(tl.int64), p % W, V, splits, rchunk, W, MAX_SPLITS, BLOCK)
+    else:
+        _mass_ahead(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, race_ptr, race_i_ptr, ahead_ptr,
+                    tl.program_id(0).to(tl.int64), tl.program_id(1), V, splits, rchunk, W, MAX_SPLITS, BLOCK)
+
+
+@triton.jit
+def _mass_ahead(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, race_ptr, race_i_ptr, ahead_ptr, row,
+                split, V, splits, rchunk, W, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, settled_ptr, row):
         inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
         _, _, s_m, _ = _row_stats(part_ptr, row, splits, MAX_SPLITS)
-        winner = _round_winner(race_ptr, race_i_ptr, row, splits, MAX_SPLITS)
+        winner = _round_winner(race_ptr, race_i_ptr, row, W, MAX_SPLITS)
         s_w = tl.load(adj_ptr + row * V + winner).to(tl.float32) * inv_t
-        start = split * chunk
-        stop = tl.minimum(start + chunk, V)
+        start = split * rchunk
+        stop = tl.minimum(start + rchunk, V)
         above, tied = tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32)
         s_next = _load_block(adj_ptr + row * V, start, stop, BLOCK)
         for off in range(start, stop, BLOCK):
@@ -274,30 +312,46 @@ def _mass_ahead_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_
             e = tl.exp(s - s_m)  # 0 for padding
             above += tl.where(s > s_w, e, 0.0)
             tied += tl.where((s == s_w) & (cols != winner), e, 0.0)
-        tl.store(ahead_ptr + (row * splits + split) * 2, tl.sum(above, 0))
-        tl.store(ahead_ptr + (row * splits + split) * 2 + 1, tl.sum(tied, 0))
+        tl.store(ahead_ptr + (row * W + split) * 2, tl.sum(above, 0))
+        tl.store(ahead_ptr + (row * W + split) * 2 + 1, tl.sum(tied, 0))
 
 
 @triton.jit
 def _settle_round_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr,
-                         race_i_ptr, ahead_ptr, V, splits, MAX_SPLITS: tl.constexpr):
+                         race_i_ptr, ahead_ptr, rows_ptr, n_rows_ptr, next_rows_ptr, next_n_ptr, V, splits, W,
+                         MAX_SPLITS: tl.constexpr, LISTED: tl.constexpr):
     """The winner is the row's token if top-p keeps it; if top-p drops it, it drops every id at or below it too,
     and the next round races only the ids above it. When the answer depends on how ties are ordered, the row is
-    left to the histogram passes (settled = -2)."""
-    row = tl.program_id(0).to(tl.int64)
+    left to the histogram passes (settled = -2). A row left racing is listed for the next round. A LISTED round
+    judges only the rows it raced."""
+    i = tl.program_id(0)
+    if LISTED:
+        if i < tl.load(n_rows_ptr):
+            _settle_round(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr,
+                          race_i_ptr, ahead_ptr, next_rows_ptr, next_n_ptr, tl.load(rows_ptr + i).to(tl.int64), V,
+                          splits, W, MAX_SPLITS)
+    else:
+        _settle_round(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr, race_i_ptr,
+                      ahead_ptr, next_rows_ptr, next_n_ptr, i.to(tl.int64), V, splits, W, MAX_SPLITS)
+
+
+@triton.jit
+def _settle_round(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr, race_i_ptr,
+                  ahead_ptr, next_rows_ptr, next_n_ptr, row, V, splits, W, MAX_SPLITS: tl.constexpr):
     if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, settled_ptr, row):
         _, _, _, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
-        winner = _round_winner(race_ptr, race_i_ptr, row, splits, MAX_SPLITS)
+        winner = _round_winner(race_ptr, race_i_ptr, row, W, MAX_SPLITS)
         parts = tl.arange(0, MAX_SPLITS)
-        at = ahead_ptr + (row * splits + parts) * 2
-        above = tl.sum(tl.load(at, mask=parts < splits, other=0.0), 0) / s_l
-        tied = tl.sum(tl.load(at + 1, mask=parts < splits, other=0.0), 0) / s_l
+        at = ahead_ptr + (row * W + parts) * 2
+        above = tl.sum(tl.load(at, mask=parts < W, other=0.0), 0) / s_l
+        tied = tl.sum(tl.load(at + 1, mask=parts < W, other=0.0), 0) / s_l
         top_p = tl.load(topp_ptr + row)
         if above + tied < top_p:
             tl.store(settled_ptr + row, winner)
         elif above >= top_p:
             inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
             tl.store(floor_ptr + row, tl.load(adj_ptr + row * V + winner).to(tl.float32) * inv_t)
+            tl.store(next_rows_ptr + tl.atomic_add(next_n_ptr, 1), row.to(tl.int32))
         else:
             tl.store(settled_ptr + row, -2)
 
@@ -566,7 +620,9 @@ def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, st
                 cols = off + tl.arange(0, BLOCK)
                 mask = cols < V
                 s = tl.load(adj_ptr + row * V + cols, mask=mask, other=NEG).to(tl.float32) * inv_t
-                keep = mask & (tl.exp(s - s_m) >= min_p) & (s > NEG)
+                keep = mask & (s > NEG)
+                if min_p > 0:
+                    keep = keep & (tl.exp(s - s_m) >= min_p)
                 best, best_i = _keep_best(best, best_i, tl.where(keep, _race_key(s - s_m, cols, key), NEG), cols)
         b, b_i = _lanes_best(best, best_i)
         tl.store(part_ptr + (row * splits + split) * PART + 5, b)
@@ -679,6 +735,11 @@ def default_splits(rows: int, vocab: int, device: torch.device) -> int:
     return min(MAX_SPLITS, triton.next_power_of_2(want), max(1, triton.next_power_of_2(triton.cdiv(vocab, 8 * BLOCK))))
 
 
+def later_round_programs(vocab: int, block: int = BLOCK) -> int:
+    """Programs to a row in the race rounds after the first: a block or two of ids each (up to MAX_SPLITS)."""
+    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(vocab, block)))
+
+
 def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
          max_candidates: int = MAX_CANDIDATES, block: int = BLOCK, warps: int = 4,
          top_p_rounds: int = TOP_P_ROUNDS) -> Drawn:
@@ -704,8 +765,12 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     cand_i = torch.empty(N, max_candidates, dtype=torch.int32, device=dev)
     settled = torch.empty(N, dtype=torch.int32, device=dev)  # -1 racing, -2 left to the histogram, else the token
     floor = torch.empty(N, dtype=torch.float32, device=dev)
-    race, race_i = (torch.empty(N, splits, dtype=dt, device=dev) for dt in (torch.float32, torch.int32))
-    ahead = torch.empty(N, splits, 2, dtype=torch.float32, device=dev)
+    later = later_round_programs(V, block)
+    widest = max(splits, later)
+    race, race_i = (torch.empty(N, widest, dtype=dt, device=dev) for dt in (torch.float32, torch.int32))
+    ahead = torch.empty(N, widest, 2, dtype=torch.float32, device=dev)
+    listed = torch.empty(2, N, dtype=torch.int32, device=dev)  # the rows each round leaves for the next
+    n_listed = torch.empty(2, dtype=torch.int32, device=dev)
     out = Drawn(torch.empty(N, dtype=torch.long, device=dev), torch.empty(N, dtype=torch.float32, device=dev),
                 torch.empty(N, dtype=torch.int32, device=dev), settled)
     temp, top_p, min_p = p.temperature.float(), p.top_p.float(), p.min_p.float()
@@ -713,13 +778,22 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     grid = (N, splits)
     _stats_kernel[grid](logits, adjusted, temp, top_k, part, part_i, lanes, hist, fine, count, settled, floor, V,
                         chunk, splits, PENALISED=adjusted is not logits, BLOCK=block, num_warps=warps)
-    for _ in range(top_p_rounds):
-        _race_above_kernel[grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, settled, floor, race,
-                                 race_i, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block, num_warps=warps)
-        _mass_ahead_kernel[grid](adjusted, temp, top_k, top_p, part, settled, race, race_i, ahead, V, chunk, splits,
-                                 MAX_SPLITS=MAX_SPLITS, BLOCK=block, num_warps=warps)
-        _settle_round_kernel[(N,)](adjusted, temp, top_k, top_p, part, settled, floor, race, race_i, ahead, V, splits,
-                                   MAX_SPLITS=MAX_SPLITS, num_warps=1)
+    for r in range(top_p_rounds):
+        # The first round races every top-p row, `splits` programs to a row. The later ones race only the rows the
+        # round before listed, each over `later` programs, on as many programs in all as the first round had.
+        w = splits if r == 0 else later
+        rchunk = triton.cdiv(triton.cdiv(V, w), block) * block
+        rounds_grid = grid if r == 0 else (max(1, N * splits // later) * later,)
+        rows, n_rows, next_rows, next_n = listed[(r + 1) % 2], n_listed[(r + 1) % 2], listed[r % 2], n_listed[r % 2]
+        _race_above_kernel[rounds_grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, settled, floor,
+                                        race, race_i, rows, n_rows, next_n, V, splits, rchunk, w,
+                                        MAX_SPLITS=MAX_SPLITS, BLOCK=block, LISTED=r > 0, num_warps=warps)
+        _mass_ahead_kernel[rounds_grid](adjusted, temp, top_k, top_p, part, settled, race, race_i, ahead, rows, n_rows,
+                                        V, splits, rchunk, w, MAX_SPLITS=MAX_SPLITS, BLOCK=block, LISTED=r > 0,
+                                        num_warps=warps)
+        _settle_round_kernel[(N,)](adjusted, temp, top_k, top_p, part, settled, floor, race, race_i, ahead, rows,
+                                   n_rows, next_rows, next_n, V, splits, w, MAX_SPLITS=MAX_SPLITS, LISTED=r > 0,
+                                   num_warps=1)
     _hist_kernel[grid](adjusted, temp, top_k, top_p, part, lanes, kth, hist, settled, V, chunk, splits,
                        MAX_SPLITS=MAX_SPLITS, BLOCK=block, BLOCK_S=triton.next_power_of_2(splits), num_warps=warps)
     _take_or_refine_kernel[grid](adjusted, temp, top_k, top_p, min_p, part, hist, fine, kth, count, cand_s, cand_i,

@@ -204,15 +204,23 @@ def test_top_p_race_rounds_settle_rows_exactly_and_leave_the_rest_to_the_histogr
                    min_p=torch.tensor([0.0] * (n - 4) + [0.05] * 4, device=DEVICE),
                    seeds=torch.randint(0, 2**62, (n,), device=DEVICE), steps=torch.full((n,), step, device=DEVICE))
         tokens, chosen, *_ = sample(logits, p)
-        for rounds in (0, T.TOP_P_ROUNDS) if step else (0, 1, T.TOP_P_ROUNDS):
-            got = T.draw(logits, p, splits=3, top_p_rounds=rounds)
+        # Rounds after the first walk the rows left, 4 programs to a row (blocks of 1024 ids), or 16 (of 256).
+        settled_after = {}
+        cases = ((0, 1024), (T.TOP_P_ROUNDS, 1024))
+        if not step:
+            cases += ((1, 1024), (3, 1024), (3, 256))
+        for rounds, block in cases:
+            got = T.draw(logits, p, splits=3, top_p_rounds=rounds, block=block)
             assert got.done.tolist() == [1] * n
-            assert torch.equal(got.tokens, tokens), (step, rounds)
+            assert torch.equal(got.tokens, tokens), (step, rounds, block)
             assert torch.allclose(got.logprobs, chosen, atol=1e-5)
             settled = got.settled >= 0
             assert torch.equal(got.tokens[settled], got.settled[settled].long())
-            if rounds == T.TOP_P_ROUNDS:
+            if rounds == T.TOP_P_ROUNDS and block == 1024:
                 settled_by_rounds += int(settled.sum())
+            settled_after[rounds, block] = int(settled.sum())
+        if not step:  # the later rounds settle rows the first one left (the rows they race are listed right)
+            assert settled_after[1, 1024] < settled_after[3, 1024] and settled_after[1, 1024] < settled_after[3, 256]
     assert 0 < settled_by_rounds < 3 * n
 
 
