@@ -156,7 +156,8 @@ def _row_stats(part_ptr, row, splits, MAX_SPLITS: tl.constexpr):
 
 @triton.jit
 def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, topk_ptr, part_ptr, part_i_ptr, lanes_ptr, hist_ptr, fine_ptr, count_ptr,
-                  settled_ptr, floor_ptr, V, chunk, splits, PENALISED: tl.constexpr, BLOCK: tl.constexpr):
+                  settled_ptr, floor_ptr, arrived_ptr, V, chunk, splits, PENALISED: tl.constexpr,
+                  BLOCK: tl.constexpr):
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
     # Running maxima are scalars; the exp sums stay per lane and are rescaled only when a block raises the max.
@@ -204,6 +205,7 @@ def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, topk_ptr, part_ptr, part_i_ptr, la
         tl.store(count_ptr + row, 0)
         tl.store(settled_ptr + row, -1)
         tl.store(floor_ptr + row, NEG)
+        tl.store(arrived_ptr + row, 0)
 
 
 @triton.jit
@@ -229,7 +231,7 @@ def _race_above_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr
     if LISTED:
         p = tl.program_id(0)
         if p == 0:
-            tl.store(next_n_ptr, 0)  # the settle kernel after this round lists the rows it leaves there
+            tl.store(next_n_ptr, 0)  # the mass pass after this one lists the rows it leaves there
         for a in range(p // W, tl.load(n_rows_ptr), tl.num_programs(0) // W):
             _race_above(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, settled_ptr,
                         floor_ptr, race_ptr, race_i_ptr, tl.load(rows_ptr + a).to(tl.int64), p % W, V, splits, rchunk,
@@ -277,25 +279,28 @@ def _round_winner(race_ptr, race_i_ptr, row, splits, MAX_SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _mass_ahead_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, race_ptr, race_i_ptr,
-                       ahead_ptr, rows_ptr, n_rows_ptr, V, splits, rchunk, W, MAX_SPLITS: tl.constexpr,
-                       BLOCK: tl.constexpr, LISTED: tl.constexpr):
+def _mass_ahead_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr,
+                       race_i_ptr, ahead_ptr, arrived_ptr, rows_ptr, n_rows_ptr, next_rows_ptr, next_n_ptr, V, splits,
+                       rchunk, W, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, LISTED: tl.constexpr):
     """Each of a row's W programs' exp mass of the ids above the round's winner and of the other ids tied with it:
-    whatever order a sort gives ties, the top-p mass before the winner lies between the first and the sum. Rows
-    and programs as in `_race_above_kernel`."""
+    whatever order a sort gives ties, the top-p mass before the winner lies between the first and the sum. The
+    row's last program to finish settles the round for it. Rows and programs as in `_race_above_kernel`."""
     if LISTED:
         p = tl.program_id(0)
         for a in range(p // W, tl.load(n_rows_ptr), tl.num_programs(0) // W):
-            _mass_ahead(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, race_ptr, race_i_ptr, ahead_ptr,
-                        tl.load(rows_ptr + a).to(tl.int64), p % W, V, splits, rchunk, W, MAX_SPLITS, BLOCK)
+            _mass_ahead(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr, race_i_ptr,
+                        ahead_ptr, arrived_ptr, next_rows_ptr, next_n_ptr, tl.load(rows_ptr + a).to(tl.int64), p % W,
+                        V, splits, rchunk, W, MAX_SPLITS, BLOCK)
     else:
-        _mass_ahead(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, race_ptr, race_i_ptr, ahead_ptr,
-                    tl.program_id(0).to(tl.int64), tl.program_id(1), V, splits, rchunk, W, MAX_SPLITS, BLOCK)
+        _mass_ahead(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr, race_i_ptr,
+                    ahead_ptr, arrived_ptr, next_rows_ptr, next_n_ptr, tl.program_id(0).to(tl.int64),
+                    tl.program_id(1), V, splits, rchunk, W, MAX_SPLITS, BLOCK)
 
 
 @triton.jit
-def _mass_ahead(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, race_ptr, race_i_ptr, ahead_ptr, row,
-                split, V, splits, rchunk, W, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _mass_ahead(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr, race_i_ptr,
+                ahead_ptr, arrived_ptr, next_rows_ptr, next_n_ptr, row, split, V, splits, rchunk, W,
+                MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, settled_ptr, row):
         inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
         _, _, s_m, _ = _row_stats(part_ptr, row, splits, MAX_SPLITS)
@@ -314,46 +319,35 @@ def _mass_ahead(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, ra
             tied += tl.where((s == s_w) & (cols != winner), e, 0.0)
         tl.store(ahead_ptr + (row * W + split) * 2, tl.sum(above, 0))
         tl.store(ahead_ptr + (row * W + split) * 2 + 1, tl.sum(tied, 0))
+        # The row's last program to arrive settles it (a launch fewer a round): the barrier puts every thread's
+        # store before the arrival, whose release the last program's acquire pairs with.
+        tl.debug_barrier()
+        if tl.atomic_add(arrived_ptr + row, 1, sem="acq_rel") == W - 1:
+            tl.store(arrived_ptr + row, 0)  # for the next round
+            _settle_round(adj_ptr, temp_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, ahead_ptr, next_rows_ptr,
+                          next_n_ptr, row, winner, V, splits, W, MAX_SPLITS)
 
 
 @triton.jit
-def _settle_round_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr,
-                         race_i_ptr, ahead_ptr, rows_ptr, n_rows_ptr, next_rows_ptr, next_n_ptr, V, splits, W,
-                         MAX_SPLITS: tl.constexpr, LISTED: tl.constexpr):
+def _settle_round(adj_ptr, temp_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, ahead_ptr, next_rows_ptr,
+                  next_n_ptr, row, winner, V, splits, W, MAX_SPLITS: tl.constexpr):
     """The winner is the row's token if top-p keeps it; if top-p drops it, it drops every id at or below it too,
-    and the next round races only the ids above it. When the answer depends on how ties are ordered, the row is
-    left to the histogram passes (settled = -2). A row left racing is listed for the next round. A LISTED round
-    judges only the rows it raced."""
-    i = tl.program_id(0)
-    if LISTED:
-        if i < tl.load(n_rows_ptr):
-            _settle_round(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr,
-                          race_i_ptr, ahead_ptr, next_rows_ptr, next_n_ptr, tl.load(rows_ptr + i).to(tl.int64), V,
-                          splits, W, MAX_SPLITS)
+    and the next round races only the ids above it (the row is listed for it). When the answer depends on how ties
+    are ordered, the row is left to the histogram passes (settled = -2)."""
+    _, _, _, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
+    parts = tl.arange(0, MAX_SPLITS)
+    at = ahead_ptr + (row * W + parts) * 2
+    above = tl.sum(tl.load(at, mask=parts < W, other=0.0), 0) / s_l
+    tied = tl.sum(tl.load(at + 1, mask=parts < W, other=0.0), 0) / s_l
+    top_p = tl.load(topp_ptr + row)
+    if above + tied < top_p:
+        tl.store(settled_ptr + row, winner)
+    elif above >= top_p:
+        inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
+        tl.store(floor_ptr + row, tl.load(adj_ptr + row * V + winner).to(tl.float32) * inv_t)
+        tl.store(next_rows_ptr + tl.atomic_add(next_n_ptr, 1), row.to(tl.int32))
     else:
-        _settle_round(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr, race_i_ptr,
-                      ahead_ptr, next_rows_ptr, next_n_ptr, i.to(tl.int64), V, splits, W, MAX_SPLITS)
-
-
-@triton.jit
-def _settle_round(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr, race_i_ptr,
-                  ahead_ptr, next_rows_ptr, next_n_ptr, row, V, splits, W, MAX_SPLITS: tl.constexpr):
-    if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, settled_ptr, row):
-        _, _, _, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
-        winner = _round_winner(race_ptr, race_i_ptr, row, W, MAX_SPLITS)
-        parts = tl.arange(0, MAX_SPLITS)
-        at = ahead_ptr + (row * W + parts) * 2
-        above = tl.sum(tl.load(at, mask=parts < W, other=0.0), 0) / s_l
-        tied = tl.sum(tl.load(at + 1, mask=parts < W, other=0.0), 0) / s_l
-        top_p = tl.load(topp_ptr + row)
-        if above + tied < top_p:
-            tl.store(settled_ptr + row, winner)
-        elif above >= top_p:
-            inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
-            tl.store(floor_ptr + row, tl.load(adj_ptr + row * V + winner).to(tl.float32) * inv_t)
-            tl.store(next_rows_ptr + tl.atomic_add(next_n_ptr, 1), row.to(tl.int32))
-        else:
-            tl.store(settled_ptr + row, -2)
+        tl.store(settled_ptr + row, -2)
 
 
 TAKEN = tl.constexpr(-(2**63))  # below every key
@@ -744,7 +738,7 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
          max_candidates: int = MAX_CANDIDATES, block: int = BLOCK, warps: int = 4,
          top_p_rounds: int = TOP_P_ROUNDS) -> Drawn:
     """Greedy / temperature / top-k / top-p / min-p with penalties, for every row at once (see the module doc).
-    `top_p_rounds` race rounds run for top-p-alone rows (0 when the caller knows there are none: three launches a
+    `top_p_rounds` race rounds run for top-p-alone rows (0 when the caller knows there are none: two launches a
     round fewer). `splits` (programs per row), `max_candidates` (a power of two), `block` and `warps` (the passes'
     tile) are exposed for tests and the benchmark's sweep."""
     N, V = logits.shape
@@ -771,13 +765,14 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     ahead = torch.empty(N, widest, 2, dtype=torch.float32, device=dev)
     listed = torch.empty(2, N, dtype=torch.int32, device=dev)  # the rows each round leaves for the next
     n_listed = torch.empty(2, dtype=torch.int32, device=dev)
+    arrived = torch.empty(N, dtype=torch.int32, device=dev)  # a round's mass-pass programs done, per row
     out = Drawn(torch.empty(N, dtype=torch.long, device=dev), torch.empty(N, dtype=torch.float32, device=dev),
                 torch.empty(N, dtype=torch.int32, device=dev), settled)
     temp, top_p, min_p = p.temperature.float(), p.top_p.float(), p.min_p.float()
     top_k = torch.where(p.top_k >= V, 0, p.top_k)  # keeping the whole vocabulary is no top-k
     grid = (N, splits)
-    _stats_kernel[grid](logits, adjusted, temp, top_k, part, part_i, lanes, hist, fine, count, settled, floor, V,
-                        chunk, splits, PENALISED=adjusted is not logits, BLOCK=block, num_warps=warps)
+    _stats_kernel[grid](logits, adjusted, temp, top_k, part, part_i, lanes, hist, fine, count, settled, floor,
+                        arrived, V, chunk, splits, PENALISED=adjusted is not logits, BLOCK=block, num_warps=warps)
     for r in range(top_p_rounds):
         # The first round races every top-p row, `splits` programs to a row. The later ones race only the rows the
         # round before listed, each over `later` programs, on as many programs in all as the first round had.
@@ -788,12 +783,9 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
         _race_above_kernel[rounds_grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, settled, floor,
                                         race, race_i, rows, n_rows, next_n, V, splits, rchunk, w,
                                         MAX_SPLITS=MAX_SPLITS, BLOCK=block, LISTED=r > 0, num_warps=warps)
-        _mass_ahead_kernel[rounds_grid](adjusted, temp, top_k, top_p, part, settled, race, race_i, ahead, rows, n_rows,
-                                        V, splits, rchunk, w, MAX_SPLITS=MAX_SPLITS, BLOCK=block, LISTED=r > 0,
-                                        num_warps=warps)
-        _settle_round_kernel[(N,)](adjusted, temp, top_k, top_p, part, settled, floor, race, race_i, ahead, rows,
-                                   n_rows, next_rows, next_n, V, splits, w, MAX_SPLITS=MAX_SPLITS, LISTED=r > 0,
-                                   num_warps=1)
+        _mass_ahead_kernel[rounds_grid](adjusted, temp, top_k, top_p, part, settled, floor, race, race_i, ahead,
+                                        arrived, rows, n_rows, next_rows, next_n, V, splits, rchunk, w,
+                                        MAX_SPLITS=MAX_SPLITS, BLOCK=block, LISTED=r > 0, num_warps=warps)
     _hist_kernel[grid](adjusted, temp, top_k, top_p, part, lanes, kth, hist, settled, V, chunk, splits,
                        MAX_SPLITS=MAX_SPLITS, BLOCK=block, BLOCK_S=triton.next_power_of_2(splits), num_warps=warps)
     _take_or_refine_kernel[grid](adjusted, temp, top_k, top_p, min_p, part, hist, fine, kth, count, cand_s, cand_i,
