@@ -235,19 +235,21 @@ def _race_above_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr
         for a in range(p // W, tl.load(n_rows_ptr), tl.num_programs(0) // W):
             _race_above(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, settled_ptr,
                         floor_ptr, race_ptr, race_i_ptr, tl.load(rows_ptr + a).to(tl.int64), p % W, V, splits, rchunk,
-                        W, MAX_SPLITS, BLOCK)
+                        W, MAX_SPLITS, BLOCK, True)
     else:
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(next_n_ptr, 0)
         _race_above(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, settled_ptr,
                     floor_ptr, race_ptr, race_i_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), V, splits,
-                    rchunk, W, MAX_SPLITS, BLOCK)
+                    rchunk, W, MAX_SPLITS, BLOCK, False)
 
 
 @triton.jit
 def _race_above(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, settled_ptr, floor_ptr,
                 race_ptr, race_i_ptr, row, split, V, splits, rchunk, W, MAX_SPLITS: tl.constexpr,
-                BLOCK: tl.constexpr):
+                BLOCK: tl.constexpr, ABOVE_FLOOR: tl.constexpr):
+    """ABOVE_FLOOR: the floor is a dropped winner's score, above which few ids lie, so a block with none of them
+    skips the race keys (a hash and two logs an id)."""
     if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, settled_ptr, row):
         inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
         _, _, s_m, _ = _row_stats(part_ptr, row, splits, MAX_SPLITS)
@@ -261,10 +263,11 @@ def _race_above(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_
             cols = off + tl.arange(0, BLOCK)
             s = s_next.to(tl.float32) * inv_t
             s_next = _load_block(adj_ptr + row * V, off + BLOCK, stop, BLOCK)
-            keep = (cols < stop) & (s > floor)
-            if min_p > 0:  # exp(.) >= 0 holds for every id: without min-p the race skips an exp an id
-                keep = keep & (tl.exp(s - s_m) >= min_p)
-            best, best_i = _keep_best(best, best_i, tl.where(keep, _race_key(s - s_m, cols, key), NEG), cols)
+            if not ABOVE_FLOOR or tl.max(s, 0) > floor:
+                keep = (cols < stop) & (s > floor)
+                if min_p > 0:  # exp(.) >= 0 holds for every id: without min-p the race skips an exp an id
+                    keep = keep & (tl.exp(s - s_m) >= min_p)
+                best, best_i = _keep_best(best, best_i, tl.where(keep, _race_key(s - s_m, cols, key), NEG), cols)
         b, b_i = _lanes_best(best, best_i)
         tl.store(race_ptr + row * W + split, b)
         tl.store(race_i_ptr + row * W + split, b_i)
