@@ -5,12 +5,12 @@ little HBM traffic), so that the projection then reads L2 instead of HBM.
     python -m tools.probe_prefetch_branch
 
 The projection is the 4B GDN out_proj GEMV (4096 -> 2560, 21 MB bf16). The small kernels are stand-ins: a
-dependent FMA chain, one program per SM, about 2.5 or 4 µs each, three in a row. Every iteration of the timed graph
-uses another copy of the weights (32 copies, far more than L2), as a decode step does. Prints µs an iteration for
-the GEMV alone (and over one copy, resident in L2: what a perfect prefetch could give), the small kernels alone,
-both in sequence, the prefetch kernel alone, and both with the prefetch on a side branch, for two prefetch forms:
-one `prefetch.global.L2` a 128-byte line, and `cp.async.bulk.prefetch.L2` (sm90's bulk form: one instruction a
-span of bytes).
+dependent FMA chain, one program per SM, three in a row (5.2 or 8.4 µs together, run N4). Every iteration of the
+timed graph uses another copy of the weights (32 copies, far more than L2), as a decode step does. Prints µs an
+iteration for the GEMV alone (and over one copy, resident in L2: what a perfect prefetch could give), the small
+kernels alone, both in sequence, the prefetch kernel alone, and both with the prefetch on a side branch, for two
+prefetch forms: one `prefetch.global.L2` a 128-byte line, and `cp.async.bulk.prefetch.L2` (sm90's bulk form: one
+instruction a span of bytes).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from kernels import triton_ops
 
 COPIES = 32  # weight copies cycled through: together far larger than L2
 N, K = 2560, 4096  # 4B out_proj
-LINE = 128  # bytes
+LINE = tl.constexpr(128)  # bytes an L2 line
+LANES = tl.constexpr(128)  # prefetch requests a program issues at once
 
 
 @triton.jit
@@ -39,10 +40,10 @@ def _spin_kernel(x_ptr, n):
 
 @triton.jit
 def _prefetch_lines_kernel(w_ptr, n_bytes, LINES_PER_LANE: tl.constexpr):
-    """Each lane asks L2 for LINES_PER_LANE 128-byte lines, one instruction a line."""
-    lane = tl.program_id(0) * 128 + tl.arange(0, 128)
+    """Each lane asks L2 for LINES_PER_LANE lines, one instruction a line."""
+    lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
     for j in range(LINES_PER_LANE):
-        off = tl.minimum((lane * LINES_PER_LANE + j) * 128, n_bytes - 128).to(tl.int64)
+        off = tl.minimum((lane * LINES_PER_LANE + j) * LINE, n_bytes - LINE).to(tl.int64)
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [w_ptr.to(tl.pointer_type(tl.int8)) + off],
                                   dtype=tl.int32, is_pure=False, pack=1)
 
@@ -50,7 +51,7 @@ def _prefetch_lines_kernel(w_ptr, n_bytes, LINES_PER_LANE: tl.constexpr):
 @triton.jit
 def _prefetch_bulk_kernel(w_ptr, n_bytes, span):
     """Each lane asks L2 for one span of bytes with a single bulk prefetch (span a multiple of 16)."""
-    lane = tl.program_id(0) * 128 + tl.arange(0, 128)
+    lane = tl.program_id(0) * LANES + tl.arange(0, LANES)
     start = lane.to(tl.int64) * span
     size = tl.maximum(tl.minimum(n_bytes - start, span), 0).to(tl.int32)
     tl.inline_asm_elementwise("{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; }"
@@ -75,10 +76,10 @@ def main() -> int:
 
     def prefetch(w, form, programs):
         if form == "lines":
-            per_lane = triton.cdiv(n_bytes // LINE, programs * 128)
+            per_lane = triton.cdiv(n_bytes // LINE.value, programs * LANES.value)
             _prefetch_lines_kernel[(programs,)](w, n_bytes, LINES_PER_LANE=per_lane)
         else:
-            span = triton.cdiv(triton.cdiv(n_bytes, programs * 128), 16) * 16
+            span = triton.cdiv(triton.cdiv(n_bytes, programs * LANES.value), 16) * 16
             _prefetch_bulk_kernel[(programs,)](w, n_bytes, span)
 
     def with_branch(w, spin, form, programs):
