@@ -15,6 +15,7 @@ instruction a span of bytes).
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -60,8 +61,10 @@ def _prefetch_bulk_kernel(w_ptr, n_bytes, span):
 
 
 def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
-        sys.exit("probe_prefetch_branch needs a CUDA GPU")
+        logging.error("probe_prefetch_branch needs a CUDA device")
+        return 2
     dev = torch.device("cuda")
     weights = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
     x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
