@@ -306,7 +306,7 @@ def _mass_ahead(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, fl
                 MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     if _top_p_alone(temp_ptr, topk_ptr, topp_ptr, settled_ptr, row):
         inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
-        _, _, s_m, _ = _row_stats(part_ptr, row, splits, MAX_SPLITS)
+        _, _, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
         winner = _round_winner(race_ptr, race_i_ptr, row, W, MAX_SPLITS)
         s_w = tl.load(adj_ptr + row * V + winner).to(tl.float32) * inv_t
         start = split * rchunk
@@ -327,17 +327,17 @@ def _mass_ahead(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, fl
         tl.debug_barrier()
         if tl.atomic_add(arrived_ptr + row, 1, sem="acq_rel") == W - 1:
             tl.store(arrived_ptr + row, 0)  # for the next round
-            _settle_round(adj_ptr, temp_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, ahead_ptr, next_rows_ptr,
-                          next_n_ptr, row, winner, V, splits, W, MAX_SPLITS)
+            _settle_round(topp_ptr, settled_ptr, floor_ptr, ahead_ptr, next_rows_ptr, next_n_ptr, row, winner, s_w,
+                          s_l, W, MAX_SPLITS)
 
 
 @triton.jit
-def _settle_round(adj_ptr, temp_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, ahead_ptr, next_rows_ptr,
-                  next_n_ptr, row, winner, V, splits, W, MAX_SPLITS: tl.constexpr):
+def _settle_round(topp_ptr, settled_ptr, floor_ptr, ahead_ptr, next_rows_ptr, next_n_ptr, row, winner, s_w, s_l, W,
+                  MAX_SPLITS: tl.constexpr):
     """The winner is the row's token if top-p keeps it; if top-p drops it, it drops every id at or below it too,
     and the next round races only the ids above it (the row is listed for it). When the answer depends on how ties
-    are ordered, the row is left to the histogram passes (settled = -2)."""
-    _, _, _, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
+    are ordered, the row is left to the histogram passes (settled = -2). s_w is the winner's scaled logit, s_l the
+    row's sum-exp of scaled logits."""
     parts = tl.arange(0, MAX_SPLITS)
     at = ahead_ptr + (row * W + parts) * 2
     above = tl.sum(tl.load(at, mask=parts < W, other=0.0), 0) / s_l
@@ -346,8 +346,7 @@ def _settle_round(adj_ptr, temp_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr,
     if above + tied < top_p:
         tl.store(settled_ptr + row, winner)
     elif above >= top_p:
-        inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
-        tl.store(floor_ptr + row, tl.load(adj_ptr + row * V + winner).to(tl.float32) * inv_t)
+        tl.store(floor_ptr + row, s_w)
         tl.store(next_rows_ptr + tl.atomic_add(next_n_ptr, 1), row.to(tl.int32))
     else:
         tl.store(settled_ptr + row, -2)
@@ -726,9 +725,12 @@ class Drawn:
     settled: torch.Tensor  # [N] int32: the token a top-p race round settled on, or negative (not by one)
 
 
-def default_splits(rows: int, vocab: int, device: torch.device) -> int:
-    """Enough programs per pass to fill the GPU (a few per SM), never a block less than BLOCK per split."""
-    want = max(1, triton.cdiv(4 * multiprocessors(device), rows))
+def default_splits(rows: int, vocab: int, device: torch.device, top_p_rounds: bool = False) -> int:
+    """Enough programs per pass to fill the GPU (a few per SM), never a block less than BLOCK per split. With the
+    top-p race rounds, twice as many: a row the rounds leave takes the histogram passes about alone, and more
+    programs shorten them (batch 64 at top-p 0.8, T 0.7 on the H200: such a batch 153.2 -> 133.6 µs; a top-k
+    threshold batch, which has no rounds, would lose 10 µs; docs/benchmarks/kernels.md, runs N6 and O1)."""
+    want = max(1, triton.cdiv((8 if top_p_rounds else 4) * multiprocessors(device), rows))
     return min(MAX_SPLITS, triton.next_power_of_2(want), max(1, triton.next_power_of_2(triton.cdiv(vocab, 8 * BLOCK))))
 
 
@@ -747,7 +749,7 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     N, V = logits.shape
     dev = logits.device
     adjusted = apply_penalties(logits, p)
-    splits = splits or default_splits(N, V, dev)
+    splits = splits or default_splits(N, V, dev, top_p_rounds > 0)
     if splits > MAX_SPLITS:
         raise ValueError(f"splits={splits}: at most MAX_SPLITS={MAX_SPLITS} programs per row")
     chunk = triton.cdiv(triton.cdiv(V, splits), block) * block
