@@ -43,10 +43,11 @@ def _dot_bf16(a, b, acc=None):
 # ---------------------------------------------------------------------------------------------------------------------
 # Programmatic dependent launch (sm90+). A decode step is some 230 short kernels; launched with PDL, a kernel's
 # programs start on the SMs the previous kernel's tail leaves idle instead of after a launch gap.
-# The rule that keeps this safe: before `_wait_for_previous_kernel` a kernel reads model weights only (no kernel
+# The rule that keeps this safe: before `wait_for_previous_kernel` a kernel reads model weights only (no kernel
 # writes them) and writes nothing. Each kernel lets the next one launch only after its own wait, so at most two
-# kernels overlap. The decode step's kernels take part (the norms and q/k norm + RoPE also run in prefill); off
-# (PDL = False), on the CPU and before sm90 every kernel launches plainly.
+# kernels overlap. The decode step's kernels take part (the norms and q/k norm + RoPE also run in prefill), and so
+# do the sampler's passes (`kernels.triton_sampling`); off (PDL = False), on the CPU and before sm90 every kernel
+# launches plainly.
 
 PDL = True
 
@@ -56,13 +57,13 @@ def _pdl_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _pdl(device: torch.device) -> dict:
-    """Launch options for a decode-step kernel with a `PDL` constexpr."""
+def pdl_options(device: torch.device) -> dict:
+    """Launch options for a kernel with a `PDL` constexpr (one that calls `wait_for_previous_kernel` first)."""
     return {"PDL": True, "launch_pdl": True} if PDL and _pdl_capable(device) else {}
 
 
 @triton.jit
-def _wait_for_previous_kernel(PDL: tl.constexpr):
+def wait_for_previous_kernel(PDL: tl.constexpr):
     """Wait until the previous kernel in the stream has finished and its writes are visible, then let the next
     kernel launch. A no-op without PDL."""
     if PDL:
@@ -81,7 +82,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    _wait_for_previous_kernel(PDL)
+    wait_for_previous_kernel(PDL)
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if HAS_RES:
         x = x + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)  # in the model dtype, as HF does
@@ -97,7 +98,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = x.contiguous().view(-1, x.shape[-1])
     out = torch.empty_like(x2)
     _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.shape[1], eps, HAS_RES=False, ZERO_CENTRED=True,
-                                     BLOCK=_pow2(x2.shape[1]), **_pdl(x.device))
+                                     BLOCK=_pow2(x2.shape[1]), **pdl_options(x.device))
     return out.view(x.shape)
 
 
@@ -107,7 +108,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     x2, r2 = x.contiguous().view(-1, x.shape[-1]), residual.contiguous().view(-1, x.shape[-1])
     out, summed = torch.empty_like(x2), torch.empty_like(x2)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, summed, x2.shape[1], eps, HAS_RES=True, ZERO_CENTRED=True,
-                                     BLOCK=_pow2(x2.shape[1]), **_pdl(x.device))
+                                     BLOCK=_pow2(x2.shape[1]), **pdl_options(x.device))
     return out.view(x.shape), summed.view(x.shape)
 
 
@@ -118,7 +119,7 @@ def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, n_cols, heads, z_row_st
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    _wait_for_previous_kernel(PDL)
+    wait_for_previous_kernel(PDL)
     o = tl.load(o_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     z_base = z_ptr + (row // heads) * z_row_stride + (row % heads) * z_head_stride
     z = tl.load(z_base + cols, mask=mask, other=0.0).to(tl.float32)
@@ -135,13 +136,13 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         z = z.contiguous()
     out = torch.empty_like(o2)
     _gated_rms_norm_kernel[(o2.shape[0],)](o2, z, weight, out, o2.shape[1], o.shape[1], z.stride(0), z.stride(1), eps,
-                                           BLOCK=_pow2(o2.shape[1]), **_pdl(o.device))
+                                           BLOCK=_pow2(o2.shape[1]), **pdl_options(o.device))
     return out.view(o.shape)
 
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, inner, x_row_stride, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    _wait_for_previous_kernel(PDL)
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
@@ -156,7 +157,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, inner, dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
     _silu_mul_kernel[(T, triton.cdiv(inner, BLOCK))](gate_up, out, inner, gate_up.stride(0), BLOCK=BLOCK,
-                                                     **_pdl(gate_up.device))
+                                                     **pdl_options(gate_up.device))
     return out
 
 
@@ -183,7 +184,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl
                  PDL: tl.constexpr = False):
     """out [N] = x @ w.t() for one row x. It waits first: loading a first weight tile before the wait, in a
     peeled iteration, broke the pipelining of two-tile rows (9B batch-1 step 4.32 -> 5.29 ms, decode.md)."""
-    _wait_for_previous_kernel(PDL)
+    wait_for_previous_kernel(PDL)
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = ns < N
     w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
@@ -204,7 +205,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x.contiguous(), weight, out, N, K, BLOCK_N=block_n, BLOCK_K=block_k,
                                              EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages,
-                                             **_pdl(x.device))
+                                             **pdl_options(x.device))
     return out
 
 
@@ -232,7 +233,7 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, N, K,
                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
     """out [N] = rms_norm(x + res) @ w.t() for one row; with SILU_MUL, silu(out) * (the same for w's rows
     up_rows on). Program 0 writes the new residual x + res."""
-    _wait_for_previous_kernel(PDL)
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = ns < N
@@ -279,7 +280,7 @@ def norm_gemv(x, residual, norm_weight, eps: float, weight, silu_mul_rows: int =
     _norm_gemv_kernel[(triton.cdiv(N, block_n),)](
         x, x if residual is None else residual.contiguous(), norm_weight, weight, out, summed, N, K, silu_mul_rows,
         eps, HAS_RES=residual is not None, SILU_MUL=silu_mul_rows > 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages, **_pdl(x.device))
+        EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages, **pdl_options(x.device))
     return out, summed
 
 
@@ -312,7 +313,7 @@ def _conv1d_decode_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, out_ptr, C, x_row_s
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = cols < C
     w_last = tl.load(w_ptr + cols * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
-    _wait_for_previous_kernel(PDL)
+    wait_for_previous_kernel(PDL)
     slot = tl.load(slot_ptr + row)
     slot = tl.where(slot < 0, trash, slot).to(tl.int64)
     base = state_ptr + slot * (K - 1) * C
@@ -336,7 +337,7 @@ def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         x = x.contiguous()
     _conv1d_decode_kernel[(N, triton.cdiv(C, BLOCK_C))](
         x, weight, conv_state, slots, out, C, x.stride(0), conv_state.shape[0] - 1, K=K, BLOCK_C=BLOCK_C,
-        **_pdl(x.device))
+        **pdl_options(x.device))
     return out
 
 
@@ -433,7 +434,7 @@ def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, sl
     kmask, vmask = ks < DK, vs < DV
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     decay_rate = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    _wait_for_previous_kernel(PDL)
+    wait_for_previous_kernel(PDL)
     q = tl.load(mixed_ptr + row * C + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(mixed_ptr + row * C + KEY_DIM + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
     v = tl.load(mixed_ptr + row * C + 2 * KEY_DIM + h * DV + vs, mask=vmask, other=0.0).to(tl.float32)
@@ -469,7 +470,7 @@ def gdn_decode(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads: int, 
         mixed.contiguous(), a, b, A_log, dt_bias, ssm_state, slots, out,
         C, a.stride(0), ssm_state.shape[0] - 1, HV, HV // num_k_heads, head_k_dim**-0.5,
         DK=head_k_dim, DV=head_v_dim, KEY_DIM=num_k_heads * head_k_dim,
-        BLOCK_K=_pow2(head_k_dim), BLOCK_V=BLOCK_V, num_warps=num_warps, **_pdl(mixed.device),
+        BLOCK_K=_pow2(head_k_dim), BLOCK_V=BLOCK_V, num_warps=num_warps, **pdl_options(mixed.device),
     )
     return out
 
@@ -483,7 +484,7 @@ def gdn_decode(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads: int, 
 def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, map_ptr, qo_ptr,
                                row_stride, NQ, NKV, eps, HALF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                                PDL: tl.constexpr = False):
-    _wait_for_previous_kernel(PDL)
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -528,7 +529,7 @@ def qk_norm_rope_cache(qkv, q_norm, k_norm, eps, positions, cos, sin, k_cache, v
     out = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
     _qk_norm_rope_cache_kernel[(T, num_heads + num_kv_heads)](
         qkv, q_norm, k_norm, positions, cos, sin, k_cache, v_cache, slot_mapping, out, qkv.stride(0),
-        num_heads, num_kv_heads, eps, HALF=cos.shape[1], D=D, BLOCK_D=_pow2(D), **_pdl(qkv.device))
+        num_heads, num_kv_heads, eps, HALF=cos.shape[1], D=D, BLOCK_D=_pow2(D), **pdl_options(qkv.device))
     return out
 
 
@@ -545,7 +546,7 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, part_o_ptr, p
                         GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                         PRECISION: tl.constexpr, PDL: tl.constexpr = False):
-    _wait_for_previous_kernel(PDL)
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -589,7 +590,7 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, part_o_ptr, p
 def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, gate_ptr, NH, gate_row_stride, gate_head_stride,
                          D: tl.constexpr, SPLITS: tl.constexpr, HAS_GATE: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
-    _wait_for_previous_kernel(PDL)
+    wait_for_previous_kernel(PDL)
     rh = tl.program_id(0).to(tl.int64)  # row * NH + head
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -638,7 +639,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, ga
         NH, NKV, width, scale,
         GROUP=group, D=D, PAGE=PAGE, SPLITS=splits, BLOCK_G=max(16, _pow2(group)), BLOCK_D=_pow2(D),
         BLOCK_N=DECODE_ATTN_BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **_pdl(q.device),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **pdl_options(q.device),
     )
     out = torch.empty_like(q)
     if gate is not None and gate.stride(2) != 1:
@@ -646,7 +647,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, ga
     _merge_splits_kernel[(N * NH,)](
         part_o, part_ml, out, gate if gate is not None else out, NH, gate.stride(0) if gate is not None else 0,
         gate.stride(1) if gate is not None else 0, D=D, SPLITS=splits, HAS_GATE=gate is not None,
-        BLOCK_S=_pow2(splits), BLOCK_D=_pow2(D), **_pdl(q.device))
+        BLOCK_S=_pow2(splits), BLOCK_D=_pow2(D), **pdl_options(q.device))
     return out
 
 

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from .sampling import SamplingTensors, apply_penalties, sample, top_logprobs
-from .triton_ops import multiprocessors
+from .triton_ops import multiprocessors, pdl_options, wait_for_previous_kernel
 
 BINS = tl.constexpr(512)
 BINS_PER_NAT = tl.constexpr(16)  # bins cover d in [0, 32) nats; the last bin also holds everything further out
@@ -157,7 +157,8 @@ def _row_stats(part_ptr, row, splits, MAX_SPLITS: tl.constexpr):
 @triton.jit
 def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, topk_ptr, part_ptr, part_i_ptr, lanes_ptr, hist_ptr, fine_ptr, count_ptr,
                   settled_ptr, floor_ptr, arrived_ptr, V, chunk, splits, PENALISED: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
     # Running maxima are scalars; the exp sums stay per lane and are rescaled only when a block raises the max.
@@ -224,10 +225,12 @@ def _top_p_alone(temp_ptr, topk_ptr, topp_ptr, settled_ptr, row):
 @triton.jit
 def _race_above_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, settled_ptr,
                        floor_ptr, race_ptr, race_i_ptr, rows_ptr, n_rows_ptr, next_n_ptr, V, splits, rchunk, W,
-                       MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, LISTED: tl.constexpr):
+                       MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, LISTED: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """A top-p race round: each of a row's W programs' winner among the ids above the row's floor that min-p
     keeps. The first round takes program (row, split); a LISTED round walks the rows the last round left (rows_ptr,
     n_rows_ptr of them), W programs to a row, so a round that few rows run is short."""
+    wait_for_previous_kernel(PDL)
     if LISTED:
         p = tl.program_id(0)
         if p == 0:
@@ -284,10 +287,12 @@ def _round_winner(race_ptr, race_i_ptr, row, splits, MAX_SPLITS: tl.constexpr):
 @triton.jit
 def _mass_ahead_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr,
                        race_i_ptr, ahead_ptr, arrived_ptr, rows_ptr, n_rows_ptr, next_rows_ptr, next_n_ptr, V, splits,
-                       rchunk, W, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, LISTED: tl.constexpr):
+                       rchunk, W, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, LISTED: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Each of a row's W programs' exp mass of the ids above the round's winner and of the other ids tied with it:
     whatever order a sort gives ties, the top-p mass before the winner lies between the first and the sum. The
     row's last program to finish settles the round for it. Rows and programs as in `_race_above_kernel`."""
+    wait_for_previous_kernel(PDL)
     if LISTED:
         p = tl.program_id(0)
         for a in range(p // W, tl.load(n_rows_ptr), tl.num_programs(0) // W):
@@ -393,7 +398,9 @@ def _kth_of_kept_lanes(lanes_ptr, row, splits, top_k, BLOCK_S: tl.constexpr):
 
 @triton.jit
 def _hist_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, lanes_ptr, kth_ptr, hist_ptr, settled_ptr, V, chunk,
-                 splits, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+                 splits, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     if _by_lanes(temp_ptr, topk_ptr, row):
         if split == 0:
@@ -527,9 +534,10 @@ def _copy_out(count_ptr, cand_s_ptr, cand_i_ptr, row, take, s, cols, MAX_CAND: t
 @triton.jit
 def _take_or_refine_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, hist_ptr, fine_ptr, kth_ptr,
                            count_ptr, cand_s_ptr, cand_i_ptr, settled_ptr, V, chunk, splits, MAX_SPLITS: tl.constexpr,
-                           BLOCK: tl.constexpr, MAX_CAND: tl.constexpr):
+                           BLOCK: tl.constexpr, MAX_CAND: tl.constexpr, PDL: tl.constexpr = False):
     """Threshold rows copy out every id at or above their threshold: all their candidates. Refined rows sum the
     exact mass before their window and in it (per split) and count the window's ids in FINE - 1 slices."""
+    wait_for_previous_kernel(PDL)
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     inv_t = 1.0 / tl.maximum(tl.load(temp_ptr + row), 1e-5)
     start = split * chunk
@@ -569,10 +577,12 @@ def _take_or_refine_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part
 @triton.jit
 def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
                    hist_ptr, fine_ptr, count_ptr, cand_s_ptr, cand_i_ptr, settled_ptr, V, chunk, splits,
-                   MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, MAX_CAND: tl.constexpr):
+                   MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, MAX_CAND: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """Histogram rows race their sure ids and copy out their band; rows without top-k or top-p race every id
     min-p keeps. Threshold rows took their candidates in the pass before (and have no sure ids); rows a top-p
     race round settled have their token."""
+    wait_for_previous_kernel(PDL)
     row, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t = tl.load(temp_ptr + row)
     if (t > 0) & (tl.load(settled_ptr + row) < 0):
@@ -654,7 +664,9 @@ def _ahead_of(cand_s_ptr, cand_i_ptr, row, n_band, s_i, id_i, s_m,
 @triton.jit
 def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
                    hist_ptr, fine_ptr, count_ptr, cand_s_ptr, cand_i_ptr, settled_ptr, token_ptr, logprob_ptr,
-                   done_ptr, V, splits, MAX_SPLITS: tl.constexpr, MAX_CAND: tl.constexpr, TILE: tl.constexpr):
+                   done_ptr, V, splits, MAX_SPLITS: tl.constexpr, MAX_CAND: tl.constexpr, TILE: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     raw_m, raw_l, s_m, s_l = _row_stats(part_ptr, row, splits, MAX_SPLITS)
     parts = tl.arange(0, MAX_SPLITS)
@@ -750,6 +762,7 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     dev = logits.device
     adjusted = apply_penalties(logits, p)
     splits = splits or default_splits(N, V, dev, top_p_rounds > 0)
+    pdl = pdl_options(dev)  # each pass waits for the one before at its start
     if splits > MAX_SPLITS:
         raise ValueError(f"splits={splits}: at most MAX_SPLITS={MAX_SPLITS} programs per row")
     chunk = triton.cdiv(triton.cdiv(V, splits), block) * block
@@ -777,7 +790,8 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     top_k = torch.where(p.top_k >= V, 0, p.top_k)  # keeping the whole vocabulary is no top-k
     grid = (N, splits)
     _stats_kernel[grid](logits, adjusted, temp, top_k, part, part_i, lanes, hist, fine, count, settled, floor,
-                        arrived, V, chunk, splits, PENALISED=adjusted is not logits, BLOCK=block, num_warps=warps)
+                        arrived, V, chunk, splits, PENALISED=adjusted is not logits, BLOCK=block, num_warps=warps,
+                        **pdl)
     for r in range(top_p_rounds):
         # The first round races every top-p row, `splits` programs to a row. The later ones race only the rows the
         # round before listed, each over `later` programs, on as many programs in all as the first round had.
@@ -787,21 +801,22 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
         rows, n_rows, next_rows, next_n = listed[(r + 1) % 2], n_listed[(r + 1) % 2], listed[r % 2], n_listed[r % 2]
         _race_above_kernel[rounds_grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, settled, floor,
                                         race, race_i, rows, n_rows, next_n, V, splits, rchunk, w,
-                                        MAX_SPLITS=MAX_SPLITS, BLOCK=block, LISTED=r > 0, num_warps=warps)
+                                        MAX_SPLITS=MAX_SPLITS, BLOCK=block, LISTED=r > 0, num_warps=warps, **pdl)
         _mass_ahead_kernel[rounds_grid](adjusted, temp, top_k, top_p, part, settled, floor, race, race_i, ahead,
                                         arrived, rows, n_rows, next_rows, next_n, V, splits, rchunk, w,
-                                        MAX_SPLITS=MAX_SPLITS, BLOCK=block, LISTED=r > 0, num_warps=warps)
+                                        MAX_SPLITS=MAX_SPLITS, BLOCK=block, LISTED=r > 0, num_warps=warps, **pdl)
     _hist_kernel[grid](adjusted, temp, top_k, top_p, part, lanes, kth, hist, settled, V, chunk, splits,
-                       MAX_SPLITS=MAX_SPLITS, BLOCK=block, BLOCK_S=triton.next_power_of_2(splits), num_warps=warps)
+                       MAX_SPLITS=MAX_SPLITS, BLOCK=block, BLOCK_S=triton.next_power_of_2(splits), num_warps=warps,
+                       **pdl)
     _take_or_refine_kernel[grid](adjusted, temp, top_k, top_p, min_p, part, hist, fine, kth, count, cand_s, cand_i,
                                  settled, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block,
-                                 MAX_CAND=max_candidates, num_warps=warps)
+                                 MAX_CAND=max_candidates, num_warps=warps, **pdl)
     _gather_kernel[grid](adjusted, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, fine, count,
                          cand_s, cand_i, settled, V, chunk, splits, MAX_SPLITS=MAX_SPLITS, BLOCK=block,
-                         MAX_CAND=max_candidates, num_warps=warps)
+                         MAX_CAND=max_candidates, num_warps=warps, **pdl)
     _finish_kernel[(N,)](logits, temp, top_k, top_p, min_p, p.seeds, p.steps, part, part_i, hist, fine, count, cand_s,
                          cand_i, settled, out.tokens, out.logprobs, out.done, V, splits, MAX_SPLITS=MAX_SPLITS,
-                         MAX_CAND=max_candidates, TILE=64, num_warps=4)
+                         MAX_CAND=max_candidates, TILE=64, num_warps=4, **pdl)
     return out
 
 

@@ -245,10 +245,10 @@ def test_pdl_launches_change_no_token(real_geometry_ckpt, monkeypatch):
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm90")
-    assert T._pdl(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
+    assert T.pdl_options(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
     with_pdl, _ = asyncio.run(_greedy_run(real_geometry_ckpt, graph=True, n=12, tokens=64))
     monkeypatch.setattr(T, "PDL", False)
-    assert T._pdl(torch.device("cuda")) == {}
+    assert T.pdl_options(torch.device("cuda")) == {}
     plain, _ = asyncio.run(_greedy_run(real_geometry_ckpt, graph=True, n=12, tokens=64))
     assert with_pdl == plain
 
