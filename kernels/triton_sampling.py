@@ -37,7 +37,8 @@ uniforms: argmax p / -log u, i.e. argmax (s - max s) - log(-log u). No full sort
 A row whose candidates would exceed MAX_CANDIDATES (top-k in the thousands, a flat distribution's mass spread
 past 32 nats, or more ids than that tied at a threshold), or a refined row whose boundary lies past its window,
 is flagged, and the caller samples that row with the reference. Nothing here synchronises with the host, so
-`draw` can be captured in a CUDA graph.
+`draw` can be captured in a CUDA graph. On sm90 each pass is launched with programmatic dependent launch and waits
+for the pass before it at its start (`kernels.triton_ops.pdl_options`).
 """
 
 from __future__ import annotations
