@@ -232,6 +232,23 @@ def test_the_host_knows_which_rows_take_the_race_rounds():
     assert not T.top_p_alone(1.0, 0.9, 20, 1000)  # top-k first
 
 
+def test_the_passes_run_twice_the_programs_when_the_race_rounds_run(monkeypatch):
+    """A row the race rounds leave takes the histogram passes about alone, so `draw` asks for twice the programs
+    a row when the rounds run; never a split of fewer than 8 blocks."""
+    T = _draw_module()
+    dev = torch.device(DEVICE)
+    rows = T.multiprocessors(dev)  # 4 programs a row without the rounds, below every cap
+    assert T.default_splits(rows, 248320, dev) == 4 and T.default_splits(rows, 248320, dev, top_p_rounds=True) == 8
+    assert T.default_splits(rows, 8 * T.BLOCK, dev, top_p_rounds=True) == 1
+    asked, default_splits = [], T.default_splits
+    monkeypatch.setattr(T, "default_splits", lambda rows, vocab, device, top_p_rounds=False: asked.append(
+        top_p_rounds) or default_splits(rows, vocab, device, top_p_rounds))
+    logits = torch.randn(2, 3000, device=DEVICE)
+    for rounds in (0, T.TOP_P_ROUNDS):
+        T.draw(logits, params(2, device=DEVICE, top_p=0.9, seeds=1), top_p_rounds=rounds)
+    assert asked == [False, True]
+
+
 def test_a_top_p_boundary_that_depends_on_tie_order_is_left_to_the_histogram():
     """All ids tie: which of them top-p keeps depends on how a sort orders ties, so no race round settles the row."""
     T = _draw_module()
