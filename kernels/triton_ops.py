@@ -230,35 +230,55 @@ NORM_GEMV_SILU_CONFIG = (8, 512, 4, 2)  # BLOCK_N gate rows and as many up rows
 @triton.jit
 def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, N, K, up_rows, eps,
                       HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
+                      BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
     """out [N] = rms_norm(x + res) @ w.t() for one row; with SILU_MUL, silu(out) * (the same for w's rows
-    up_rows on). Program 0 writes the new residual x + res."""
+    up_rows on). Program 0 writes the new residual x + res.
+    The input, residual and norm weight are loaded twice: once for the sum of squares and the residual store, and
+    once in the weight tile's own layout, through row pointers that repeat (the repeats are L1 hits). Loaded once,
+    the input had to change layout through shared memory, and that change's barriers held each iteration's weight
+    loads back until the input had arrived. With EVEN (no partial tile) no load carries a mask, whose zeroed
+    registers can let ptxas serialise a tile's loads. 4B batch-1 step 2.717 -> 2.624 ms (run P3, decode.md)."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = ns < N
     w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
+    up_rows_ptr = w_rows + up_rows.to(tl.int64) * K
+    repeat = tl.zeros((BLOCK_N, 1), tl.int32)
+    x_rows, res_rows, nw_rows = x_ptr + repeat, res_ptr + repeat, nw_ptr + repeat
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # reduced once, at the end
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     sq = tl.zeros((BLOCK_K,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        wmask = nmask[:, None] if EVEN_K else nmask[:, None] & kmask[None, :]
-        w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32)
-        if SILU_MUL:
-            w_up = tl.load(w_rows + up_rows * K + ks[None, :], mask=wmask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + ks, mask=kmask, other=0.0)
+        ks2 = ks[None, :]
+        if EVEN:
+            w = tl.load(w_rows + ks2)
+            w_up = tl.load(up_rows_ptr + ks2) if SILU_MUL else w
+            x2, nw2, x = tl.load(x_rows + ks2), tl.load(nw_rows + ks2), tl.load(x_ptr + ks)
+            if HAS_RES:  # the sum in the model dtype, as the reference does
+                x2 += tl.load(res_rows + ks2)
+                x += tl.load(res_ptr + ks)
+        else:
+            kmask, kmask2 = ks < K, ks2 < K
+            wmask = nmask[:, None] & kmask2
+            w = tl.load(w_rows + ks2, mask=wmask, other=0.0)
+            w_up = tl.load(up_rows_ptr + ks2, mask=wmask, other=0.0) if SILU_MUL else w
+            x2 = tl.load(x_rows + ks2, mask=kmask2, other=0.0)
+            nw2 = tl.load(nw_rows + ks2, mask=kmask2, other=0.0)
+            x = tl.load(x_ptr + ks, mask=kmask, other=0.0)
+            if HAS_RES:
+                x2 += tl.load(res_rows + ks2, mask=kmask2, other=0.0)
+                x += tl.load(res_ptr + ks, mask=kmask, other=0.0)
         if HAS_RES:
-            x = x + tl.load(res_ptr + ks, mask=kmask, other=0.0)  # in the model dtype, as the reference does
             if pid == 0:
-                tl.store(res_out_ptr + ks, x, mask=kmask)
+                tl.store(res_out_ptr + ks, x, mask=ks < K)
         xf = x.to(tl.float32)
         sq += xf * xf
-        scaled = (xf * (1.0 + tl.load(nw_ptr + ks, mask=kmask, other=0.0).to(tl.float32)))[None, :]
-        acc += w * scaled
+        scaled = x2.to(tl.float32) * (1.0 + nw2.to(tl.float32))
+        acc += w.to(tl.float32) * scaled
         if SILU_MUL:
-            acc_up += w_up * scaled
+            acc_up += w_up.to(tl.float32) * scaled
     inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
     y = (tl.sum(acc, axis=1) * inv).to(out_ptr.dtype.element_ty)
     if SILU_MUL:  # rounded to the model dtype first, as the unfused projection's output is
@@ -280,7 +300,7 @@ def norm_gemv(x, residual, norm_weight, eps: float, weight, silu_mul_rows: int =
     _norm_gemv_kernel[(triton.cdiv(N, block_n),)](
         x, x if residual is None else residual.contiguous(), norm_weight, weight, out, summed, N, K, silu_mul_rows,
         eps, HAS_RES=residual is not None, SILU_MUL=silu_mul_rows > 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages, **pdl_options(x.device))
+        EVEN=K % block_k == 0 and N % block_n == 0, num_warps=warps, num_stages=stages, **pdl_options(x.device))
     return out, summed
 
 

@@ -309,20 +309,21 @@ def test_one_row_gemv_and_its_routing(k, n, monkeypatch):
     assert calls == [w.shape, wide.shape]
 
 
-@pytest.mark.parametrize("k", [256, 200])
+@pytest.mark.parametrize("k, rows", [(256, 16), (256, 10), (200, 16)])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_input_norm_fused_into_the_one_row_projection(k, with_residual, monkeypatch):
+def test_input_norm_fused_into_the_one_row_projection(k, rows, with_residual, monkeypatch):
     """The block's add-and-norm fused into the GEMV that reads it (and silu(gate) * up into the MLP's), against the
-    unfused reference; more rows than one take the unfused path."""
+    unfused reference; more rows than one take the unfused path. 16 rows and k 256 fill every tile (no masks)."""
     monkeypatch.setattr(T, "NORM_GEMV_CONFIG", (4, 128, 4, 1))  # two K tiles: whole (k 256) and ragged (k 200)
-    x, nw, w = randn(1, k), randn(k) * 0.2, randn(10, k) * 0.1  # 10 rows: the last program is ragged
+    monkeypatch.setattr(T, "NORM_GEMV_SILU_CONFIG", (4, 128, 4, 1))
+    x, nw, w = randn(1, k), randn(k) * 0.2, randn(rows, k) * 0.1  # 10 rows: the last program is ragged
     res = randn(1, k) if with_residual else None
     with poisoned_outputs():
         got, got_res = T.add_rms_norm_linear(x, res, nw, 1e-6, w)
         act, act_res = T.add_rms_norm_gate_up(x, res, nw, 1e-6, w)
     ref, ref_res = R.add_rms_norm_linear(x, res, nw, 1e-6, w)
     assert rel(got, ref) <= REDUCTION and rel(got_res, ref_res) <= ELEMENTWISE
-    assert act.shape == (1, 5) and rel(act, R.add_rms_norm_gate_up(x, res, nw, 1e-6, w)[0]) <= REDUCTION
+    assert act.shape == (1, rows // 2) and rel(act, R.add_rms_norm_gate_up(x, res, nw, 1e-6, w)[0]) <= REDUCTION
     assert rel(act_res, ref_res) <= ELEMENTWISE
     calls = []
     monkeypatch.setattr(T, "norm_gemv", lambda *a, **kw: calls.append(kw.get("silu_mul_rows", 0)))
@@ -330,9 +331,9 @@ def test_input_norm_fused_into_the_one_row_projection(k, with_residual, monkeypa
     got2, _ = T.add_rms_norm_linear(two, None if res is None else torch.cat([res, res]), nw, 1e-6, w)
     assert not calls and rel(got2, torch.cat([ref, ref])) <= REDUCTION
     T.add_rms_norm_gate_up(x, res, nw, 1e-6, w)
-    assert calls == [5]
+    assert calls == [rows // 2]
     # From GEMV_WIDE_K up, the norm kernel and the plain GEMV run.
     monkeypatch.setattr(T, "GEMV_WIDE_K", k)
     got_wide, _ = T.add_rms_norm_linear(x, res, nw, 1e-6, w)
     act_wide, _ = T.add_rms_norm_gate_up(x, res, nw, 1e-6, w)
-    assert calls == [5] and rel(got_wide, ref) <= REDUCTION and rel(act_wide, act) <= REDUCTION
+    assert calls == [rows // 2] and rel(got_wide, ref) <= REDUCTION and rel(act_wide, act) <= REDUCTION
