@@ -6,6 +6,9 @@ the same checks run at the real 4B/9B/27B shapes in bf16 (marked gpu).
 """
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -337,3 +340,17 @@ def test_input_norm_fused_into_the_one_row_projection(k, rows, with_residual, mo
     got_wide, _ = T.add_rms_norm_linear(x, res, nw, 1e-6, w)
     act_wide, _ = T.add_rms_norm_gate_up(x, res, nw, 1e-6, w)
     assert calls == [rows // 2] and rel(got_wide, ref) <= REDUCTION and rel(act_wide, act) <= REDUCTION
+
+
+def test_no_barrier_holds_back_the_fused_norm_gemvs_weight_loads():
+    """Compiled offline for sm90, no loop of the add-and-norm GEMV holds a barrier: its weight loads issue with the
+    input's instead of after a layout change through shared memory (run P3, docs/benchmarks/decode.md). The tool
+    compiles, so it runs without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    table = subprocess.run([sys.executable, "-m", "tools.inspect_kernels"], env=env, capture_output=True, text=True,
+                           check=True, timeout=300).stderr
+    rows = [line.split("|") for line in table.splitlines() if line.startswith("| norm_gemv")]
+    assert len(rows) == 2, table
+    for row in rows:
+        per_loop = [tuple(int(n) for n in loop.split("/")) for loop in row[4].split(";")]
+        assert per_loop and all(loads > 0 and barriers == 0 for loads, barriers in per_loop), row
