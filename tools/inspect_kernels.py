@@ -19,11 +19,14 @@ import subprocess
 import sys
 import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+# Compiling needs the kernels as Triton JIT functions, which the interpreter (the CPU tests' setting) replaces.
+os.environ.pop("TRITON_INTERPRET", None)
 
-from kernels import triton_ops as T
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels import triton_ops as T  # noqa: E402
 
 log = logging.getLogger(__name__)
 
