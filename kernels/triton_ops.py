@@ -45,9 +45,11 @@ def _dot_bf16(a, b, acc=None):
 # programs start on the SMs the previous kernel's tail leaves idle instead of after a launch gap.
 # The rule that keeps this safe: before `wait_for_previous_kernel` a kernel reads model weights only (no kernel
 # writes them) and writes nothing. Each kernel lets the next one launch only after its own wait, so at most two
-# kernels overlap. The decode step's kernels take part (the norms and q/k norm + RoPE also run in prefill), and so
-# do the sampler's passes (`kernels.triton_sampling`); off (PDL = False), on the CPU and before sm90 every kernel
-# launches plainly.
+# kernels overlap. Reading more before the wait where that is safe (the slots, the layers' state, a projection two
+# kernels back: nothing the previous kernel writes) slowed the 4B batch-1 step from 2.59 to 3.00 ms (run Q2,
+# decode.md), as every other kind of pre-wait memory traffic tried had. The decode step's kernels take part (the
+# norms and q/k norm + RoPE also run in prefill), and so do the sampler's passes (`kernels.triton_sampling`); off
+# (PDL = False), on the CPU and before sm90 every kernel launches plainly.
 
 PDL = True
 
