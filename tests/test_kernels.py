@@ -352,3 +352,16 @@ def test_no_barrier_holds_back_the_fused_norm_gemvs_weight_loads():
     for row in rows:
         per_loop = [tuple(int(n) for n in loop.split("/")) for loop in row[4].split(";")]
         assert per_loop and all(loads > 0 and barriers == 0 for loads, barriers in per_loop), row
+
+
+def test_programs_an_sm_holds_follow_the_register_grants():
+    """The counts decode.md reports (runs P6, P3 and Q1): registers are granted 8 a thread at a time, so 62 and 64
+    registers both give 8 programs of 4 warps, 56 give 9, and 100 are granted as 104 (4 programs, not 5); the
+    213-register GDN decode held 2, the 168-register one 3; 2-warp programs are capped at 32 an SM, large shared
+    memory caps them too."""
+    cases = [(62, 0, 4, 8), (64, 0, 4, 8), (56, 0, 4, 9), (100, 0, 4, 4), (94, 0, 4, 5), (80, 0, 4, 6),
+             (72, 0, 4, 7), (168, 0, 4, 3), (213, 0, 4, 2), (16, 0, 2, 32), (32, 100_000, 4, 2)]
+    code = ("from tools.inspect_kernels import programs_per_sm as p; "
+            f"print([p(r, s, w) for r, s, w, _ in {cases}])")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert got.strip() == str([want for *_, want in cases])

@@ -1,17 +1,19 @@
-"""Compile the one-row GEMVs for sm90 without a GPU and report what their machine code does in each loop.
+"""Compile the decode step's GEMVs and GDN decode for sm90 without a GPU and report what their machine code does.
 
     python -m tools.inspect_kernels [--arch 90]
 
 Triton compiles for a named target with the `ptxas` it ships, so this runs on the development machine. For each
-kernel and tile it prints the registers a thread uses (which bound how many programs fit on an SM) and, per loop
-of the SASS, the global loads and the `BAR.SYNC`s in it. A barrier in a GEMV's loop made each iteration wait
-for its input's load before it asked for its weights (run P3, docs/benchmarks/decode.md). Pointers and the
-integer sizes are declared 16-divisible, as the launcher specialises them at run time.
+kernel and tile it prints the registers a thread uses, how many programs an SM therefore holds at once (these
+kernels are bound by the loads in flight, so this moved their times: runs P6 and Q1, docs/benchmarks/decode.md)
+and, per loop of the SASS, the global loads and the `BAR.SYNC`s in it. A barrier in a GEMV's loop made each
+iteration wait for its input's load before it asked for its weights (run P3). Pointers and the integer sizes are
+declared 16-divisible, as the launcher specialises them at run time.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import os
 import re
@@ -36,20 +38,47 @@ NORM_GEMV_SIGNATURE = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", 
                        "res_out_ptr": "*bf16", "N": "i32", "K": "i32", "up_rows": "i32", "eps": "fp32",
                        "HAS_RES": "constexpr", "SILU_MUL": "constexpr", "BLOCK_N": "constexpr",
                        "BLOCK_K": "constexpr", "EVEN": "constexpr", "PDL": "constexpr"}
-SIXTEEN_DIVISIBLE = {"N", "K", "up_rows"}
+GDN_DECODE_SIGNATURE = {"mixed_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "alog_ptr": "*fp32",
+                        "dtb_ptr": "*fp32", "state_ptr": "*fp32", "slot_ptr": "*i64", "out_ptr": "*bf16", "C": "i32",
+                        "ab_row_stride": "i32", "trash": "i32", "HV": "i32", "GROUP": "i32", "scale": "fp32",
+                        "DK": "constexpr", "DV": "constexpr", "KEY_DIM": "constexpr", "BLOCK_K": "constexpr",
+                        "BLOCK_V": "constexpr", "PDL": "constexpr"}
+SIXTEEN_DIVISIBLE = {"N", "K", "up_rows", "C", "ab_row_stride", "HV"}
+
+# What one sm90 SM holds: registers (granted 8 a thread at a time), threads, programs, shared memory (a program
+# also takes 1 KB the runtime reserves).
+SM90_REGISTERS, SM90_THREADS, SM90_PROGRAMS, SM90_SHARED, SHARED_RESERVED = 65536, 2048, 32, 233472, 1024
 
 
 def cases():
-    """(name, kernel, signature, constexprs, (BLOCK_N, BLOCK_K, warps, stages)) of the GEMVs the decode step runs."""
+    """(name, kernel, signature, constexprs, warps, stages, tile) of the decode step's GEMVs and GDN decode (4B
+    head sizes); tile names the launch configuration."""
     for config in (T.GEMV_CONFIG, T.GEMV_NARROW_WIDENING_CONFIG):
-        yield "gemv", T._gemv_kernel, GEMV_SIGNATURE, dict(EVEN_K=True, PDL=True), config
+        block_n, block_k, warps, stages = config
+        yield ("gemv", T._gemv_kernel, GEMV_SIGNATURE, dict(EVEN_K=True, PDL=True, BLOCK_N=block_n, BLOCK_K=block_k),
+               warps, stages, f"(BLOCK_N, BLOCK_K, warps, stages) {config}")
     for silu, config in ((False, T.NORM_GEMV_CONFIG), (True, T.NORM_GEMV_SILU_CONFIG)):
+        block_n, block_k, warps, stages = config
         yield ("norm_gemv + silu" if silu else "norm_gemv", T._norm_gemv_kernel, NORM_GEMV_SIGNATURE,
-               dict(HAS_RES=True, SILU_MUL=silu, EVEN=True, PDL=True), config)
+               dict(HAS_RES=True, SILU_MUL=silu, EVEN=True, PDL=True, BLOCK_N=block_n, BLOCK_K=block_k),
+               warps, stages, f"(BLOCK_N, BLOCK_K, warps, stages) {config}")
+    defaults = inspect.signature(T.gdn_decode).parameters
+    block_v, warps = defaults["block_v"].default, defaults["num_warps"].default
+    yield ("gdn_decode", T._gdn_decode_kernel, GDN_DECODE_SIGNATURE,
+           dict(DK=128, DV=128, KEY_DIM=2048, BLOCK_K=128, BLOCK_V=block_v, PDL=True), warps, 1,
+           f"(BLOCK_V, warps) {(block_v, warps)}")
 
 
-def sass_of(kernel, signature: dict, constexprs: dict, warps: int, stages: int, arch: int) -> tuple[str, str]:
-    """(resource usage, SASS) of one specialisation, from `cuobjdump` on the cubin."""
+def programs_per_sm(registers: int, shared: int, warps: int) -> int:
+    """How many programs of one kernel an sm90 SM holds at once."""
+    threads = 32 * warps
+    by_registers = SM90_REGISTERS // (-(-registers // 8) * 8 * threads)
+    return min(by_registers, SM90_THREADS // threads, SM90_PROGRAMS, SM90_SHARED // (shared + SHARED_RESERVED))
+
+
+def sass_of(kernel, signature: dict, constexprs: dict, warps: int, stages: int, arch: int) -> tuple[int, int, str]:
+    """(registers a thread, shared memory bytes a program, SASS) of one specialisation, from `cuobjdump` on the
+    cubin and Triton's launch metadata."""
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
              if signature[name].startswith("*") or name in SIXTEEN_DIVISIBLE}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
@@ -61,7 +90,7 @@ def sass_of(kernel, signature: dict, constexprs: dict, warps: int, stages: int, 
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
                                check=True).stdout
         sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
-    return usage, sass
+    return int(re.search(r"REG:(\d+)", usage).group(1)), compiled.metadata.shared, sass
 
 
 def loops(sass: str) -> list[dict]:
@@ -85,14 +114,12 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100/H200)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    log.info("| kernel | tile (BLOCK_N, BLOCK_K, warps, stages) | registers | loops: global loads / barriers |")
-    log.info("|---|---|---:|---|")
-    for name, kernel, signature, constexprs, (block_n, block_k, warps, stages) in cases():
-        usage, sass = sass_of(kernel, signature, dict(constexprs, BLOCK_N=block_n, BLOCK_K=block_k), warps, stages,
-                              args.arch)
-        registers = re.search(r"REG:(\d+)", usage).group(1)
+    log.info("| kernel | tile | registers | loops: global loads / barriers | programs an SM holds |")
+    log.info("|---|---|---:|---|---:|")
+    for name, kernel, signature, constexprs, warps, stages, tile in cases():
+        registers, shared, sass = sass_of(kernel, signature, constexprs, warps, stages, args.arch)
         per_loop = "; ".join(f"{loop['loads']} / {loop['barriers']}" for loop in loops(sass)) or "no loop"
-        log.info(f"| {name} | {(block_n, block_k, warps, stages)} | {registers} | {per_loop} |")
+        log.info(f"| {name} | {tile} | {registers} | {per_loop} | {programs_per_sm(registers, shared, warps)} |")
     return 0
 
 
