@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100/H200)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    log.info("| kernel | tile | registers | loops: global loads / barriers | programs an SM holds |")
+    log.info("| kernel | tile | registers | loops: global loads / barriers | programs an sm90 SM holds |")
     log.info("|---|---|---:|---|---:|")
     for name, kernel, signature, constexprs, warps, stages, tile in cases():
         registers, shared, sass = sass_of(kernel, signature, constexprs, warps, stages, args.arch)
