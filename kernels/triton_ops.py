@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import typing
 
 import torch
 import triton
@@ -165,11 +166,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # One-row projections (batch-1 decode). cuBLAS reaches about half the copy bandwidth on the small matrices at one
-# row; a GEMV whose programs each stream a few weight rows in wide tiles, two tiles in flight, reaches 62-106%
-# (docs/benchmarks/kernels.md: inside a CUDA graph over weights larger than L2, 4B/9B/27B shapes). Two rows in
-# 2048-wide tiles beat cuBLAS on every projection of an input 4096 or wider, and on every narrowing one; on
-# 2560-wide inputs (4B) the widening projections need four rows in 512-wide tiles to match it (lm_head: 104%
-# of copy against 100%). Larger batches stay on cuBLAS.
+# row; GEMVs of our own reach 62-106% (docs/benchmarks/kernels.md: inside a CUDA graph over weights larger than L2,
+# 4B/9B/27B shapes). Larger batches stay on cuBLAS. Two kernels:
+# - whole rows: a program loads its few weight rows in full at once, as two power-of-two spans (K = K1 + K2:
+#   4096, 9216 = 8192 + 1024, 2560 = 2048 + 512), and reduces once. All of a program's loads are in flight
+#   together, and many short programs share the SMs. It takes the narrowing projections whose K splits so, and,
+#   fused with the input norm below, the 4B widening ones: 4B batch-1 step 2.610 -> 2.530 ms (run R5, decode.md;
+#   9B, whose narrowing projections it takes too, 4.160 -> 4.169 ms).
+# - a loop over K tiles, BLOCK_N rows a program: every other K, and the widening projections of the plain GEMV
+#   (lm_head at 104% of copy; 9B's, where whole rows moved the step by -33 to +30 us across runs R2-R3).
 
 GEMV_ONE_ROW = True
 GEMV_CONFIG = (2, 2048, 2, 2)  # (BLOCK_N, BLOCK_K, warps, stages)
@@ -177,7 +182,36 @@ GEMV_NARROW_WIDENING_CONFIG = (4, 512, 4, 2)  # a widening projection of an inpu
 GEMV_WIDE_K = 4096
 
 
+class WholeRows(typing.NamedTuple):
+    """The whole-rows GEMV's launch configuration."""
+    rows: int  # weight rows a program (gate rows, with as many up rows, for silu(gate) * up)
+    warps: int
+
+
+GEMV_WHOLE_ROWS = WholeRows(1, 4)
+
+
+def whole_row_spans(k: int) -> tuple[int, int] | None:
+    """K as a power of two and a smaller power of two or zero, the spans the whole-rows kernels load; None when K
+    does not split so."""
+    k1 = 1 << (k.bit_length() - 1)
+    k2 = k - k1
+    return (k1, k2) if k2 & (k2 - 1) == 0 else None
+
+
+def _spans_for(config: WholeRows, n: int, k: int) -> tuple[int, int]:
+    spans = whole_row_spans(k)
+    if spans is None or n % config.rows:
+        raise ValueError(f"{config} needs K ({k}) to be a power of two plus a smaller one or zero and N ({n}) to be "
+                         f"a multiple of its rows")
+    return spans
+
+
 def gemv_config(n: int, k: int) -> tuple:
+    """The one-row GEMV's launch configuration for an [n, k] weight: a `WholeRows`, or a loop tile (BLOCK_N,
+    BLOCK_K, warps, stages)."""
+    if n <= k and n % GEMV_WHOLE_ROWS.rows == 0 and whole_row_spans(k):
+        return GEMV_WHOLE_ROWS
     return GEMV_NARROW_WIDENING_CONFIG if n > k and k < GEMV_WIDE_K else GEMV_CONFIG
 
 
@@ -200,11 +234,36 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl
     tl.store(out_ptr + ns, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=nmask)
 
 
+@triton.jit
+def _gemv_whole_rows_kernel(x_ptr, w_ptr, out_ptr, K, ROWS: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    """out [N] = x @ w.t() for one row x, ROWS whole weight rows a program (N a multiple of ROWS, K = K1 + K2).
+    It waits first: loading the rows before the wait changed nothing (4B step 2.523 against 2.518 ms, run R2)."""
+    wait_for_previous_kernel(PDL)
+    ns = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
+    c1 = tl.arange(0, K1)
+    w1 = tl.load(w_rows + c1[None, :])
+    if K2 > 0:
+        c2 = K1 + tl.arange(0, K2)
+        w2 = tl.load(w_rows + c2[None, :])
+    acc = tl.sum(w1.to(tl.float32) * tl.load(x_ptr + c1).to(tl.float32)[None, :], axis=1)
+    if K2 > 0:
+        acc += tl.sum(w2.to(tl.float32) * tl.load(x_ptr + c2).to(tl.float32)[None, :], axis=1)
+    tl.store(out_ptr + ns, acc.to(out_ptr.dtype.element_ty))
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
-    """x [1, K] @ weight [N, K].t()."""
+    """x [1, K] @ weight [N, K].t(); config as `gemv_config` gives it."""
     K, N = x.shape[1], weight.shape[0]
-    block_n, block_k, warps, stages = config or gemv_config(N, K)
+    config = config or gemv_config(N, K)
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    if isinstance(config, WholeRows):
+        k1, k2 = _spans_for(config, N, K)
+        _gemv_whole_rows_kernel[(N // config.rows,)](x.contiguous(), weight, out, K, ROWS=config.rows, K1=k1, K2=k2,
+                                                     num_warps=config.warps, num_stages=1, **pdl_options(x.device))
+        return out
+    block_n, block_k, warps, stages = config
     _gemv_kernel[(triton.cdiv(N, block_n),)](x.contiguous(), weight, out, N, K, BLOCK_N=block_n, BLOCK_K=block_k,
                                              EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages,
                                              **pdl_options(x.device))
@@ -218,17 +277,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # A block's input add-and-norm fused into the one-row projection that reads it (and, for the MLP, silu(gate) * up
-# into its epilogue). Each program sums x^2 over the row in the same loop that streams its weight rows and scales
-# its dot products by 1/rms at the end, so no weight load waits for the norm (normalising first, in the prologue,
-# cost 5 us a projection). Every program reloads the input, the residual and the norm weight from L2, which on
-# 4096-wide and wider inputs costs what the saved launches give back (9B step: 4.42 against 4.32 ms with the
-# MLP's fused), so only inputs narrower than GEMV_WIDE_K are fused (4B step: 2.79 against 2.85 ms; kernels.md).
+# into its epilogue). Each program sums x^2 over the row itself and scales its dot products by 1/rms at the end,
+# so no weight load waits for the norm (normalising first, in the prologue, cost 5 us a projection). Every program
+# reloads the input, the residual and the norm weight from L2, which on 4096-wide and wider inputs costs what the
+# saved launches give back (9B step: 4.42 against 4.32 ms with the MLP's fused), so only inputs narrower than
+# GEMV_WIDE_K are fused (4B step: 2.79 against 2.85 ms; kernels.md). Whole rows where K splits into two spans, the
+# loop over K tiles otherwise.
 
 GEMV_FUSED_NORM = True
+# Two rows (two gate and two up rows with silu) in 4 warps gained on both kinds of H200 node the runs landed on
+# (runs R2, R4, R5); 2 warps was best on one and no gain on the other (runs R2, R3).
+NORM_GEMV_WHOLE_ROWS = WholeRows(2, 4)
+NORM_GEMV_SILU_WHOLE_ROWS = WholeRows(2, 4)
 NORM_GEMV_CONFIG = (4, 512, 4, 2)  # (BLOCK_N, BLOCK_K, warps, stages)
 # BLOCK_N gate rows and as many up rows. (8, 256, 4, 3) beat (8, 512, 4, 2): 4B gate_up 26.9 against 27.5 us
 # (run P1's sweep), 4B batch-1 step 2.613 against 2.629 ms (run P4).
 NORM_GEMV_SILU_CONFIG = (8, 256, 4, 3)
+
+
+def norm_gemv_config(n: int, k: int, silu_mul: bool) -> tuple:
+    """As `gemv_config`, for the fused add-and-norm GEMV of n output rows (gate rows, with silu_mul)."""
+    whole = NORM_GEMV_SILU_WHOLE_ROWS if silu_mul else NORM_GEMV_WHOLE_ROWS
+    if whole_row_spans(k) and n % whole.rows == 0:
+        return whole
+    return NORM_GEMV_SILU_CONFIG if silu_mul else NORM_GEMV_CONFIG
 
 
 @triton.jit
@@ -292,19 +364,80 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, N, K,
     tl.store(out_ptr + ns, y, mask=nmask)
 
 
+@triton.jit
+def _norm_gemv_whole_rows_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, K, up_rows, eps,
+                                 HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr,
+                                 K1: tl.constexpr, K2: tl.constexpr, PDL: tl.constexpr = False):
+    """`_norm_gemv_kernel` on ROWS whole weight rows a program (and as many up rows), K = K1 + K2."""
+    wait_for_previous_kernel(PDL)
+    pid = tl.program_id(0)
+    ns = pid * ROWS + tl.arange(0, ROWS)
+    w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
+    u_rows = w_rows + up_rows.to(tl.int64) * K
+    c1 = tl.arange(0, K1)
+    w1 = tl.load(w_rows + c1[None, :])
+    u1 = tl.load(u_rows + c1[None, :]) if SILU_MUL else w1
+    x1, nw1 = tl.load(x_ptr + c1), tl.load(nw_ptr + c1)
+    if HAS_RES:  # the sum in the model dtype, as the reference does
+        x1 += tl.load(res_ptr + c1)
+    if K2 > 0:
+        c2 = K1 + tl.arange(0, K2)
+        w2 = tl.load(w_rows + c2[None, :])
+        u2 = tl.load(u_rows + c2[None, :]) if SILU_MUL else w2
+        x2, nw2 = tl.load(x_ptr + c2), tl.load(nw_ptr + c2)
+        if HAS_RES:
+            x2 += tl.load(res_ptr + c2)
+    # The residual is stored after every load: a load cannot move past a store that may alias it, and compiled
+    # offline, a store between the spans held the second span's input loads until the first span was reduced.
+    if HAS_RES:
+        if pid == 0:
+            tl.store(res_out_ptr + c1, x1)
+            if K2 > 0:
+                tl.store(res_out_ptr + c2, x2)
+    f1 = x1.to(tl.float32)
+    sq = tl.sum(f1 * f1, axis=0)
+    s1 = (f1 * (1.0 + nw1.to(tl.float32)))[None, :]
+    acc = tl.sum(w1.to(tl.float32) * s1, axis=1)
+    acc_up = tl.sum(u1.to(tl.float32) * s1, axis=1) if SILU_MUL else acc
+    if K2 > 0:
+        f2 = x2.to(tl.float32)
+        sq += tl.sum(f2 * f2, axis=0)
+        s2 = (f2 * (1.0 + nw2.to(tl.float32)))[None, :]
+        acc += tl.sum(w2.to(tl.float32) * s2, axis=1)
+        if SILU_MUL:
+            acc_up += tl.sum(u2.to(tl.float32) * s2, axis=1)
+    inv = 1.0 / tl.sqrt(sq / K + eps)
+    y = (acc * inv).to(out_ptr.dtype.element_ty)
+    if SILU_MUL:  # rounded to the model dtype first, as the unfused projection's output is
+        g = y.to(tl.float32)
+        u = (acc_up * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + ns, y)
+
+
 def norm_gemv(x, residual, norm_weight, eps: float, weight, silu_mul_rows: int = 0, config=None):
     """One row: (rms_norm(x + residual) @ weight.t(), x + residual). With silu_mul_rows = I, weight is a fused
-    [gate | up] of 2I rows and the first output is silu(gate) * up, [1, I]."""
+    [gate | up] of 2I rows and the first output is silu(gate) * up, [1, I]. config as `norm_gemv_config` gives it."""
     K = x.shape[1]
     N = silu_mul_rows or weight.shape[0]
-    block_n, block_k, warps, stages = config or (NORM_GEMV_SILU_CONFIG if silu_mul_rows else NORM_GEMV_CONFIG)
+    config = config or norm_gemv_config(N, K, silu_mul_rows > 0)
     x = x.contiguous()
+    has_res = residual is not None
+    residual = residual.contiguous() if has_res else x
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    summed = x if residual is None else torch.empty_like(x)
+    summed = torch.empty_like(x) if has_res else x
+    if isinstance(config, WholeRows):
+        k1, k2 = _spans_for(config, N, K)
+        _norm_gemv_whole_rows_kernel[(N // config.rows,)](
+            x, residual, norm_weight, weight, out, summed, K, silu_mul_rows, eps, HAS_RES=has_res,
+            SILU_MUL=silu_mul_rows > 0, ROWS=config.rows, K1=k1, K2=k2, num_warps=config.warps, num_stages=1,
+            **pdl_options(x.device))
+        return out, summed
+    block_n, block_k, warps, stages = config
     _norm_gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, x if residual is None else residual.contiguous(), norm_weight, weight, out, summed, N, K, silu_mul_rows,
-        eps, HAS_RES=residual is not None, SILU_MUL=silu_mul_rows > 0, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN=K % block_k == 0 and N % block_n == 0, num_warps=warps, num_stages=stages, **pdl_options(x.device))
+        x, residual, norm_weight, weight, out, summed, N, K, silu_mul_rows, eps, HAS_RES=has_res,
+        SILU_MUL=silu_mul_rows > 0, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=K % block_k == 0 and N % block_n == 0,
+        num_warps=warps, num_stages=stages, **pdl_options(x.device))
     return out, summed
 
 

@@ -288,16 +288,28 @@ def test_chunked_gdn_prefill_with_bf16_factors():
         T.gdn_prefill(**case, chunks=chunks, factors="fp16")
 
 
-@pytest.mark.parametrize("k", [256, 200])
+@pytest.mark.parametrize("k", [256, 320, 200])
 @pytest.mark.parametrize("n", [24, 5])
 def test_one_row_gemv_and_its_routing(k, n, monkeypatch):
-    monkeypatch.setattr(T, "GEMV_CONFIG", (2, 128, 4, 1))  # two K tiles: whole (k 256) and ragged (k 200)
+    """Both one-row GEMVs against the reference: whole rows (k 256: one span; 320: 256 + 64) and the loop over K
+    tiles (two tiles, whole at k 256 and ragged at k 200, which does not split into two spans)."""
+    monkeypatch.setattr(T, "GEMV_CONFIG", (2, 128, 4, 1))
     x, w = randn(1, k), randn(n, k) * 0.1
     strided = torch.cat([x, x], dim=1)[:, :k]  # a view with a row stride
-    with poisoned_outputs():
-        got, got_strided = T.gemv(x, w), T.gemv(strided, w)
-    assert rel(got, R.linear(x, w)) <= REDUCTION and rel(got_strided, R.linear(x, w)) <= REDUCTION
-    assert T.gemv_config(n, k) == T.GEMV_CONFIG  # narrowing: two rows a program
+    splits = k != 200
+    assert (T.whole_row_spans(k) is not None) == splits
+    configs = [T.GEMV_CONFIG] + [T.WholeRows(1, 4), T.WholeRows(8, 2)][: (1 + (n % 8 == 0)) * splits]
+    for config in configs:
+        with poisoned_outputs():
+            got, got_strided = T.gemv(x, w, config), T.gemv(strided, w, config)
+        assert rel(got, R.linear(x, w)) <= REDUCTION and rel(got_strided, R.linear(x, w)) <= REDUCTION, config
+    if not splits:
+        with pytest.raises(ValueError, match="K \\(200\\)"):
+            T.gemv(x, w, T.WholeRows(1, 4))
+    # Narrowing: whole rows where K splits and N is a multiple of the rows a program, else the loop.
+    assert T.gemv_config(n, k) == (T.GEMV_WHOLE_ROWS if splits else T.GEMV_CONFIG)
+    monkeypatch.setattr(T, "GEMV_WHOLE_ROWS", T.WholeRows(2, 4))
+    assert T.gemv_config(n, k) == (T.GEMV_WHOLE_ROWS if splits and n % 2 == 0 else T.GEMV_CONFIG)
     assert T.gemv_config(k + 1, k) == T.GEMV_NARROW_WIDENING_CONFIG  # widening a narrow input
     assert T.gemv_config(k + 1, T.GEMV_WIDE_K) == T.GEMV_CONFIG  # widening a wide one
     wide = randn(k + 1, k) * 0.1  # the widening tile (512 wide) runs past k: masked
@@ -311,22 +323,35 @@ def test_one_row_gemv_and_its_routing(k, n, monkeypatch):
     assert calls == [w.shape, wide.shape]
 
 
-@pytest.mark.parametrize("k, rows", [(256, 16), (256, 10), (200, 16)])
+@pytest.mark.parametrize("k, rows", [(256, 16), (256, 10), (320, 16), (200, 16)])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_input_norm_fused_into_the_one_row_projection(k, rows, with_residual, monkeypatch):
     """The block's add-and-norm fused into the GEMV that reads it (and silu(gate) * up into the MLP's), against the
-    unfused reference; more rows than one take the unfused path. 16 rows and k 256 fill every tile (no masks)."""
+    unfused reference, in both kernels: whole rows where K splits into two power-of-two spans (256, 320) and the
+    row count allows (10 rows: 5 gate rows, odd, take the loop), the loop over K tiles otherwise; more rows than
+    one take the unfused path. 16 rows and k 256 fill every loop tile (no masks)."""
     monkeypatch.setattr(T, "NORM_GEMV_CONFIG", (4, 128, 4, 1))  # two K tiles: whole (k 256) and ragged (k 200)
     monkeypatch.setattr(T, "NORM_GEMV_SILU_CONFIG", (4, 128, 4, 1))
-    x, nw, w = randn(1, k), randn(k) * 0.2, randn(rows, k) * 0.1  # 10 rows: a ragged last program
+    monkeypatch.setattr(T, "NORM_GEMV_WHOLE_ROWS", T.WholeRows(2, 4))
+    monkeypatch.setattr(T, "NORM_GEMV_SILU_WHOLE_ROWS", T.WholeRows(2, 2))
+    x, nw, w = randn(1, k), randn(k) * 0.2, randn(rows, k) * 0.1  # 10 rows: a ragged last loop program
     res = randn(1, k) if with_residual else None
+    splits = k != 200
+    assert T.norm_gemv_config(rows, k, False) == (T.NORM_GEMV_WHOLE_ROWS if splits else T.NORM_GEMV_CONFIG)
+    whole_silu = splits and rows // 2 % 2 == 0
+    assert T.norm_gemv_config(rows // 2, k, True) == (T.NORM_GEMV_SILU_WHOLE_ROWS if whole_silu
+                                                      else T.NORM_GEMV_SILU_CONFIG)
+    ref, ref_res = R.add_rms_norm_linear(x, res, nw, 1e-6, w)
+    ref_act = R.add_rms_norm_gate_up(x, res, nw, 1e-6, w)[0]
     with poisoned_outputs():
         got, got_res = T.add_rms_norm_linear(x, res, nw, 1e-6, w)
         act, act_res = T.add_rms_norm_gate_up(x, res, nw, 1e-6, w)
-    ref, ref_res = R.add_rms_norm_linear(x, res, nw, 1e-6, w)
+        loop, _ = T.norm_gemv(x, res, nw, 1e-6, w, config=T.NORM_GEMV_CONFIG)
+        loop_act, _ = T.norm_gemv(x, res, nw, 1e-6, w, rows // 2, config=T.NORM_GEMV_SILU_CONFIG)
     assert rel(got, ref) <= REDUCTION and rel(got_res, ref_res) <= ELEMENTWISE
-    assert act.shape == (1, rows // 2) and rel(act, R.add_rms_norm_gate_up(x, res, nw, 1e-6, w)[0]) <= REDUCTION
+    assert act.shape == (1, rows // 2) and rel(act, ref_act) <= REDUCTION
     assert rel(act_res, ref_res) <= ELEMENTWISE
+    assert rel(loop, ref) <= REDUCTION and rel(loop_act, ref_act) <= REDUCTION
     calls = []
     monkeypatch.setattr(T, "norm_gemv", lambda *a, **kw: calls.append(kw.get("silu_mul_rows", 0)))
     two = torch.cat([x, x])
