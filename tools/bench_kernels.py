@@ -33,11 +33,13 @@ SAMPLER_SWEEP = [(1024, 4, 16), (1024, 4, 32), (1024, 4, 64), (512, 4, 64), (512
                  (256, 2, 128)]  # (block, warps, splits per row) of the sampler's passes
 TOP_P_ROUNDS_SWEEP = (2, 3, 4, 5, 6)  # top-p race rounds
 ROUND_STEPS = 200  # token steps drawn per round count: the share of batches a row leaves to the histogram
+# Loop tiles (BLOCK_N, BLOCK_K, warps, stages), then whole rows (rows a program, warps).
 GEMV_SWEEP = [(2, 4096, 4, 1), (2, 2048, 2, 2), (2, 2048, 4, 2), (2, 1024, 2, 3), (4, 2048, 4, 2),
               (1, 2048, 2, 2), (4, 512, 4, 2), (8, 512, 4, 2), (8, 256, 4, 3), (4, 1024, 4, 1),
-              (8, 512, 8, 1)]  # (BLOCK_N, BLOCK_K, warps, stages)
+              (8, 512, 8, 1)] + [T.WholeRows(*c) for c in ((1, 2), (1, 4), (1, 8), (2, 4))]
 NORM_GEMV_SWEEP = [(8, 512, 4, 2), (4, 512, 4, 2), (4, 512, 4, 3), (8, 256, 4, 3), (8, 256, 2, 3), (4, 1024, 4, 2),
-                   (2, 2048, 2, 2), (16, 256, 4, 2), (8, 512, 8, 2), (16, 512, 8, 2)]  # (BLOCK_N, BLOCK_K, warps, stages)
+                   (2, 2048, 2, 2), (16, 256, 4, 2), (8, 512, 8, 2), (16, 512, 8, 2)
+                   ] + [T.WholeRows(*c) for c in ((1, 2), (2, 2), (2, 4), (4, 4))]
 
 
 def bench(fn) -> float:

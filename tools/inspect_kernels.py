@@ -38,6 +38,12 @@ NORM_GEMV_SIGNATURE = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", 
                        "res_out_ptr": "*bf16", "N": "i32", "K": "i32", "up_rows": "i32", "eps": "fp32",
                        "HAS_RES": "constexpr", "SILU_MUL": "constexpr", "BLOCK_N": "constexpr",
                        "BLOCK_K": "constexpr", "EVEN": "constexpr", "PDL": "constexpr"}
+WHOLE_ROWS_GEMV_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "K": "i32", "ROWS": "constexpr",
+                             "K1": "constexpr", "K2": "constexpr", "PDL": "constexpr"}
+WHOLE_ROWS_NORM_GEMV_SIGNATURE = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16",
+                                  "out_ptr": "*bf16", "res_out_ptr": "*bf16", "K": "i32", "up_rows": "i32",
+                                  "eps": "fp32", "HAS_RES": "constexpr", "SILU_MUL": "constexpr", "ROWS": "constexpr",
+                                  "K1": "constexpr", "K2": "constexpr", "PDL": "constexpr"}
 GDN_DECODE_SIGNATURE = {"mixed_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "alog_ptr": "*fp32",
                         "dtb_ptr": "*fp32", "state_ptr": "*fp32", "slot_ptr": "*i64", "out_ptr": "*bf16", "C": "i32",
                         "ab_row_stride": "i32", "trash": "i32", "HV": "i32", "GROUP": "i32", "scale": "fp32",
@@ -52,7 +58,7 @@ SM90_REGISTERS, SM90_THREADS, SM90_PROGRAMS, SM90_SHARED, SHARED_RESERVED = 6553
 
 def cases():
     """(name, kernel, signature, constexprs, warps, stages, tile) of the decode step's GEMVs and GDN decode (4B
-    head sizes); tile names the launch configuration."""
+    sizes); tile names the launch configuration. The whole-rows GEMVs have no loop."""
     for config in (T.GEMV_CONFIG, T.GEMV_NARROW_WIDENING_CONFIG):
         block_n, block_k, warps, stages = config
         yield ("gemv", T._gemv_kernel, GEMV_SIGNATURE, dict(EVEN_K=True, PDL=True, BLOCK_N=block_n, BLOCK_K=block_k),
@@ -62,6 +68,16 @@ def cases():
         yield ("norm_gemv + silu" if silu else "norm_gemv", T._norm_gemv_kernel, NORM_GEMV_SIGNATURE,
                dict(HAS_RES=True, SILU_MUL=silu, EVEN=True, PDL=True, BLOCK_N=block_n, BLOCK_K=block_k),
                warps, stages, f"(BLOCK_N, BLOCK_K, warps, stages) {config}")
+    for k in (4096, 9216):  # 4B out_proj / o_proj, down_proj
+        k1, k2 = T.whole_row_spans(k)
+        rows, warps = T.GEMV_WHOLE_ROWS
+        yield ("whole-rows gemv", T._gemv_whole_rows_kernel, WHOLE_ROWS_GEMV_SIGNATURE,
+               dict(ROWS=rows, K1=k1, K2=k2, PDL=True), warps, 1, f"{T.GEMV_WHOLE_ROWS}, K {k}")
+    k1, k2 = T.whole_row_spans(2560)  # the 4B hidden size
+    for silu, config in ((False, T.NORM_GEMV_WHOLE_ROWS), (True, T.NORM_GEMV_SILU_WHOLE_ROWS)):
+        yield ("whole-rows norm_gemv + silu" if silu else "whole-rows norm_gemv", T._norm_gemv_whole_rows_kernel,
+               WHOLE_ROWS_NORM_GEMV_SIGNATURE, dict(HAS_RES=True, SILU_MUL=silu, ROWS=config.rows, K1=k1, K2=k2,
+                                                    PDL=True), config.warps, 1, f"{config}, K 2560")
     defaults = inspect.signature(T.gdn_decode).parameters
     block_v, warps = defaults["block_v"].default, defaults["num_warps"].default
     yield ("gdn_decode", T._gdn_decode_kernel, GDN_DECODE_SIGNATURE,
