@@ -308,6 +308,9 @@ def test_one_row_gemv_and_its_routing(k, n, monkeypatch):
             T.gemv(x, w, T.WholeRows(1, 4))
     # Narrowing: whole rows where K splits and N is a multiple of the rows a program, else the loop.
     assert T.gemv_config(n, k) == (T.GEMV_WHOLE_ROWS if splits else T.GEMV_CONFIG)
+    monkeypatch.setattr(T, "GEMV_WHOLE_ROWS_ON", False)  # bench_decode --whole-rows off
+    assert T.gemv_config(n, k) == T.GEMV_CONFIG and T.norm_gemv_config(n * 2, k, False) == T.NORM_GEMV_CONFIG
+    monkeypatch.setattr(T, "GEMV_WHOLE_ROWS_ON", True)
     monkeypatch.setattr(T, "GEMV_WHOLE_ROWS", T.WholeRows(2, 4))
     assert T.gemv_config(n, k) == (T.GEMV_WHOLE_ROWS if splits and n % 2 == 0 else T.GEMV_CONFIG)
     assert T.gemv_config(k + 1, k) == T.GEMV_NARROW_WIDENING_CONFIG  # widening a narrow input

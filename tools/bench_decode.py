@@ -138,6 +138,7 @@ def table(ns, results) -> str:
         f"copy bandwidth {results[0]['copy_tbps']:.2f} TB/s; one-row projections by "
         f"{'the Triton GEMV' if triton_ops.GEMV_ONE_ROW else 'cuBLAS'}; input add-and-norms "
         f"{'fused into the one-row projections' if triton_ops.GEMV_FUSED_NORM else 'by their own kernel'}; "
+        f"one-row GEMVs {'over whole weight rows where K splits' if triton_ops.GEMV_WHOLE_ROWS_ON else 'by K tiles'}; "
         f"decode kernels launched {'with' if triton_ops.PDL else 'without'} programmatic dependent launch",
         "",
         "| batch | graph step ms | eager step ms | graph/eager speed-up | tokens/s (graph) | HBM floor ms "
@@ -183,6 +184,9 @@ def main(argv=None) -> int:
     parser.add_argument("--fused-norm", choices=["on", "off"], default=None,
                         help="each block's add-and-norm fused into its one-row input projection, or a kernel of its "
                         f"own (default {'on' if triton_ops.GEMV_FUSED_NORM else 'off'})")
+    parser.add_argument("--whole-rows", choices=["on", "off"], default=None,
+                        help="one-row GEMVs over whole weight rows a program where K splits into two spans, or "
+                        f"all by the loop over K tiles (default {'on' if triton_ops.GEMV_WHOLE_ROWS_ON else 'off'})")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
@@ -192,6 +196,8 @@ def main(argv=None) -> int:
         triton_ops.GEMV_ONE_ROW = triton_ops.GEMV_FUSED_NORM = ns.gemv == "on"
     if ns.fused_norm is not None:
         triton_ops.GEMV_FUSED_NORM = ns.fused_norm == "on"
+    if ns.whole_rows is not None:
+        triton_ops.GEMV_WHOLE_ROWS_ON = ns.whole_rows == "on"
     apply_launch_flags(ns)
     results = asyncio.run(run(ns))
     text = table(ns, results)
