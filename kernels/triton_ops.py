@@ -202,9 +202,9 @@ def whole_row_spans(k: int) -> tuple[int, int] | None:
 
 def _spans_for(config: WholeRows, n: int, k: int) -> tuple[int, int]:
     spans = whole_row_spans(k)
-    if spans is None or n % config.rows:
-        raise ValueError(f"{config} needs K ({k}) to be a power of two plus a smaller one or zero and N ({n}) to be "
-                         f"a multiple of its rows")
+    if spans is None or n % config.rows or config.rows & (config.rows - 1):
+        raise ValueError(f"{config} needs K ({k}) to be a power of two plus a smaller one or zero, and its rows to "
+                         f"be a power of two that divides N ({n})")
     return spans
 
 

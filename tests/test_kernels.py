@@ -298,7 +298,9 @@ def test_one_row_gemv_and_its_routing(k, n, monkeypatch):
     strided = torch.cat([x, x], dim=1)[:, :k]  # a view with a row stride
     splits = k != 200
     assert (T.whole_row_spans(k) is not None) == splits
-    configs = [T.GEMV_CONFIG] + [T.WholeRows(1, 4), T.WholeRows(8, 2)][: (1 + (n % 8 == 0)) * splits]
+    configs = [T.GEMV_CONFIG]
+    if splits:
+        configs += [T.WholeRows(1, 4)] + ([T.WholeRows(8, 2)] if n % 8 == 0 else [])
     for config in configs:
         with poisoned_outputs():
             got, got_strided = T.gemv(x, w, config), T.gemv(strided, w, config)
@@ -306,6 +308,8 @@ def test_one_row_gemv_and_its_routing(k, n, monkeypatch):
     if not splits:
         with pytest.raises(ValueError, match="K \\(200\\)"):
             T.gemv(x, w, T.WholeRows(1, 4))
+    with pytest.raises(ValueError, match="power of two"):
+        T.gemv(x, w, T.WholeRows(3, 4))
     # Narrowing: whole rows where K splits and N is a multiple of the rows a program, else the loop.
     assert T.gemv_config(n, k) == (T.GEMV_WHOLE_ROWS if splits else T.GEMV_CONFIG)
     monkeypatch.setattr(T, "GEMV_WHOLE_ROWS_ON", False)  # bench_decode --whole-rows off
