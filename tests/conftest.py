@@ -13,6 +13,20 @@ if not torch.cuda.is_available():
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def _hide_hub_kernels_from_transformers() -> None:
+    """transformers (5.25 on) depends on Hugging Face's `kernels` distribution and imports it when it is installed,
+    but our top-level `kernels` package (the Triton kernels) is the one that import finds, and it fails. The
+    reference model needs no hub kernels: tell transformers that they are absent."""
+    try:
+        import transformers.utils.import_utils as import_utils
+    except ImportError:  # transformers is optional for the tests that do not compare with it
+        return
+    import_utils.is_kernels_available = lambda *args, **kwargs: False
+
+
+_hide_hub_kernels_from_transformers()
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     from tools.make_checkpoint import write_checkpoint
