@@ -397,3 +397,19 @@ def test_programs_an_sm_holds_follow_the_register_grants():
             f"print([p(r, s, w) for r, s, w, _ in {cases}])")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
     assert got.strip() == str([want for *_, want in cases])
+
+
+def test_knockout_stand_in_skips_every_launch_of_its_kernel():
+    """tools.knockout_decode times the step without one kernel: its stand-in must launch nothing and count."""
+    from tools.knockout_decode import SkippedLaunches
+
+    o, z, w = randn(3, 2, 16), randn(3, 2, 16), randn(16)
+    stand_in, original = SkippedLaunches(), T._gated_rms_norm_kernel
+    T._gated_rms_norm_kernel = stand_in
+    try:
+        with poisoned_outputs():
+            out = T.gated_rms_norm(o, z, w, 1e-6)
+    finally:
+        T._gated_rms_norm_kernel = original
+    assert stand_in.calls == 1 and torch.isnan(out).all()
+    assert rel(T.gated_rms_norm(o, z, w, 1e-6), R.gated_rms_norm(o, z, w, 1e-6)) <= REDUCTION
