@@ -183,3 +183,28 @@ def test_capture_check_cpu_mode_checks_the_eager_path(tiny_ckpt, capsys):
     assert capture_check.main(["--model", tiny_ckpt, "--device", "cpu", "--buckets", "1,2,4"]) == 0
     out = capsys.readouterr().out
     assert "CUDA graphs need a CUDA device" in out and out.strip().endswith("OK")
+
+
+def test_live_decode_batch_leaves_the_state_as_it_found_it(tiny_ckpt):
+    """The rows the GPU tools measure on (bench_decode, profile_decode, knockout_decode): live rows whose decode
+    steps change the GDN state, put back as it was when the measurement ends."""
+    from runtime import AsyncEngine, EngineArgs
+    from tools.live_rows import live_decode_batch
+
+    async def main():
+        async with AsyncEngine(EngineArgs(model=tiny_ckpt, max_model_len=128, max_batch=4, prefill_slots=1)) as engine:
+            replica = engine.replica
+
+            def on_rank(rank):
+                state = replica.ranks[rank].runtime.state
+                with live_decode_batch(replica, rank, 3, 40) as (r, batch):
+                    before = state.conv.clone(), state.ssm.clone()
+                    r.model.decode(state, batch)
+                    stepped = not torch.equal(state.ssm, before[1])
+                    rows = batch.input_ids.shape[0], int((batch.slots >= 0).sum())
+                return stepped, rows, torch.equal(state.conv, before[0]) and torch.equal(state.ssm, before[1])
+
+            return await replica.group.call(on_rank)
+
+    for stepped, rows, restored in asyncio.run(main()):
+        assert stepped and rows == (3, 3) and restored

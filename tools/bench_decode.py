@@ -30,7 +30,7 @@ from model.state import StateSizes
 from model.weights import weight_bytes
 from runtime import AsyncEngine, EngineArgs, SamplingParams
 from tools.capture_check import time_per_call
-from tools.live_rows import fill_live_rows, restore, snapshot
+from tools.live_rows import live_decode_batch
 from tools.make_checkpoint import write_checkpoint
 
 
@@ -113,12 +113,8 @@ async def engine_step_time(engine, rows: int, context: int,
 
 
 def _measure(replica, rank, rows, context):
-    r = replica.ranks[rank]
-    with r.backend.context(), torch.inference_mode():
+    with live_decode_batch(replica, rank, rows, context) as (r, batch):
         runtime, model, graphs = r.runtime, r.model, r.backend.graphs
-        fill_live_rows(runtime, rows, rows, context, seed=rows)
-        batch = runtime.inputs.batch(rows)
-        saved = snapshot(runtime.state)
         eager = time_per_call(lambda: model.decode(runtime.state, batch), r.backend.device, iters=10)
         replay = time_per_call(lambda: graphs(rows, batch), r.backend.device, iters=50)
         logits = graphs(rows, batch)
@@ -128,7 +124,6 @@ def _measure(replica, rank, rows, context):
         sampled = time_per_call(lambda: draw(logits, p, top_p_rounds=0), r.backend.device, iters=20)
         p = SamplingTensors.filled(rows, logits.device, temperature=0.0)
         greedy = time_per_call(lambda: draw(logits, p, top_p_rounds=0), r.backend.device, iters=20)
-        restore(runtime.state, saved)
         return {"batch": rows, "eager_s": eager, "replay_s": replay, "sample_s": sampled, "greedy_s": greedy}
 
 

@@ -24,7 +24,7 @@ import torch
 from kernels import triton_ops
 from tools.bench_decode import add_engine_args, apply_launch_flags, open_engine
 from tools.capture_check import time_per_call
-from tools.live_rows import fill_live_rows, restore, snapshot
+from tools.live_rows import live_decode_batch
 
 # The decode step's kernels other than the projections (a GEMV's cost is mostly its weights' bytes).
 SMALL_KERNELS = ("_conv1d_decode_kernel", "_gdn_decode_kernel", "_gated_rms_norm_kernel",
@@ -46,19 +46,13 @@ class SkippedLaunches:
 
 def _step_time(replica, rank: int, rows: int, context: int, stand_in: SkippedLaunches | None) -> tuple[float, int]:
     """(seconds per graph replay, the stand-in's launches in one eager step, or 0 without one)."""
-    r = replica.ranks[rank]
-    with r.backend.context(), torch.inference_mode():
-        runtime, graphs = r.runtime, r.backend.graphs
-        fill_live_rows(runtime, rows, rows, context, seed=rows)
-        batch = runtime.inputs.batch(rows)
-        saved = snapshot(runtime.state)
-        seconds = time_per_call(lambda: graphs(rows, batch), r.backend.device, iters=100)
+    with live_decode_batch(replica, rank, rows, context) as (r, batch):
+        seconds = time_per_call(lambda: r.backend.graphs(rows, batch), r.backend.device, iters=100)
         calls = 0
         if stand_in is not None:
             stand_in.calls = 0
-            r.model.decode(runtime.state, batch)
+            r.model.decode(r.runtime.state, batch)
             calls = stand_in.calls
-        restore(runtime.state, saved)
         return seconds, calls
 
 

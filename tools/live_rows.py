@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -40,3 +42,18 @@ def snapshot(state):
 def restore(state, saved) -> None:
     state.conv.copy_(saved[0])
     state.ssm.copy_(saved[1])
+
+
+@contextlib.contextmanager
+def live_decode_batch(replica, rank: int, rows: int, context: int):
+    """On one rank, in its device context and inference mode: `rows` live rows (`fill_live_rows`, the bucket no
+    larger) and their decode batch, as (the rank, the batch). The GDN state comes back as it was on exit, so the
+    steps a measurement runs leave no trace."""
+    r = replica.ranks[rank]
+    with r.backend.context(), torch.inference_mode():
+        fill_live_rows(r.runtime, rows, rows, context, seed=rows)
+        saved = snapshot(r.runtime.state)
+        try:
+            yield r, r.runtime.inputs.batch(rows)
+        finally:
+            restore(r.runtime.state, saved)

@@ -24,23 +24,18 @@ from torch.profiler import ProfilerActivity, profile
 
 from tools.bench_decode import add_engine_args, apply_launch_flags, open_engine
 from tools.capture_check import time_per_call
-from tools.live_rows import fill_live_rows, restore, snapshot
+from tools.live_rows import live_decode_batch
 
 
 def _profile(replica, rank: int, rows: int, context: int, steps: int = 5) -> dict:
-    r = replica.ranks[rank]
-    with r.backend.context(), torch.inference_mode():
+    with live_decode_batch(replica, rank, rows, context) as (r, batch):
         runtime, graphs = r.runtime, r.backend.graphs
-        fill_live_rows(runtime, rows, rows, context, seed=rows)
-        batch = runtime.inputs.batch(rows)
-        saved = snapshot(runtime.state)
         step_s = time_per_call(lambda: graphs(rows, batch), r.backend.device, iters=50)
         per_name = _kernel_times(lambda: graphs(rows, batch), steps)
         source = "graph replay"
         if not per_name:  # a profiler that cannot see inside graphs: the same kernels, launched eagerly
             per_name = _kernel_times(lambda: r.model.decode(runtime.state, batch), steps)
             source = "eager step (the profiler saw no kernels inside the graph)"
-        restore(runtime.state, saved)
     return {"rows": rows, "step_s": step_s, "kernels": per_name, "steps": steps, "source": source}
 
 
