@@ -100,6 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", default=",".join(SMALL_KERNELS),
                         help="Triton kernels of kernels.triton_ops to skip, one at a time")
     ns = parser.parse_args(argv)
+    if ns.tp != 1:  # the stand-in's launch count is one rank's
+        parser.error("--tp: knockout_decode times one rank's step; run it with --tp 1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         logging.error("knockout_decode needs a CUDA device")
