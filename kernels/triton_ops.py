@@ -208,10 +208,15 @@ def _spans_for(config: WholeRows, n: int, k: int) -> tuple[int, int]:
     return spans
 
 
+def _whole_rows_take(config: WholeRows, n: int, k: int) -> bool:
+    """Whether the whole-rows kernels are on and fit an [n, k] weight in `config`."""
+    return GEMV_WHOLE_ROWS_ON and n % config.rows == 0 and whole_row_spans(k) is not None
+
+
 def gemv_config(n: int, k: int) -> tuple:
     """The one-row GEMV's launch configuration for an [n, k] weight: a `WholeRows`, or a loop tile (BLOCK_N,
     BLOCK_K, warps, stages)."""
-    if GEMV_WHOLE_ROWS_ON and n <= k and n % GEMV_WHOLE_ROWS.rows == 0 and whole_row_spans(k):
+    if n <= k and _whole_rows_take(GEMV_WHOLE_ROWS, n, k):
         return GEMV_WHOLE_ROWS
     return GEMV_NARROW_WIDENING_CONFIG if n > k and k < GEMV_WIDE_K else GEMV_CONFIG
 
@@ -299,7 +304,7 @@ NORM_GEMV_SILU_CONFIG = (8, 256, 4, 3)
 def norm_gemv_config(n: int, k: int, silu_mul: bool) -> tuple:
     """As `gemv_config`, for the fused add-and-norm GEMV of n output rows (gate rows, with silu_mul)."""
     whole = NORM_GEMV_SILU_WHOLE_ROWS if silu_mul else NORM_GEMV_WHOLE_ROWS
-    if GEMV_WHOLE_ROWS_ON and whole_row_spans(k) and n % whole.rows == 0:
+    if _whole_rows_take(whole, n, k):
         return whole
     return NORM_GEMV_SILU_CONFIG if silu_mul else NORM_GEMV_CONFIG
 
