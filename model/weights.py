@@ -214,9 +214,11 @@ def weight_bytes(weights: dict[str, torch.Tensor]) -> int:
 def random_tensor(name: str, shape: tuple[int, ...], num_layers: int, generator: torch.Generator) -> torch.Tensor:
     """A random fp32 tensor for `name`, scaled so a many-layer random model stays well conditioned.
 
-    Residual branches are scaled down, and the final norm's (1 + w) is about 0.25 so logits spread over about
-    2 nats as in trained models: bf16 rounding is then not amplified through the layers, and bf16 comparisons
-    measure our arithmetic rather than a chaotic random network. Generated on the generator's device.
+    Residual branches are scaled down, and the final norm's (1 + w) is about 2 / sqrt(hidden size) (0.25 at the
+    tiny width 64) so logits spread over about 2 nats at every width, as in trained models: bf16 rounding is then
+    not amplified through the layers, and bf16 comparisons measure our arithmetic rather than a chaotic random
+    network (with 0.25 at the 4B width, logits reached 590 and bf16 alone moved log-probs by 0.9 on average).
+    Generated on the generator's device.
     """
     device = generator.device
 
@@ -230,7 +232,8 @@ def random_tensor(name: str, shape: tuple[int, ...], num_layers: int, generator:
     if name.endswith("linear_attn.norm.weight"):
         return normal(0.1, 1.0)  # a plain weight
     if name == "norm.weight":
-        return normal(0.05, -0.75)  # zero-centred: (1 + w) about 0.25
+        final_scale = 2.0 / math.sqrt(shape[0])
+        return normal(0.2 * final_scale, final_scale - 1.0)  # zero-centred: (1 + w) about final_scale
     if name.endswith("norm.weight"):
         return normal(0.1)  # zero-centred: the model uses (1 + w)
     if name.endswith("conv1d.weight"):
