@@ -21,17 +21,21 @@ import torch.nn.functional as F
 # Norms
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32.
+    weight None: (1 + w) is already folded into the projection that reads the norm (model/forward.py)."""
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * (1.0 + weight.float())).to(x.dtype)
+    if weight is not None:
+        out = out * (1.0 + weight.float())
+    return out.to(x.dtype)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual += x (in the model dtype, as the reference does), then the zero-centred norm of the sum.
+    """residual += x (in the model dtype, as the reference does), then the zero-centred norm of the sum (weight
+    None: folded into the next projection).
 
     Returns (normed, new residual). With residual None the input itself becomes the residual.
     """
@@ -58,7 +62,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def add_rms_norm_linear(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+    weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A block's input: `add_rms_norm`, then the projection that reads it. Returns (projected, new residual)."""
     normed, residual = add_rms_norm(x, residual, norm_weight, eps)
@@ -66,7 +71,8 @@ def add_rms_norm_linear(
 
 
 def add_rms_norm_gate_up(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+    gate_up: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MLP's input: `add_rms_norm`, the fused [gate | up] projection, silu(gate) * up. Returns (activation,
     new residual)."""

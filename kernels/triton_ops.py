@@ -80,11 +80,15 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                     HAS_RES: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                     HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Zero-centred: out = norm(x) * (1 + w); without HAS_W, norm(x) (the weight folded into the next projection)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + 1.0
+    else:
+        w = 1.0
     wait_for_previous_kernel(PDL)
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if HAS_RES:
@@ -92,26 +96,26 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
         tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    if ZERO_CENTRED:
-        w = w + 1.0
     tl.store(out_ptr + row * n_cols + cols, (xf * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     x2 = x.contiguous().view(-1, x.shape[-1])
     out = torch.empty_like(x2)
-    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.shape[1], eps, HAS_RES=False, ZERO_CENTRED=True,
-                                     BLOCK=_pow2(x2.shape[1]), **pdl_options(x.device))
+    _rms_norm_kernel[(x2.shape[0],)](x2, x2, x2 if weight is None else weight, out, out, x2.shape[1], eps,
+                                     HAS_RES=False, HAS_W=weight is not None, BLOCK=_pow2(x2.shape[1]),
+                                     **pdl_options(x.device))
     return out.view(x.shape)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float):
     if residual is None:
         return rms_norm(x, weight, eps), x
     x2, r2 = x.contiguous().view(-1, x.shape[-1]), residual.contiguous().view(-1, x.shape[-1])
     out, summed = torch.empty_like(x2), torch.empty_like(x2)
-    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, summed, x2.shape[1], eps, HAS_RES=True, ZERO_CENTRED=True,
-                                     BLOCK=_pow2(x2.shape[1]), **pdl_options(x.device))
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, x2 if weight is None else weight, out, summed, x2.shape[1], eps,
+                                     HAS_RES=True, HAS_W=weight is not None, BLOCK=_pow2(x2.shape[1]),
+                                     **pdl_options(x.device))
     return out.view(x.shape), summed.view(x.shape)
 
 
@@ -311,10 +315,10 @@ def norm_gemv_config(n: int, k: int, silu_mul: bool) -> tuple:
 
 @triton.jit
 def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, N, K, up_rows, eps,
-                      HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HAS_RES: tl.constexpr, HAS_NW: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
     """out [N] = rms_norm(x + res) @ w.t() for one row; with SILU_MUL, silu(out) * (the same for w's rows
-    up_rows on). Program 0 writes the new residual x + res.
+    up_rows on). Program 0 writes the new residual x + res. Without HAS_NW the norm's (1 + w) is folded into w.
     The input, residual and norm weight are loaded twice: once for the sum of squares and the residual store, and
     once in the weight tile's own layout, through row pointers that repeat (the repeats are L1 hits). Loaded once,
     the input had to change layout through shared memory, and that change's barriers held each iteration's weight
@@ -337,7 +341,8 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, N, K,
         if EVEN:
             w = tl.load(w_rows + ks2)
             w_up = tl.load(up_rows_ptr + ks2) if SILU_MUL else w
-            x2, nw2, x = tl.load(x_rows + ks2), tl.load(nw_rows + ks2), tl.load(x_ptr + ks)
+            x2, x = tl.load(x_rows + ks2), tl.load(x_ptr + ks)
+            nw2 = tl.load(nw_rows + ks2) if HAS_NW else x2
             if HAS_RES:  # the sum in the model dtype, as the reference does
                 x2 += tl.load(res_rows + ks2)
                 x += tl.load(res_ptr + ks)
@@ -347,7 +352,7 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, N, K,
             w = tl.load(w_rows + ks2, mask=wmask, other=0.0)
             w_up = tl.load(up_rows_ptr + ks2, mask=wmask, other=0.0) if SILU_MUL else w
             x2 = tl.load(x_rows + ks2, mask=kmask2, other=0.0)
-            nw2 = tl.load(nw_rows + ks2, mask=kmask2, other=0.0)
+            nw2 = tl.load(nw_rows + ks2, mask=kmask2, other=0.0) if HAS_NW else x2
             x = tl.load(x_ptr + ks, mask=kmask, other=0.0)
             if HAS_RES:
                 x2 += tl.load(res_rows + ks2, mask=kmask2, other=0.0)
@@ -357,7 +362,9 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, N, K,
                 tl.store(res_out_ptr + ks, x, mask=ks < K)
         xf = x.to(tl.float32)
         sq += xf * xf
-        scaled = x2.to(tl.float32) * (1.0 + nw2.to(tl.float32))
+        scaled = x2.to(tl.float32)
+        if HAS_NW:
+            scaled *= 1.0 + nw2.to(tl.float32)
         acc += w.to(tl.float32) * scaled
         if SILU_MUL:
             acc_up += w_up.to(tl.float32) * scaled
@@ -372,8 +379,8 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, N, K,
 
 @triton.jit
 def _norm_gemv_whole_rows_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out_ptr, K, up_rows, eps,
-                                 HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr,
-                                 K1: tl.constexpr, K2: tl.constexpr, PDL: tl.constexpr = False):
+                                 HAS_RES: tl.constexpr, HAS_NW: tl.constexpr, SILU_MUL: tl.constexpr,
+                                 ROWS: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, PDL: tl.constexpr = False):
     """`_norm_gemv_kernel` on ROWS whole weight rows a program (and as many up rows), K = K1 + K2."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
@@ -383,14 +390,16 @@ def _norm_gemv_whole_rows_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out
     c1 = tl.arange(0, K1)
     w1 = tl.load(w_rows + c1[None, :])
     u1 = tl.load(u_rows + c1[None, :]) if SILU_MUL else w1
-    x1, nw1 = tl.load(x_ptr + c1), tl.load(nw_ptr + c1)
+    x1 = tl.load(x_ptr + c1)
+    nw1 = tl.load(nw_ptr + c1) if HAS_NW else x1
     if HAS_RES:  # the sum in the model dtype, as the reference does
         x1 += tl.load(res_ptr + c1)
     if K2 > 0:
         c2 = K1 + tl.arange(0, K2)
         w2 = tl.load(w_rows + c2[None, :])
         u2 = tl.load(u_rows + c2[None, :]) if SILU_MUL else w2
-        x2, nw2 = tl.load(x_ptr + c2), tl.load(nw_ptr + c2)
+        x2 = tl.load(x_ptr + c2)
+        nw2 = tl.load(nw_ptr + c2) if HAS_NW else x2
         if HAS_RES:
             x2 += tl.load(res_ptr + c2)
     # The residual is stored after every load: a load cannot move past a store that may alias it, and compiled
@@ -402,13 +411,13 @@ def _norm_gemv_whole_rows_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out
                 tl.store(res_out_ptr + c2, x2)
     f1 = x1.to(tl.float32)
     sq = tl.sum(f1 * f1, axis=0)
-    s1 = (f1 * (1.0 + nw1.to(tl.float32)))[None, :]
+    s1 = (f1 * (1.0 + nw1.to(tl.float32)))[None, :] if HAS_NW else f1[None, :]
     acc = tl.sum(w1.to(tl.float32) * s1, axis=1)
     acc_up = tl.sum(u1.to(tl.float32) * s1, axis=1) if SILU_MUL else acc
     if K2 > 0:
         f2 = x2.to(tl.float32)
         sq += tl.sum(f2 * f2, axis=0)
-        s2 = (f2 * (1.0 + nw2.to(tl.float32)))[None, :]
+        s2 = (f2 * (1.0 + nw2.to(tl.float32)))[None, :] if HAS_NW else f2[None, :]
         acc += tl.sum(w2.to(tl.float32) * s2, axis=1)
         if SILU_MUL:
             acc_up += tl.sum(u2.to(tl.float32) * s2, axis=1)
@@ -423,7 +432,8 @@ def _norm_gemv_whole_rows_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, out_ptr, res_out
 
 def norm_gemv(x, residual, norm_weight, eps: float, weight, silu_mul_rows: int = 0, config=None):
     """One row: (rms_norm(x + residual) @ weight.t(), x + residual). With silu_mul_rows = I, weight is a fused
-    [gate | up] of 2I rows and the first output is silu(gate) * up, [1, I]. config as `norm_gemv_config` gives it."""
+    [gate | up] of 2I rows and the first output is silu(gate) * up, [1, I]. norm_weight None: the norm's (1 + w)
+    is folded into weight's columns. config as `norm_gemv_config` gives it."""
     K = x.shape[1]
     N = silu_mul_rows or weight.shape[0]
     config = config or norm_gemv_config(N, K, silu_mul_rows > 0)
@@ -432,16 +442,18 @@ def norm_gemv(x, residual, norm_weight, eps: float, weight, silu_mul_rows: int =
     residual = residual.contiguous() if has_res else x
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     summed = torch.empty_like(x) if has_res else x
+    has_nw = norm_weight is not None
+    norm_weight = norm_weight if has_nw else x
     if isinstance(config, WholeRows):
         k1, k2 = _spans_for(config, N, K)
         _norm_gemv_whole_rows_kernel[(N // config.rows,)](
-            x, residual, norm_weight, weight, out, summed, K, silu_mul_rows, eps, HAS_RES=has_res,
+            x, residual, norm_weight, weight, out, summed, K, silu_mul_rows, eps, HAS_RES=has_res, HAS_NW=has_nw,
             SILU_MUL=silu_mul_rows > 0, ROWS=config.rows, K1=k1, K2=k2, num_warps=config.warps, num_stages=1,
             **pdl_options(x.device))
         return out, summed
     block_n, block_k, warps, stages = config
     _norm_gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, residual, norm_weight, weight, out, summed, N, K, silu_mul_rows, eps, HAS_RES=has_res,
+        x, residual, norm_weight, weight, out, summed, N, K, silu_mul_rows, eps, HAS_RES=has_res, HAS_NW=has_nw,
         SILU_MUL=silu_mul_rows > 0, BLOCK_N=block_n, BLOCK_K=block_k, EVEN=K % block_k == 0 and N % block_n == 0,
         num_warps=warps, num_stages=stages, **pdl_options(x.device))
     return out, summed

@@ -43,6 +43,7 @@ class Qwen35Shard:
         )
         self.scale = cfg.head_dim**-0.5
         self._fuse_projections()
+        self._fold_block_norms()
         # Layer index -> its index among the layers of its kind (row of the state pools).
         self.state_index = {}
         for kind_layers in (cfg.gdn_layers, cfg.attention_layers):
@@ -66,20 +67,39 @@ class Qwen35Shard:
                 if p + parts[0] in w:
                     w[p + fused] = torch.cat([w.pop(p + part) for part in parts], dim=0)
 
+    # A block's input norm is zero-centred, norm(x) * (1 + w), and only the block's first projection reads it, so
+    # (1 + w) is folded into that projection's columns here and the ops get norm weight None. The one-row add-and-norm
+    # GEMV then loads one vector fewer a program: 4B batch-1 step 2.466 against 2.528 ms (run T1, decode.md). The
+    # scaled weight is rounded once to the model dtype, where the reference rounds the normalised activation.
+    _BLOCK_NORMS = {
+        "input_layernorm.weight": ("linear_attn.in_proj_all.weight", "self_attn.qkv_proj.weight"),
+        "post_attention_layernorm.weight": ("mlp.gate_up_proj.weight",),
+    }
+
+    def _fold_block_norms(self) -> None:
+        """Scale each block's first (fused) projection by its input norm's (1 + w), in place, in fp32; drop the
+        norm weight."""
+        w = self.w
+        for i in range(self.cfg.num_hidden_layers):
+            p = f"layers.{i}."
+            for norm, readers in self._BLOCK_NORMS.items():
+                (reader,) = [p + r for r in readers if p + r in w]
+                scale = 1.0 + w.pop(p + norm).float()
+                for rows in w[reader].split(4096):  # the fused weight is this shard's own copy; bounds the fp32 one
+                    rows.copy_(rows.float() * scale)
+
     # Layers: each takes the layer's input x and the residual stream, p the layer's prefix ("layers.i."), and
     # returns (its output, the new residual). The add-and-norm before a block goes with the block's first
-    # projection, so the ops can fuse the two.
+    # projection, so the ops can fuse the two; its weight is in the projection (norm weight None).
     def _mlp(self, x: torch.Tensor, residual: torch.Tensor, p: str):
         w, ops = self.w, self.ops
-        norm, gate_up = w[p + "post_attention_layernorm.weight"], w[p + "mlp.gate_up_proj.weight"]
-        h, residual = ops.add_rms_norm_gate_up(x, residual, norm, self.cfg.rms_norm_eps, gate_up)
+        gate_up = w[p + "mlp.gate_up_proj.weight"]
+        h, residual = ops.add_rms_norm_gate_up(x, residual, None, self.cfg.rms_norm_eps, gate_up)
         return self.all_reduce(ops.linear(h, w[p + "mlp.down_proj.weight"])), residual
 
     def _input_projection(self, x: torch.Tensor, residual: torch.Tensor | None, p: str, weight: str):
         """The layer's input add-and-norm and the first projection of its mixer; (projected, new residual)."""
-        w = self.w
-        return self.ops.add_rms_norm_linear(x, residual, w[p + "input_layernorm.weight"], self.cfg.rms_norm_eps,
-                                            w[p + weight])
+        return self.ops.add_rms_norm_linear(x, residual, None, self.cfg.rms_norm_eps, self.w[p + weight])
 
     def _gdn_inputs(self, x: torch.Tensor, residual: torch.Tensor | None, p: str):
         """Views of the fused [qkv | z | b | a] projection, and the new residual."""

@@ -59,6 +59,12 @@ def test_rms_norms(rows, cols):
     ref, ref_res = R.add_rms_norm(x, r, w, 1e-6)
     assert rel(got, ref) <= REDUCTION and rel(got_res, ref_res) <= ELEMENTWISE
     assert rel(plain, R.rms_norm(x.view(rows, 1, cols), w, 1e-6)) <= REDUCTION
+    with poisoned_outputs():  # no weight: (1 + w) folded into the projection that reads the norm
+        unit, unit_res = T.add_rms_norm(x, r, None, 1e-6)
+        plain_unit = T.rms_norm(x, None, 1e-6)
+    ref_unit, _ = R.add_rms_norm(x, r, None, 1e-6)
+    assert rel(unit, ref_unit) <= REDUCTION and rel(unit_res, ref_res) <= ELEMENTWISE
+    assert rel(plain_unit, R.rms_norm(x, None, 1e-6)) <= REDUCTION and rel(unit, ref) > 0.05
     o, z, gw = randn(rows, 3, 32), randn(rows, 3, 32), randn(32)
     with poisoned_outputs():
         got = T.gated_rms_norm(o, z, gw, 1e-6)
@@ -332,11 +338,13 @@ def test_one_row_gemv_and_its_routing(k, n, monkeypatch):
 
 @pytest.mark.parametrize("k, rows", [(256, 16), (256, 10), (320, 16), (200, 16)])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_input_norm_fused_into_the_one_row_projection(k, rows, with_residual, monkeypatch):
+@pytest.mark.parametrize("folded", [False, True])
+def test_input_norm_fused_into_the_one_row_projection(k, rows, with_residual, folded, monkeypatch):
     """The block's add-and-norm fused into the GEMV that reads it (and silu(gate) * up into the MLP's), against the
     unfused reference, in both kernels: whole rows where K splits into two power-of-two spans (256, 320) and the
     row count allows (10 rows: 5 gate rows, odd, take the loop), the loop over K tiles otherwise; more rows than
-    one take the unfused path. 16 rows and k 256 fill every loop tile (no masks)."""
+    one take the unfused path. 16 rows and k 256 fill every loop tile (no masks). Folded: the norm weight given as
+    None and its (1 + w) in the projection's columns, as the model runs, against the reference with both apart."""
     monkeypatch.setattr(T, "NORM_GEMV_CONFIG", (4, 128, 4, 1))  # two K tiles: whole (k 256) and ragged (k 200)
     monkeypatch.setattr(T, "NORM_GEMV_SILU_CONFIG", (4, 128, 4, 1))
     monkeypatch.setattr(T, "NORM_GEMV_WHOLE_ROWS", T.WholeRows(2, 4))
@@ -350,6 +358,8 @@ def test_input_norm_fused_into_the_one_row_projection(k, rows, with_residual, mo
                                                       else T.NORM_GEMV_SILU_CONFIG)
     ref, ref_res = R.add_rms_norm_linear(x, res, nw, 1e-6, w)
     ref_act = R.add_rms_norm_gate_up(x, res, nw, 1e-6, w)[0]
+    if folded:
+        nw, w = None, w * (1.0 + nw)
     with poisoned_outputs():
         got, got_res = T.add_rms_norm_linear(x, res, nw, 1e-6, w)
         act, act_res = T.add_rms_norm_gate_up(x, res, nw, 1e-6, w)

@@ -2,7 +2,9 @@
 
 import pytest
 import torch
-from helpers import CpuRunner, hf_model, rel_err
+from helpers import CpuRunner, hf_model, hf_step, rel_err, top8_logprob_gaps
+
+from model.weights import load_rank_weights
 
 LENGTHS = [1, 5, 63, 64, 65, 130]
 
@@ -27,8 +29,11 @@ def test_tiny_checkpoint_exercises_both_layer_kinds(tiny_ckpt):
     runner = CpuRunner(tiny_ckpt)
     assert len(runner.cfg.layer_types) >= 8
     assert len(runner.cfg.attention_layers) >= 2 and len(runner.cfg.gdn_layers) >= 2
-    # Norm weights are random, so the (1 + w) form is actually tested.
-    assert runner.model.w["layers.0.input_layernorm.weight"].abs().max() > 0.05
+    # Norm weights are random, so the (1 + w) form, and its folding into the projections, is actually tested.
+    stored = load_rank_weights(tiny_ckpt, runner.cfg, progress=False)
+    assert stored["layers.0.input_layernorm.weight"].abs().max() > 0.05
+    assert stored["layers.0.post_attention_layernorm.weight"].abs().max() > 0.05
+    assert not any(name.endswith("layernorm.weight") for name in runner.model.w)  # folded
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -52,20 +57,16 @@ def test_prefill_then_decode_matches_hf_with_cache(tiny_ckpt, hf, prompts):
     prompt_a, prompt_b = prompts[65], prompts[5]
     ours = runner.prefill({0: prompt_a, 3: prompt_b})
     caches, tokens = {}, {}
-    with torch.no_grad():
-        for slot, prompt in ((0, prompt_a), (3, prompt_b)):
-            out = hf(torch.tensor([prompt]), use_cache=True)
-            caches[slot] = out.cache
-            tokens[slot] = int(out.logits[0, -1].argmax())
+    for slot, prompt in ((0, prompt_a), (3, prompt_b)):
+        logits, caches[slot] = hf_step(hf, torch.tensor([prompt]))
+        tokens[slot] = int(logits[0, -1].argmax())
     assert tokens == {0: int(ours[0].argmax()), 3: int(ours[1].argmax())}
     positions = {0: len(prompt_a), 3: len(prompt_b)}
     for _ in range(32):
         ours = runner.decode(tokens, positions)  # both requests in one batched step
         for row, slot in enumerate(tokens):
-            with torch.no_grad():
-                out = hf(torch.tensor([[tokens[slot]]]), cache=caches[slot], use_cache=True)
-            caches[slot] = out.cache
-            assert rel_err(ours[row], out.logits[0, -1]) <= 1e-4
+            logits, caches[slot] = hf_step(hf, torch.tensor([[tokens[slot]]]), caches[slot])
+            assert rel_err(ours[row], logits[0, -1]) <= 1e-4
         tokens = {slot: int(ours[row].argmax()) for row, slot in enumerate(tokens)}
         positions = {slot: p + 1 for slot, p in positions.items()}
 
@@ -110,10 +111,7 @@ def test_bf16_stays_within_the_gate(tiny_ckpt, hf, prompts):
     runner = CpuRunner(tiny_ckpt, dtype=torch.bfloat16)
     deltas = []
     for n in (5, 65, 130):
-        ours = runner.prefill({0: prompts[n]}, all_logits=True).float().log_softmax(-1)
-        ref = hf_logits(hf, prompts[n]).log_softmax(-1)
-        top = ref.topk(8, dim=-1).indices
-        deltas.append((ours.gather(-1, top) - ref.gather(-1, top)).abs().flatten())
+        deltas.append(top8_logprob_gaps(runner.prefill({0: prompts[n]}, all_logits=True), hf_logits(hf, prompts[n])))
         runner = CpuRunner(tiny_ckpt, dtype=torch.bfloat16)
     d = torch.cat(deltas)
     assert d.mean() <= 0.06 and d.quantile(0.99) <= 0.2, (d.mean(), d.quantile(0.99))

@@ -36,14 +36,15 @@ GEMV_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "N": "
                   "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "PDL": "constexpr"}
 NORM_GEMV_SIGNATURE = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
                        "res_out_ptr": "*bf16", "N": "i32", "K": "i32", "up_rows": "i32", "eps": "fp32",
-                       "HAS_RES": "constexpr", "SILU_MUL": "constexpr", "BLOCK_N": "constexpr",
-                       "BLOCK_K": "constexpr", "EVEN": "constexpr", "PDL": "constexpr"}
+                       "HAS_RES": "constexpr", "HAS_NW": "constexpr", "SILU_MUL": "constexpr",
+                       "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN": "constexpr", "PDL": "constexpr"}
 WHOLE_ROWS_GEMV_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "K": "i32", "ROWS": "constexpr",
                              "K1": "constexpr", "K2": "constexpr", "PDL": "constexpr"}
 WHOLE_ROWS_NORM_GEMV_SIGNATURE = {"x_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16",
                                   "out_ptr": "*bf16", "res_out_ptr": "*bf16", "K": "i32", "up_rows": "i32",
-                                  "eps": "fp32", "HAS_RES": "constexpr", "SILU_MUL": "constexpr", "ROWS": "constexpr",
-                                  "K1": "constexpr", "K2": "constexpr", "PDL": "constexpr"}
+                                  "eps": "fp32", "HAS_RES": "constexpr", "HAS_NW": "constexpr",
+                                  "SILU_MUL": "constexpr", "ROWS": "constexpr", "K1": "constexpr", "K2": "constexpr",
+                                  "PDL": "constexpr"}
 GDN_DECODE_SIGNATURE = {"mixed_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "alog_ptr": "*fp32",
                         "dtb_ptr": "*fp32", "state_ptr": "*fp32", "slot_ptr": "*i64", "out_ptr": "*bf16", "C": "i32",
                         "ab_row_stride": "i32", "trash": "i32", "HV": "i32", "GROUP": "i32", "scale": "fp32",
@@ -66,7 +67,8 @@ def cases():
     for silu, config in ((False, T.NORM_GEMV_CONFIG), (True, T.NORM_GEMV_SILU_CONFIG)):
         block_n, block_k, warps, stages = config
         yield ("norm_gemv + silu" if silu else "norm_gemv", T._norm_gemv_kernel, NORM_GEMV_SIGNATURE,
-               dict(HAS_RES=True, SILU_MUL=silu, EVEN=True, PDL=True, BLOCK_N=block_n, BLOCK_K=block_k),
+               dict(HAS_RES=True, HAS_NW=False, SILU_MUL=silu, EVEN=True, PDL=True, BLOCK_N=block_n,
+                    BLOCK_K=block_k),
                warps, stages, f"(BLOCK_N, BLOCK_K, warps, stages) {config}")
     for k in (4096, 9216):  # 4B out_proj / o_proj, down_proj
         k1, k2 = T.whole_row_spans(k)
@@ -76,8 +78,8 @@ def cases():
     k1, k2 = T.whole_row_spans(2560)  # the 4B hidden size
     for silu, config in ((False, T.NORM_GEMV_WHOLE_ROWS), (True, T.NORM_GEMV_SILU_WHOLE_ROWS)):
         yield ("whole-rows norm_gemv + silu" if silu else "whole-rows norm_gemv", T._norm_gemv_whole_rows_kernel,
-               WHOLE_ROWS_NORM_GEMV_SIGNATURE, dict(HAS_RES=True, SILU_MUL=silu, ROWS=config.rows, K1=k1, K2=k2,
-                                                    PDL=True), config.warps, 1, f"{config}, K 2560")
+               WHOLE_ROWS_NORM_GEMV_SIGNATURE, dict(HAS_RES=True, HAS_NW=False, SILU_MUL=silu, ROWS=config.rows,
+                                                    K1=k1, K2=k2, PDL=True), config.warps, 1, f"{config}, K 2560")
     defaults = inspect.signature(T.gdn_decode).parameters
     block_v, warps = defaults["block_v"].default, defaults["num_warps"].default
     yield ("gdn_decode", T._gdn_decode_kernel, GDN_DECODE_SIGNATURE,
