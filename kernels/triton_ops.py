@@ -44,11 +44,13 @@ def _dot_bf16(a, b, acc=None):
 # ---------------------------------------------------------------------------------------------------------------------
 # Programmatic dependent launch (sm90+). A decode step is some 230 short kernels; launched with PDL, a kernel's
 # programs start on the SMs the previous kernel's tail leaves idle instead of after a launch gap.
-# The rule that keeps this safe: before `wait_for_previous_kernel` a kernel reads model weights only (no kernel
-# writes them) and writes nothing. Each kernel lets the next one launch only after its own wait, so at most two
-# kernels overlap. Reading more before the wait where that is safe (the slots, the layers' state, a projection two
-# kernels back: nothing the previous kernel writes) slowed the 4B batch-1 step from 2.59 to 3.00 ms (run Q2,
-# decode.md), as every other kind of pre-wait memory traffic tried had. The decode step's kernels take part (the
+# The rule that keeps this safe: before `wait_for_previous_kernel` a kernel reads only what no kernel writes (model
+# weights, and the decode slots, which the host writes before the step) and writes nothing. Each kernel lets the
+# next one launch only after its own wait, so at most two kernels overlap. The conv and the GDN decode read their
+# row's slot before the wait, which takes one load off their chain of dependent loads (4B batch-1 step 8-11 µs
+# faster, runs T1 and T2; batch 64 unchanged). Reading more before the wait (the layers' state, a projection two
+# kernels back) slowed the 4B batch-1 step from 2.59 to 3.00 ms (run Q2, decode.md), and the attention's lengths
+# and first pages slowed batch 64 by 42-45 µs (runs S4, S6, T1). The decode step's kernels take part (the
 # norms and q/k norm + RoPE also run in prefill), and so do the sampler's passes (`kernels.triton_sampling`); off
 # (PDL = False), on the CPU and before sm90 every kernel launches plainly.
 
@@ -488,8 +490,8 @@ def _conv1d_decode_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, out_ptr, C, x_row_s
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = cols < C
     w_last = tl.load(w_ptr + cols * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    slot = tl.load(slot_ptr + row)  # written by the host before the step: safe before the wait
     wait_for_previous_kernel(PDL)
-    slot = tl.load(slot_ptr + row)
     slot = tl.where(slot < 0, trash, slot).to(tl.int64)
     base = state_ptr + slot * (K - 1) * C
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
@@ -609,6 +611,7 @@ def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, sl
     kmask, vmask = ks < DK, vs < DV
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     decay_rate = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    slot = tl.load(slot_ptr + row)  # written by the host before the step: safe before the wait
     wait_for_previous_kernel(PDL)
     q = tl.load(mixed_ptr + row * C + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(mixed_ptr + row * C + KEY_DIM + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
@@ -619,7 +622,6 @@ def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, sl
     softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
     g = decay_rate * softplus
     beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + row * ab_row_stride + h).to(tl.float32)))
-    slot = tl.load(slot_ptr + row)
     slot = tl.where(slot < 0, trash, slot).to(tl.int64)
     sptr = state_ptr + ((slot * HV + h) * DK + ks[:, None]) * DV + vs[None, :]
     smask = kmask[:, None] & vmask[None, :]
