@@ -217,8 +217,8 @@ def random_tensor(name: str, shape: tuple[int, ...], num_layers: int, generator:
     Residual branches are scaled down, and the final norm's (1 + w) is about 2 / sqrt(hidden size) (0.25 at the
     tiny width 64) so logits spread over about 2 nats at every width, as in trained models: bf16 rounding is then
     not amplified through the layers, and bf16 comparisons measure our arithmetic rather than a chaotic random
-    network (with 0.25 at the 4B width, logits reached 590 and bf16 alone moved log-probs by 0.9 on average).
-    Generated on the generator's device.
+    network (with 0.25 at the 4B width, logits reached 590 and the bf16 model's log-probs differed from fp32 by 0.9
+    on average). Generated on the generator's device.
     """
     device = generator.device
 
