@@ -139,13 +139,14 @@ def projections(cfg, rows: list, bw: float, sweep: bool) -> None:
 
 def norm_projections(cfg, rows: list, bw: float, sweep: bool) -> None:
     """A block's add-and-norm with the one-row projection that reads it (silu(gate) * up for the MLP): the fused
-    GEMV against the add-and-norm kernel followed by the unfused projection (`linear`'s pick) and by cuBLAS."""
+    GEMV against the add-and-norm kernel followed by the unfused projection (`linear`'s pick) and by cuBLAS. As the
+    model runs them, the norm weight is folded into the projection (norm weight None)."""
     dev, bf = torch.device("cuda"), torch.bfloat16
     H, every = cfg.hidden_size, projection_shapes(cfg)
     shapes = {"gdn in_proj": (every["gdn in_proj (qkv,z,b,a)"][0], False),
               "attn qkv_proj": (every["attn qkv_proj"][0], False),
               "mlp gate_up + silu_mul": (every["mlp gate_up"][0], True)}
-    x, res, nw = (torch.randn(1, H, device=dev, dtype=bf) for _ in range(3))
+    x, res = (torch.randn(1, H, device=dev, dtype=bf) for _ in range(2))
     eps = cfg.rms_norm_eps
     for name, (n, silu) in shapes.items():
         copies = max(2, -(-(512 << 20) // (n * H * 2)))
@@ -154,11 +155,11 @@ def norm_projections(cfg, rows: list, bw: float, sweep: bool) -> None:
         act = R.silu_mul if silu else (lambda y: y)
 
         def unfused(w, project):
-            normed, _ = T.add_rms_norm(x, res, nw, eps)
+            normed, _ = T.add_rms_norm(x, res, None, eps)
             return act(project(normed, w))
 
-        nbytes = (n * H + 3 * H + (n // 2 if silu else n)) * 2
-        t = graph_time_per_call(lambda w: lambda: fused(x, res, nw, eps, w), weights)
+        nbytes = (n * H + 2 * H + (n // 2 if silu else n)) * 2
+        t = graph_time_per_call(lambda w: lambda: fused(x, res, None, eps, w), weights)
         t_split = graph_time_per_call(lambda w: lambda: unfused(w, T.linear), weights)
         t_cublas = graph_time_per_call(lambda w: lambda: unfused(w, lambda h, w_: h @ w_.t()), weights)
         rows.append((f"one-row add-and-norm + {name}, fused", f"1 x {H} -> {n}", t, f"{nbytes / t / 1e12:.2f} TB/s",
@@ -166,7 +167,7 @@ def norm_projections(cfg, rows: list, bw: float, sweep: bool) -> None:
                      f"{t_split / t:.2f}x ours; norm + cuBLAS {t_cublas * 1e6:.1f} us = {t_cublas / t:.2f}x ours"))
         for config in NORM_GEMV_SWEEP if sweep else ():
             try:
-                t = graph_time_per_call(lambda w: lambda: T.norm_gemv(x, res, nw, eps, w, n // 2 if silu else 0,
+                t = graph_time_per_call(lambda w: lambda: T.norm_gemv(x, res, None, eps, w, n // 2 if silu else 0,
                                                                       config), weights)
             except OutOfResources:
                 continue
