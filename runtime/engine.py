@@ -335,6 +335,11 @@ class AsyncEngine:
                 self._emit(outputs)
                 self._poison(str(exc))
                 return
+            except asyncio.CancelledError:  # the loop's task was cancelled mid-step: the ranks may be anywhere
+                self._emit(outputs)
+                self.replica.group.poison(RuntimeError("a step was cancelled while the devices ran it"))
+                self._poison("the engine's step loop was cancelled mid-step")
+                raise
             except Exception as exc:  # a bug on the host side of the step: fail closed, never hang
                 log.exception("step failed")
                 self._emit(outputs)
