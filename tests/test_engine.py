@@ -223,14 +223,17 @@ def test_stop_strings_stop_tokens_min_tokens_and_logprobs(tiny_ckpt):
 
 
 def test_unset_fields_take_the_checkpoint_defaults(tiny_ckpt):
+    """tools.make_checkpoint writes temperature 0.7, top_k 20, top_p 0.8 and no min_p or penalties."""
     async def main():
         async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
-            params = engine.resolve_params(5, SamplingParams())
-            return engine.cfg.generation, params
+            return engine.resolve_params(5, SamplingParams()), engine.resolve_params(5, SamplingParams(
+                temperature=0.0, top_k=3, max_tokens=9))
 
-    gen, params = run(main())
-    assert params.temperature == gen.temperature and params.top_k == gen.top_k and params.top_p == gen.top_p
-    assert params.max_tokens == 512 - 5
+    unset, given = run(main())
+    assert (unset.temperature, unset.top_k, unset.top_p, unset.min_p) == (0.7, 20, 0.8, 0.0)
+    assert (unset.presence_penalty, unset.repetition_penalty, unset.frequency_penalty) == (0.0, 1.0, 0.0)
+    assert unset.max_tokens == 512 - 5  # what the context leaves
+    assert (given.temperature, given.top_k, given.top_p, given.max_tokens) == (0.0, 3, 0.8, 9)
 
 
 @pytest.mark.parametrize("field,value", [

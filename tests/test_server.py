@@ -6,6 +6,7 @@ import socket
 
 import aiohttp
 import openai
+import pytest
 
 from runtime import AsyncEngine, EngineArgs
 from runtime.server import serve
@@ -250,3 +251,182 @@ def test_a_failed_device_turns_health_and_new_requests_into_503(tiny_ckpt):
         return True
 
     assert with_server(tiny_ckpt, body)
+
+
+# Edges ----------------------------------------------------------------------------------------------------------------
+BOOLEANS_FOR_NUMBERS = [
+    ("/v1/completions", "max_tokens"), ("/v1/completions", "temperature"), ("/v1/completions", "top_k"),
+    ("/v1/completions", "top_p"), ("/v1/completions", "seed"), ("/v1/completions", "logprobs"),
+    ("/v1/completions", "presence_penalty"), ("/v1/completions", "min_tokens"), ("/v1/completions", "n"),
+    ("/v1/chat/completions", "max_completion_tokens"), ("/v1/chat/completions", "top_logprobs"),
+    ("/v1/chat/completions", "frequency_penalty"), ("/v1/chat/completions", "repetition_penalty"),
+]
+
+
+def request_body(path: str, **fields) -> dict:
+    if path == "/v1/completions":
+        return {"model": "tiny", "prompt": "hi", **fields}
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+async def post(session, url, body):
+    async with session.post(url, json=body) as r:
+        return r.status, await r.json()
+
+
+def test_booleans_are_refused_for_numeric_fields(tiny_ckpt):
+    async def body(engine, url):
+        async with aiohttp.ClientSession() as session:
+            for path, name in BOOLEANS_FOR_NUMBERS:
+                for value in (True, False):
+                    extra = {"logprobs": True} if name == "top_logprobs" else {}
+                    status, got = await post(session, url + path, request_body(path, **{name: value}, **extra))
+                    assert status == 400 and got["error"]["param"] == name, (name, value, got)
+        return True
+
+    assert with_server(tiny_ckpt, body)
+
+
+def test_a_prompt_at_the_context_length_is_refused_and_one_token_under_is_served(tiny_ckpt):
+    async def body(engine, url):
+        n = engine.max_model_len
+        assert n == 256
+        async with aiohttp.ClientSession() as session:
+            for length in (n, n + 1):
+                status, got = await post(session, url + "/v1/completions",
+                                         request_body("/v1/completions", prompt=[7] * length, max_tokens=1))
+                assert status == 400 and got["error"]["code"] == "context_length_exceeded", (length, got)
+                assert got["error"]["param"] == "prompt"
+            status, got = await post(session, url + "/v1/completions", request_body(
+                "/v1/completions", prompt=[7] * (n - 1), max_tokens=1, ignore_eos=True))
+            assert status == 200 and got["usage"] == {"prompt_tokens": n - 1, "completion_tokens": 1,
+                                                      "total_tokens": n}
+            status, got = await post(session, url + "/v1/completions", request_body(
+                "/v1/completions", prompt=[7] * (n - 1), max_tokens=2))
+            assert status == 400 and got["error"]["param"] == "max_tokens"
+        return True
+
+    assert with_server(tiny_ckpt, body)
+
+
+def test_multi_prompt_completions_streamed_and_not(tiny_ckpt):
+    prompts = ["the river", "a mill by the water runs", [5, 6, 7, 8]]
+
+    async def body(engine, url):
+        common = dict(max_tokens=7, temperature=0, ignore_eos=True, logprobs=1)
+        async with aiohttp.ClientSession() as session:
+            solo = []
+            for p in prompts:
+                status, got = await post(session, url + "/v1/completions",
+                                         request_body("/v1/completions", prompt=p, **common))
+                assert status == 200
+                solo.append(got["choices"][0]["text"])
+            status, got = await post(session, url + "/v1/completions", request_body(
+                "/v1/completions", prompt=prompts[:2], **common))
+            assert status == 200 and [c["index"] for c in got["choices"]] == [0, 1]
+            assert [c["text"] for c in got["choices"]] == solo[:2]
+            assert all(c["finish_reason"] == "length" and len(c["logprobs"]["tokens"]) == 7 for c in got["choices"])
+            assert got["usage"]["completion_tokens"] == 14
+            status, got = await post(session, url + "/v1/completions", request_body(
+                "/v1/completions", prompt=[[5, 6, 7, 8], [5, 6, 7, 8]], **common))
+            assert [c["text"] for c in got["choices"]] == [solo[2]] * 2
+
+            texts, finishes, usage = ["", ""], [[], []], None
+            async with session.post(url + "/v1/completions", json=request_body(
+                    "/v1/completions", prompt=prompts[:2], stream=True, stream_options={"include_usage": True},
+                    **common)) as r:
+                events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            for event in map(json.loads, events[:-1]):
+                usage = event.get("usage") or usage
+                for c in event["choices"]:
+                    texts[c["index"]] += c["text"]
+                    if c["finish_reason"]:
+                        finishes[c["index"]].append(c["finish_reason"])
+            assert texts == solo[:2] and finishes == [["length"], ["length"]]
+            assert usage["completion_tokens"] == 14
+        return True
+
+    assert with_server(tiny_ckpt, body)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_device_failure_mid_stream_sends_an_error_event_then_done(tiny_ckpt, path):
+    async def body(engine, url):
+        runtime = engine.replica.ranks[0].runtime
+        decode, calls = runtime.model.decode, []
+
+        def fails_later(*args, **kwargs):
+            calls.append(1)
+            if len(calls) > 4:
+                raise RuntimeError("device fell over mid-stream")
+            return decode(*args, **kwargs)
+
+        runtime.model.decode = fails_later
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + path, json=request_body(
+                    path, max_tokens=50, ignore_eos=True, stream=True)) as r:
+                assert r.status == 200  # the stream had begun
+                events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        payloads = [json.loads(e) for e in events[:-1]]
+        assert "error" in payloads[-1] and "fell over" in payloads[-1]["error"]["message"]
+        assert set(payloads[-1]["error"]) == {"message", "type", "param", "code"}
+        assert not any(c.get("finish_reason") for p in payloads[:-1] for c in p.get("choices", []))
+        assert len(payloads) >= 4  # tokens were streamed before the failure
+        return True
+
+    assert with_server(tiny_ckpt, body)
+
+
+def test_chat_message_forms_and_max_completion_tokens(tiny_ckpt, tmp_path):
+    async def body(engine, url):
+        path = url + "/v1/chat/completions"
+        common = dict(temperature=0, ignore_eos=True, max_tokens=6)
+        async with aiohttp.ClientSession() as session:
+            system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+            as_system = await post(session, path, {"model": "tiny", "messages": system, **common})
+            developer = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+            as_developer = await post(session, path, {"model": "tiny", "messages": developer, **common})
+            parts = [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text",
+                                                                                        "text": "brief"}]},
+                     {"role": "user", "content": [{"type": "text", "text": "hello there"}]}]
+            as_parts = await post(session, path, {"model": "tiny", "messages": parts, **common})
+            other = [{"role": "user", "content": "hello there"}]
+            without = await post(session, path, {"model": "tiny", "messages": other, **common})
+            capped = await post(session, path, {"model": "tiny", "messages": other, **common,
+                                                "max_completion_tokens": 3})
+        # The developer role is the system role; text parts are the same text as a string.
+        assert as_developer == (200, as_developer[1]) and as_developer[1]["usage"] == as_system[1]["usage"]
+        assert as_developer[1]["choices"] == as_system[1]["choices"] == as_parts[1]["choices"]
+        assert as_parts[1]["usage"] == as_system[1]["usage"]
+        assert without[1]["usage"]["prompt_tokens"] < as_system[1]["usage"]["prompt_tokens"]
+        assert capped[0] == 200 and capped[1]["usage"]["completion_tokens"] == 3  # it wins over max_tokens
+        assert capped[1]["choices"][0]["finish_reason"] == "length"
+        return True
+
+    assert with_server(tiny_ckpt, body)
+
+
+def test_a_chat_template_error_is_a_400(tiny_ckpt, tmp_path):
+    import shutil
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(tiny_ckpt, ckpt)
+    with open(f"{ckpt}/chat_template.jinja", "w") as f:
+        f.write("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}"
+                "{% endif %}{{ m['content'] }}{% endfor %}")
+
+    async def body(engine, url):
+        async with aiohttp.ClientSession() as session:
+            status, got = await post(session, url + "/v1/chat/completions", {
+                "model": "tiny", "messages": [{"role": "tool", "content": "x"}], "max_tokens": 2})
+            assert status == 400 and "no tools here" in got["error"]["message"]
+            assert got["error"]["param"] == "messages" and got["error"]["type"] == "invalid_request_error"
+            status, got = await post(session, url + "/v1/chat/completions", {
+                "model": "tiny", "messages": [{"role": "user", "content": "fine"}], "max_tokens": 2})
+            assert status == 200
+        assert engine.healthy
+        return True
+
+    assert with_server(ckpt, body)
