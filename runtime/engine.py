@@ -305,6 +305,23 @@ class AsyncEngine:
 
     # The step loop --------------------------------------------------------------------------------------------------
     async def _step_loop(self) -> None:
+        """The steps until close. Whatever ends them early (a rank's failure, a host-side bug while planning or
+        applying a step, a cancellation) poisons the replica and ends every live request with an error: no
+        request is left waiting on a loop that is gone."""
+        try:
+            await self._run_steps()
+        except ReplicaPoisoned as exc:
+            self._poison(str(exc))
+        except asyncio.CancelledError:  # the ranks may be anywhere in a step
+            self.replica.group.poison(RuntimeError("the engine's step loop was cancelled"))
+            self._poison("the engine's step loop was cancelled")
+            raise
+        except Exception as exc:
+            log.exception("step failed")
+            self.replica.group.poison(exc)
+            self._poison(f"step failed: {exc!r}")
+
+    async def _run_steps(self) -> None:
         sched = self.scheduler
         outputs: list = []  # the last step's tokens whose outputs are made while the next step runs
         while not self._closing:
@@ -331,21 +348,9 @@ class AsyncEngine:
                 made, outputs = outputs, []
                 self._emit(made)
                 result = await step
-            except ReplicaPoisoned as exc:
-                self._emit(outputs)
-                self._poison(str(exc))
-                return
-            except asyncio.CancelledError:  # the loop's task was cancelled mid-step: the ranks may be anywhere
-                self._emit(outputs)
-                self.replica.group.poison(RuntimeError("a step was cancelled while the devices ran it"))
-                self._poison("the engine's step loop was cancelled mid-step")
+            except BaseException:
+                self._emit(outputs)  # the tokens drawn before the failure still reach their streams
                 raise
-            except Exception as exc:  # a bug on the host side of the step: fail closed, never hang
-                log.exception("step failed")
-                self._emit(outputs)
-                self.replica.group.poison(exc)
-                self._poison(f"step failed: {exc!r}")
-                return
             self.metrics.step_seconds.observe(time.perf_counter() - started)
             outputs = self._apply(plan, result)
         self._emit(outputs)  # closing: the last step's outputs come before `close` ends the requests

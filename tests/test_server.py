@@ -382,7 +382,7 @@ def test_a_device_failure_mid_stream_sends_an_error_event_then_done(tiny_ckpt, p
 def test_chat_message_forms_and_max_completion_tokens(tiny_ckpt, tmp_path):
     async def body(engine, url):
         path = url + "/v1/chat/completions"
-        common = dict(temperature=0, ignore_eos=True, max_tokens=6)
+        common = dict(temperature=0, ignore_eos=True, max_tokens=6, logprobs=True, top_logprobs=5)
         async with aiohttp.ClientSession() as session:
             system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
             as_system = await post(session, path, {"model": "tiny", "messages": system, **common})
@@ -401,6 +401,8 @@ def test_chat_message_forms_and_max_completion_tokens(tiny_ckpt, tmp_path):
         assert as_developer[1]["choices"] == as_system[1]["choices"] == as_parts[1]["choices"]
         assert as_parts[1]["usage"] == as_system[1]["usage"]
         assert without[1]["usage"]["prompt_tokens"] < as_system[1]["usage"]["prompt_tokens"]
+        # The log-probs see the whole prompt (a random model's greedy text may not): another prompt moves them.
+        assert without[1]["choices"][0]["logprobs"] != as_system[1]["choices"][0]["logprobs"]
         assert capped[0] == 200 and capped[1]["usage"]["completion_tokens"] == 3  # it wins over max_tokens
         assert capped[1]["choices"][0]["finish_reason"] == "length"
         return True

@@ -205,15 +205,16 @@ def test_penalties_min_tokens_and_seeds_follow_requests_through_slot_moves(tiny_
 
 def test_penalties_change_greedy_text_exactly_as_the_reference_says(tiny_ckpt):
     """Penalised greedy rows beside an unpenalised one: the penalties change the text (so the reference is
-    exercised), and each row is the reference's."""
-    prompt = prompt_of(12, 7)
+    exercised), and each row is the reference's. The prompt holds a fifth of the vocabulary and comes in eight
+    chunks: the repetition penalty must count the ids of every one of them."""
+    prompt = prompt_of(120, 7)
     plain = explicit(max_tokens=32)
     penalised = [explicit(max_tokens=32, **kw) for kw in (
         dict(repetition_penalty=1.9), dict(frequency_penalty=2.0), dict(presence_penalty=1.5),
         dict(presence_penalty=-1.0))]
 
     async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+        async with AsyncEngine(engine_args(tiny_ckpt, prefill_token_budget=16)) as engine:
             return await asyncio.gather(*[collect(engine.generate(prompt, p)) for p in [plain, *penalised]])
 
     outs = [o for o, _ in run(main())]
@@ -477,3 +478,25 @@ def test_duplicate_request_ids_are_refused_and_the_first_request_is_untouched(ti
 
     out, alone = run(main())
     assert out.finish_reason == "length" and out.token_ids == alone.token_ids and out.request_id == "same"
+
+
+def test_a_host_side_bug_in_planning_ends_every_request_with_an_error(tiny_ckpt, monkeypatch):
+    from runtime.scheduler import Scheduler
+
+    schedule, plans = Scheduler.schedule, []
+
+    def breaks(sched):
+        plans.append(1)
+        if len(plans) > 6:
+            raise AssertionError("decode slots are not dense")
+        return schedule(sched)
+
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+            streams, _ = await live_streams(engine, 2)
+            monkeypatch.setattr(Scheduler, "schedule", breaks)
+            ends = await rest_of(streams)
+            return engine.healthy, [end for end, _ in ends]
+
+    healthy, ends = run(main())
+    assert not healthy and all(e.finish_reason == "error" and "not dense" in e.error for e in ends)
