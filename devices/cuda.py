@@ -91,7 +91,7 @@ def make_collective(tp: int, use_nccl: bool) -> NcclCollective | None:
 
 class CudaRankBackend:
     def __init__(self, rank: int, collective: NcclCollective | None) -> None:
-        from kernels import triton_ops
+        from deltaserve.kernels import triton_ops
 
         self.rank, self.ops, self.collective = rank, triton_ops, collective
         self.device = torch.device("cuda", rank)

@@ -13,11 +13,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kernels.sampling import SamplingTensors, sample
-from kernels.triton_sampling import sample_on_gpu, top_p_alone
-from model.batch import DecodeBatch, PrefillBatch, PrefillChunk
-from model.forward import Qwen35Shard
-from model.state import ModelState
+from deltaserve.kernels.sampling import SamplingTensors, sample
+from deltaserve.kernels.triton_sampling import sample_on_gpu, top_p_alone
+from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk
+from deltaserve.model.forward import Qwen35Shard
+from deltaserve.model.state import ModelState
 
 from .commands import RowSampling, SampledToken, SlotProtocolError, StepCommand, StepResult
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from model.config import ModelConfig
-from model.forward import Qwen35Shard
-from model.state import PAGE_SIZE, ModelState, StateSizes
-from model.weights import load_rank_weights, random_rank_weights, weight_bytes
+from deltaserve.model.config import ModelConfig
+from deltaserve.model.forward import Qwen35Shard
+from deltaserve.model.state import PAGE_SIZE, ModelState, StateSizes
+from deltaserve.model.weights import load_rank_weights, random_rank_weights, weight_bytes
 
 from .capacity import CapacityPlan, plan_capacity
 from .collectives import ThreadAllReduce
@@ -249,7 +249,7 @@ class CpuRankBackend:
     """CPU device: torch reference ops, the in-process all-reduce, a configured memory budget, no graphs."""
 
     def __init__(self, rank: int, collective: ThreadAllReduce, memory_bytes: int) -> None:
-        from kernels import reference
+        from deltaserve.kernels import reference
 
         self.rank, self.device, self.ops = rank, torch.device("cpu"), reference
         self.all_reduce = collective.for_rank(rank)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import GdnChunks
+from deltaserve.kernels.reference import GdnChunks
 
 
 @dataclass

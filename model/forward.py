@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import reference as reference_ops
+from deltaserve.kernels import reference as reference_ops
 
 from .batch import DecodeBatch, PrefillBatch
 from .config import ModelConfig

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from devices.commands import PrefillCommand, RowSampling, StepCommand, StepResult
-from devices.replica import Replica, ReplicaSpec
-from devices.worker import ReplicaPoisoned
-from model.config import load_model_config
-from model.state import PAGE_SIZE
+from deltaserve.devices.commands import PrefillCommand, RowSampling, StepCommand, StepResult
+from deltaserve.devices.replica import Replica, ReplicaSpec
+from deltaserve.devices.worker import ReplicaPoisoned
+from deltaserve.model.config import load_model_config
+from deltaserve.model.state import PAGE_SIZE
 
 from .args import EngineArgs
 from .metrics import EngineMetrics
@@ -149,7 +149,7 @@ class AsyncEngine:
     async def start(self) -> None:
         args = self.args
         if args.model is None:
-            from tools.demo import demo_checkpoint
+            from deltaserve.tools.demo import demo_checkpoint
 
             args.model = demo_checkpoint()
         if args.device == "cuda" and not torch.cuda.is_available():

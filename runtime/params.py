@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-from model.config import GenerationDefaults
+from deltaserve.model.config import GenerationDefaults
 
 MAX_LOGPROBS = 20
 

@@ -16,7 +16,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from devices.commands import Compaction, Promotion
+from deltaserve.devices.commands import Compaction, Promotion
 
 
 class CapacityError(ValueError):

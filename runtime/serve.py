@@ -1,4 +1,4 @@
-"""`python -m runtime.serve [options]`: the same as `deltaserve serve [options]`."""
+"""`python -m deltaserve.runtime.serve [options]`: the same as `deltaserve serve [options]`."""
 
 import sys
 

@@ -5,26 +5,16 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# The checkout's folders are deltaserve.*, never top-level packages: `python -m pytest` puts the root on sys.path,
+# where our kernels/ would stand in for Hugging Face's `kernels`, which transformers imports.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 if not torch.cuda.is_available():
     # Triton kernels run in the interpreter on the CPU (must be set before any kernel is defined).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
-
-
-def _hide_hub_kernels_from_transformers() -> None:
-    """transformers (5.25 on) depends on Hugging Face's `kernels` distribution and imports it when it is installed,
-    but our top-level `kernels` package (the Triton kernels) is the one that import finds, and it fails. The
-    reference model needs no hub kernels: tell transformers that they are absent."""
-    try:
-        import transformers.utils.import_utils as import_utils
-    except ImportError:  # transformers is optional for the tests that do not compare with it
-        return
-    import_utils.is_kernels_available = lambda *args, **kwargs: False
-
-
-_hide_hub_kernels_from_transformers()
 
 
 @pytest.fixture(autouse=True)
@@ -41,14 +31,14 @@ def _seeded():
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
-    from tools.make_checkpoint import write_checkpoint
+    from deltaserve.tools.make_checkpoint import write_checkpoint
 
     return write_checkpoint(str(tmp_path_factory.mktemp("tiny")), "tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_tp_ckpt(tmp_path_factory):
-    from tools.make_checkpoint import write_checkpoint
+    from deltaserve.tools.make_checkpoint import write_checkpoint
 
     return write_checkpoint(str(tmp_path_factory.mktemp("tiny_tp")), "tiny-tp", sharded=3)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from model.batch import DecodeBatch, PrefillBatch, PrefillChunk
-from model.config import load_model_config
-from model.forward import Qwen35Shard
-from model.state import PAGE_SIZE, ModelState
-from model.weights import load_rank_weights
+from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk
+from deltaserve.model.config import load_model_config
+from deltaserve.model.forward import Qwen35Shard
+from deltaserve.model.state import PAGE_SIZE, ModelState
+from deltaserve.model.weights import load_rank_weights
 
 
 def hf_model(checkpoint_dir: str, dtype=torch.float32):
@@ -18,7 +18,7 @@ def hf_model(checkpoint_dir: str, dtype=torch.float32):
     from safetensors.torch import load_file
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from model.weights import canonical_name, checkpoint_files
+    from deltaserve.model.weights import canonical_name, checkpoint_files
 
     with open(f"{checkpoint_dir}/config.json") as f:
         raw = json.load(f)

@@ -6,11 +6,11 @@ import pytest
 import torch
 from helpers import CpuRunner
 
-from devices.capacity import CapacityRefused, plan_capacity
-from devices.commands import PrefillCommand, RowSampling, StepCommand
-from devices.rank import RankRuntime
-from devices.worker import ReplicaPoisoned, WorkerGroup
-from devices.commands import Compaction, Promotion
+from deltaserve.devices.capacity import CapacityRefused, plan_capacity
+from deltaserve.devices.commands import PrefillCommand, RowSampling, StepCommand
+from deltaserve.devices.rank import RankRuntime
+from deltaserve.devices.worker import ReplicaPoisoned, WorkerGroup
+from deltaserve.devices.commands import Compaction, Promotion
 
 MiB = 1 << 20
 
@@ -97,7 +97,7 @@ def test_promotion_copies_state_and_compaction_moves_it(tiny_ckpt):
     StepCommand(decode_tokens=[1, 2, 3], decode_positions=[1, 1, 1], decode_token_index=[1, 1, 1], bucket=4),
 ])
 def test_slot_protocol_mismatch_raises(tiny_ckpt, bad):
-    from devices.commands import SlotProtocolError
+    from deltaserve.devices.commands import SlotProtocolError
 
     rt, _ = make_runtime(tiny_ckpt)
     prefill_into(rt, 4, [5, 6, 7], [0])
@@ -146,7 +146,7 @@ def test_a_handed_step_starts_while_the_loop_thread_is_still_busy():
     and start within a fraction of a millisecond, not after CPython's default 5 ms switch interval."""
     import sys
 
-    from tools.bench_engine_overhead import handoff_delay
+    from deltaserve.tools.bench_engine_overhead import handoff_delay
 
     default = sys.getswitchinterval()
     assert asyncio.run(handoff_delay(busy_s=0.02)) < 2.5e-3
@@ -161,7 +161,7 @@ def test_a_handed_step_starts_while_the_loop_thread_is_still_busy():
 
 
 def test_bad_compaction_from_the_engine_poisons_and_fails_requests(tiny_ckpt):
-    from runtime import AsyncEngine, EngineArgs, SamplingParams
+    from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 
     async def main():
         async with AsyncEngine(EngineArgs(model=tiny_ckpt, max_model_len=128, max_batch=4,
@@ -178,7 +178,7 @@ def test_bad_compaction_from_the_engine_poisons_and_fails_requests(tiny_ckpt):
 
 
 def test_capture_check_cpu_mode_checks_the_eager_path(tiny_ckpt, capsys):
-    from tools import capture_check
+    from deltaserve.tools import capture_check
 
     assert capture_check.main(["--model", tiny_ckpt, "--device", "cpu", "--buckets", "1,2,4"]) == 0
     out = capsys.readouterr().out
@@ -188,8 +188,8 @@ def test_capture_check_cpu_mode_checks_the_eager_path(tiny_ckpt, capsys):
 def test_live_decode_batch_leaves_the_state_as_it_found_it(tiny_ckpt):
     """The rows the GPU tools measure on (bench_decode, profile_decode, knockout_decode): live rows whose decode
     steps change the GDN state, put back as it was when the measurement ends."""
-    from runtime import AsyncEngine, EngineArgs
-    from tools.live_rows import live_decode_batch
+    from deltaserve.runtime import AsyncEngine, EngineArgs
+    from deltaserve.tools.live_rows import live_decode_batch
 
     async def main():
         async with AsyncEngine(EngineArgs(model=tiny_ckpt, max_model_len=128, max_batch=4, prefill_slots=1)) as engine:

@@ -6,7 +6,7 @@ import time
 import pytest
 from helpers import CpuRunner
 
-from runtime import AsyncEngine, EngineArgs, SamplingParams
+from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 
 GREEDY = dict(temperature=0.0)
 
@@ -152,8 +152,8 @@ def test_each_step_is_handed_over_before_the_last_steps_outputs_are_made(tiny_ck
 def test_the_hand_off_returns_once_every_rank_has_launched(tiny_ckpt, monkeypatch, wake_s, wait_s):
     """start_step keeps the event loop (and the GIL) away from the ranks until each has launched its step (here,
     with no graph to launch, until each has started), but never longer than LAUNCH_WAIT_S."""
-    import devices.replica
-    from devices.rank import RankRuntime
+    from deltaserve.devices import replica
+    from deltaserve.devices.rank import RankRuntime
 
     execute, started = RankRuntime.execute, {}
 
@@ -163,7 +163,7 @@ def test_the_hand_off_returns_once_every_rank_has_launched(tiny_ckpt, monkeypatc
         return execute(runtime, cmd, *args)
 
     monkeypatch.setattr(RankRuntime, "execute", late_rank)
-    monkeypatch.setattr(devices.replica, "LAUNCH_WAIT_S", wait_s)
+    monkeypatch.setattr(replica, "LAUNCH_WAIT_S", wait_s)
 
     async def main():
         async with AsyncEngine(engine_args(tiny_ckpt, tp=2)) as engine:
@@ -302,10 +302,10 @@ def test_closing_the_engine_ends_live_streams_without_hanging(tiny_ckpt):
 def test_profile_engine_step_splits_the_step_and_restores_what_it_wraps(tiny_ckpt):
     """tools.profile_engine_step on the CPU engine: rank 0's execute and the gap before the next one add up to the
     step the streams see, the gap splits at the hand-off, and the wrapped methods come back on exit."""
-    from devices.rank import RankRuntime
-    from devices.replica import Replica
-    from tools.bench_decode import engine_step_time
-    from tools.profile_engine_step import StepTimer
+    from deltaserve.devices.rank import RankRuntime
+    from deltaserve.devices.replica import Replica
+    from deltaserve.tools.bench_decode import engine_step_time
+    from deltaserve.tools.profile_engine_step import StepTimer
 
     originals = (Replica.start_step, RankRuntime.execute, RankRuntime._sample)
 

@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch
 
-import kernels.reference as R
-from model.config import ModelConfig
-from tools.make_checkpoint import text_config, write_checkpoint
+import deltaserve.kernels.reference as R
+from deltaserve.model.config import ModelConfig
+from deltaserve.tools.make_checkpoint import text_config, write_checkpoint
 
 pytestmark = pytest.mark.gpu
 BF16_TOL = 2e-2  # relative to the largest reference value
@@ -23,7 +23,7 @@ def rel(a, b):
 
 @pytest.fixture(scope="module")
 def T():
-    import kernels.triton_ops as ops
+    import deltaserve.kernels.triton_ops as ops
 
     return ops
 
@@ -135,7 +135,7 @@ def test_gdn_matches_fla_core():
     a = torch.log(torch.expm1(-g[:1]))
     b = torch.log(beta[:1] / (1 - beta[:1]))
     pool = torch.cat([S0[None], torch.zeros(1, H, dk, dv, device=dev)])
-    import kernels.triton_ops as T
+    import deltaserve.kernels.triton_ops as T
 
     got = T.gdn_decode(mixed, a, b, torch.zeros(H, device=dev), torch.zeros(H, device=dev), pool,
                        torch.zeros(1, dtype=torch.long, device=dev), H, dk, dv)
@@ -148,7 +148,7 @@ def test_triton_gdn_prefill_at_real_shapes(T, size):
     model runs) with each state-pass tile gdn_scan_config can choose for them, since a tile can miscompile on its
     own (32-wide fp32 factors gave NaN outputs, kernels.md run L4); bf16 factors also against fla-core's error on the
     same case, when it is installed."""
-    from tools.bench_kernels import fla_prefill, gdn_prefill_case, gdn_prefill_errors, gdn_prefill_reference
+    from deltaserve.tools.bench_kernels import fla_prefill, gdn_prefill_case, gdn_prefill_errors, gdn_prefill_reference
 
     case = gdn_prefill_case(ModelConfig.from_dict(text_config(size, 248320)))
     reference = gdn_prefill_reference(case)
@@ -170,8 +170,8 @@ def test_triton_gdn_prefill_at_real_shapes(T, size):
 
 
 def test_triton_sampler_at_the_real_vocabulary():
-    from kernels.sampling import SamplingTensors, lm_like_logits, sample
-    from kernels.triton_sampling import draw, sample_on_gpu
+    from deltaserve.kernels.sampling import SamplingTensors, lm_like_logits, sample
+    from deltaserve.kernels.triton_sampling import draw, sample_on_gpu
 
     n, vocab, dev = 64, 248320, "cuda"
     logits = lm_like_logits(n, vocab, dev)
@@ -199,7 +199,7 @@ def test_triton_sampler_at_the_real_vocabulary():
 
 
 async def _greedy_run(ckpt, graph: bool, use_nccl=None, n=32, tokens=128):
-    from runtime import AsyncEngine, EngineArgs, SamplingParams
+    from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 
     args = EngineArgs(model=ckpt, device="cuda", cuda_graph=graph, max_batch=32, max_model_len=1024,
                       load_format="random", use_nccl=use_nccl, buckets=[1, 2, 4, 8, 16, 24, 32])
@@ -267,7 +267,7 @@ def test_graph_decode_equals_eager_through_the_engine(real_geometry_ckpt):
 def test_pdl_launches_change_no_token(real_geometry_ckpt, monkeypatch):
     """The decode kernels overlap under programmatic dependent launch; a kernel that read its input before the
     previous kernel finished writing it would change tokens."""
-    import kernels.triton_ops as T
+    import deltaserve.kernels.triton_ops as T
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm90")
@@ -288,7 +288,7 @@ def test_tp1_through_nccl_equals_the_plain_path(real_geometry_ckpt):
 
 @pytest.mark.parametrize("size,layers", [("4b", 8), ("27b", 8)])
 def test_capture_check_exits_zero(tmp_path, size, layers):
-    from tools import capture_check
+    from deltaserve.tools import capture_check
 
     ckpt = write_checkpoint(str(tmp_path), size, layers=layers, weights=False)
     assert capture_check.main(["--model", ckpt, "--load-format", "random", "--buckets", "1,2,8,24,32",
@@ -299,8 +299,8 @@ def test_capture_check_exits_zero(tmp_path, size, layers):
 def test_server_starts_with_graphs_and_logs_the_capture_sweep(real_geometry_ckpt, caplog):
     import aiohttp
 
-    from runtime import AsyncEngine, EngineArgs
-    from runtime.server import serve
+    from deltaserve.runtime import AsyncEngine, EngineArgs
+    from deltaserve.runtime.server import serve
 
     async def main():
         args = EngineArgs(model=real_geometry_ckpt, device="cuda", max_batch=16, max_model_len=512,

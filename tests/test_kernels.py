@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-import kernels.reference as R
-import kernels.triton_ops as T
+import deltaserve.kernels.reference as R
+import deltaserve.kernels.triton_ops as T
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ELEMENTWISE, REDUCTION = 1e-5, 1e-4
@@ -386,7 +386,7 @@ def test_no_barrier_holds_back_the_fused_norm_gemvs_weight_loads():
     """Compiled offline for sm90, no loop of the add-and-norm GEMV holds a barrier: its weight loads issue with the
     input's instead of after a layout change through shared memory (run P3, docs/benchmarks/decode.md). The tool
     runs apart: it compiles, so it imports the kernels without the interpreter this process has."""
-    table = subprocess.run([sys.executable, "-m", "tools.inspect_kernels"], capture_output=True, text=True,
+    table = subprocess.run([sys.executable, "-m", "deltaserve.tools.inspect_kernels"], capture_output=True, text=True,
                            check=True, timeout=300).stderr
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| norm_gemv")]
     assert len(rows) == 2, table
@@ -410,7 +410,7 @@ def test_programs_an_sm_holds_follow_the_register_grants():
 
 def test_knockout_stand_in_skips_every_launch_of_its_kernel():
     """tools.knockout_decode times the step without one kernel: its stand-in must launch nothing and count."""
-    from tools.knockout_decode import SkippedLaunches
+    from deltaserve.tools.knockout_decode import SkippedLaunches
 
     o, z, w = randn(3, 2, 16), randn(3, 2, 16), randn(16)
     stand_in, original = SkippedLaunches(), T._gated_rms_norm_kernel

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import CpuRunner, hf_model, hf_step, rel_err, top8_logprob_gaps
 
-from model.weights import load_rank_weights
+from deltaserve.model.weights import load_rank_weights
 
 LENGTHS = [1, 5, 63, 64, 65, 130]
 
@@ -118,7 +118,7 @@ def test_bf16_stays_within_the_gate(tiny_ckpt, hf, prompts):
 
 
 def test_tied_checkpoint_matches_hf(tmp_path, prompts):
-    from tools.make_checkpoint import write_checkpoint
+    from deltaserve.tools.make_checkpoint import write_checkpoint
 
     ckpt = write_checkpoint(str(tmp_path), "tiny", tied=True, seed=5)
     runner = CpuRunner(ckpt)
@@ -131,7 +131,7 @@ def test_tied_checkpoint_matches_hf(tmp_path, prompts):
 def test_triton_forward_matches_the_reference(tiny_ckpt, prompts):
     """The whole forward on the Triton ops (the interpreter on the CPU), one-row GEMV included, against the
     reference ops."""
-    import kernels.triton_ops as T
+    import deltaserve.kernels.triton_ops as T
 
     assert T.GEMV_ONE_ROW
     ours, ref = CpuRunner(tiny_ckpt, ops=T), CpuRunner(tiny_ckpt)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.sampling import SamplingTensors, bits_to_uniform, counter_uniform, sample
+from deltaserve.kernels.sampling import SamplingTensors, bits_to_uniform, counter_uniform, sample
 
 
 def params(n, **kw):
@@ -31,7 +31,7 @@ def test_filters_that_leave_one_token_equal_greedy():
 def test_ties_rank_highest_id_first_in_every_path():
     """torch's sort and topk leave the order of ties open; the reference fixes it (the Triton sampler's order),
     so a cut through tied logits keeps the same ids in the full sort and the top-k path."""
-    from kernels.sampling import ranked
+    from deltaserve.kernels.sampling import ranked
 
     x = (torch.randn(5, 400) * 4).round() / 2  # a coarse grid: every value is shared by many ids
     expected = [sorted(range(400), key=lambda i, row=row: (-row[i], -i)) for row in x.tolist()]
@@ -124,9 +124,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _draw_module():
-    import kernels.triton_sampling
+    from deltaserve.kernels import triton_sampling
 
-    return kernels.triton_sampling
+    return triton_sampling
 
 
 MIXED_ROWS = dict(  # one batch holding every mode: greedy, plain, min-p, top-k + top-p, top-p, top-k, penalties
@@ -298,7 +298,7 @@ def test_top_k_rows_draw_the_reference_tokens_however_spread_their_top_is():
 def test_top_p_keeps_more_ids_than_it_copies():
     """Bins surely inside the nucleus are raced where they lie; only the band the histogram can't place is copied."""
     T = _draw_module()
-    from kernels.sampling import _filter_sorted
+    from deltaserve.kernels.sampling import _filter_sorted
 
     n, vocab = 4, 3000
     logits = torch.randn(n, vocab, device=DEVICE)
@@ -331,7 +331,7 @@ def test_top_p_keeps_exactly_the_reference_nucleus():
     (-log -log u), in a layout where the reference draws the last id it keeps and would draw the first one it
     drops had it kept it: keeping one id too many, or one too few, changes the token."""
     T = _draw_module()
-    from kernels.sampling import _filter_sorted
+    from deltaserve.kernels.sampling import _filter_sorted
 
     vocab = 3000
     for top_p in (0.9, 0.5):

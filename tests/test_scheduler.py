@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 import pytest
 
-from runtime.scheduler import CapacityError, Phase, Scheduler
+from deltaserve.runtime.scheduler import CapacityError, Phase, Scheduler
 
 
 def make(**kw):

@@ -8,8 +8,8 @@ import aiohttp
 import openai
 import pytest
 
-from runtime import AsyncEngine, EngineArgs
-from runtime.server import serve
+from deltaserve.runtime import AsyncEngine, EngineArgs
+from deltaserve.runtime.server import serve
 
 
 def free_port() -> int:

@@ -22,10 +22,10 @@ import pytest
 import torch
 from helpers import CpuRunner, hf_model
 
-from devices.rank import RankRuntime
-from kernels.sampling import counter_uniform
-from runtime import AsyncEngine, EngineArgs, SamplingParams
-from runtime.engine import EngineDeadError
+from deltaserve.devices.rank import RankRuntime
+from deltaserve.kernels.sampling import counter_uniform
+from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+from deltaserve.runtime.engine import EngineDeadError
 
 LOGPROB_ATOL_OURS = 1e-5  # fp32: the engine's chunks and decode steps against one teacher-forced forward
 LOGPROB_ATOL_HF = 1e-4  # fp32 against transformers' own kernels
@@ -481,7 +481,7 @@ def test_duplicate_request_ids_are_refused_and_the_first_request_is_untouched(ti
 
 
 def test_a_host_side_bug_in_planning_ends_every_request_with_an_error(tiny_ckpt, monkeypatch):
-    from runtime.scheduler import Scheduler
+    from deltaserve.runtime.scheduler import Scheduler
 
     schedule, plans = Scheduler.schedule, []
 

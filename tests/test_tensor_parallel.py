@@ -7,12 +7,12 @@ import pytest
 import torch
 from helpers import CpuRunner, rel_err
 
-from devices.collectives import ThreadAllReduce
-from model.config import ConfigError, load_model_config
-from model.sharding import LocalSizes
-from model.state import StateSizes
-from model.weights import load_rank_weights
-from runtime import AsyncEngine, EngineArgs, SamplingParams
+from deltaserve.devices.collectives import ThreadAllReduce
+from deltaserve.model.config import ConfigError, load_model_config
+from deltaserve.model.sharding import LocalSizes
+from deltaserve.model.state import StateSizes
+from deltaserve.model.weights import load_rank_weights
+from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 
 
 class TpRunners:
@@ -141,8 +141,8 @@ def test_a_rank_that_raises_mid_step_poisons_the_engine(tiny_tp_ckpt, monkeypatc
 
 
 def test_rank_memory_for_the_27b_geometry_at_tp2():
-    from model.config import ModelConfig
-    from tools.make_checkpoint import text_config
+    from deltaserve.model.config import ModelConfig
+    from deltaserve.tools.make_checkpoint import text_config
 
     cfg = ModelConfig.from_dict(text_config("27b", 248320))
     sizes = StateSizes.of(cfg, 2, torch.bfloat16)

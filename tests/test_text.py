@@ -6,7 +6,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.text import IncrementalDetokenizer, ReasoningSplitter, StopMatcher, TextTokenizer
+from deltaserve.runtime.text import IncrementalDetokenizer, ReasoningSplitter, StopMatcher, TextTokenizer
 
 TEXT = st.text(alphabet=st.sampled_from(list("abc xyzé日本語🙂\n<think>/")), max_size=60)
 
@@ -66,8 +66,8 @@ def test_reasoning_splitter_holds_back_partial_markers():
 
 
 def test_the_demo_checkpoint_is_made_on_first_use(tmp_path, monkeypatch):
-    from runtime import AsyncEngine, SamplingParams
-    from runtime.cli import engine_args, serve_parser
+    from deltaserve.runtime import AsyncEngine, SamplingParams
+    from deltaserve.runtime.cli import engine_args, serve_parser
 
     monkeypatch.setenv("DELTASERVE_CACHE", str(tmp_path))
     import argparse

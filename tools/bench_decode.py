@@ -1,6 +1,6 @@
 """Decode step benchmark on a GPU: CUDA-graph replay and eager step per batch size, against the HBM floor.
 
-    python -m tools.bench_decode --size 4b [--layers N] [--batches 1,8,32,64] [--context 1024] [--tp 1]
+    python -m deltaserve.tools.bench_decode --size 4b [--layers N] [--batches 1,8,32,64] [--context 1024] [--tp 1]
 
 Weights are random (generated on the device). The floor of a step is the bytes it must move (every weight
 read once, the lm_head in full, the embedding rows of the batch; GDN conv and recurrent state read and
@@ -23,15 +23,15 @@ import time
 
 import torch
 
-from kernels import triton_ops
-from kernels.sampling import SamplingTensors
-from kernels.triton_sampling import draw
-from model.state import StateSizes
-from model.weights import weight_bytes
-from runtime import AsyncEngine, EngineArgs, SamplingParams
-from tools.capture_check import time_per_call
-from tools.live_rows import live_decode_batch
-from tools.make_checkpoint import write_checkpoint
+from deltaserve.kernels import triton_ops
+from deltaserve.kernels.sampling import SamplingTensors
+from deltaserve.kernels.triton_sampling import draw
+from deltaserve.model.state import StateSizes
+from deltaserve.model.weights import weight_bytes
+from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+from deltaserve.tools.capture_check import time_per_call
+from deltaserve.tools.live_rows import live_decode_batch
+from deltaserve.tools.make_checkpoint import write_checkpoint
 
 
 def copy_bandwidth(device, gib: float = 4.0) -> float:
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     apply_launch_flags(ns)
     results = asyncio.run(run(ns))
     text = table(ns, results)
-    stamp = f"{datetime.date.today()} {torch.cuda.get_device_name()} `python -m tools.bench_decode {' '.join(argv or sys.argv[1:])}`"
+    stamp = f"{datetime.date.today()} {torch.cuda.get_device_name()} `python -m deltaserve.tools.bench_decode {' '.join(argv or sys.argv[1:])}`"
     print(stamp + "\n\n" + text)
     if ns.out:
         with open(ns.out, "a") as f:

@@ -1,7 +1,7 @@
 """Host overhead of the engine per decode step: scheduler, command building, token routing, detokenisation and
 stop checks, with a device that answers instantly (no model runs).
 
-    python -m tools.bench_engine_overhead [--batches 1,64] [--steps 400]
+    python -m deltaserve.tools.bench_engine_overhead [--batches 1,64] [--steps 400]
 
 Reported as microseconds of event-loop time per decode step; a GPU step is milliseconds, so this must stay far
 below it (target: at most 300 us at batch 64). The critical path is the part of it between a step's result and
@@ -22,12 +22,12 @@ import sys
 import tempfile
 import time
 
-import devices.worker
-from devices.commands import SampledToken, StepResult
-from devices.worker import WorkerGroup
-from runtime import AsyncEngine, EngineArgs, SamplingParams
-from runtime.cli import run
-from tools.make_checkpoint import write_checkpoint
+from deltaserve.devices import worker
+from deltaserve.devices.commands import SampledToken, StepResult
+from deltaserve.devices.worker import WorkerGroup
+from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+from deltaserve.runtime.cli import run
+from deltaserve.tools.make_checkpoint import write_checkpoint
 
 
 class InstantReplica:
@@ -106,14 +106,14 @@ def main(argv=None) -> int:
         run(measure(ckpt, b, ns.steps))  # on uvloop, as the server runs
         us, critical = RESULTS.pop()
         print(f"| {b} | {us:.0f} | {us / b:.1f} | {critical:.0f} |")
-    ours = devices.worker.WORKER_SWITCH_INTERVAL_S
+    ours = worker.WORKER_SWITCH_INTERVAL_S
     for interval in (ours, None):
-        devices.worker.WORKER_SWITCH_INTERVAL_S = interval
+        worker.WORKER_SWITCH_INTERVAL_S = interval
         delay = asyncio.run(handoff_delay())
         setting = f"{interval * 1e3:g} ms" if interval else f"CPython's {sys.getswitchinterval() * 1e3:g} ms"
         print(f"hand-off to a rank, loop thread busy 20 ms, switch interval {setting}: rank starts after "
               f"{delay * 1e3:.2f} ms (median of 7)")
-    devices.worker.WORKER_SWITCH_INTERVAL_S = ours
+    worker.WORKER_SWITCH_INTERVAL_S = ours
     return 0
 
 

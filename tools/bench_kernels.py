@@ -1,7 +1,7 @@
 """Kernel benchmark on a GPU: time, achieved bandwidth or FLOP rate, and the ratio to ceilings measured in the
 same run (a large device-to-device copy; a large bf16 matmul), and for GDN the ratio to fla-core.
 
-    python -m tools.bench_kernels [--size 4b|9b|27b] [--out FILE] [--only decode,projections,prefill,sampling]
+    python -m deltaserve.tools.bench_kernels [--size 4b|9b|27b] [--out FILE] [--only decode,projections,prefill,sampling]
         [--sweeps decode,scan,prep,attention,sampler,rounds,gemv]
 """
 
@@ -17,12 +17,12 @@ import torch.nn.functional as F
 import triton.testing
 from triton.runtime.errors import OutOfResources
 
-import kernels.reference as R
-import kernels.triton_ops as T
-from kernels.sampling import SamplingTensors, lm_like_logits, sample
-from kernels.triton_sampling import MAX_CANDIDATES, TOP_P_ROUNDS, draw, sample_on_gpu, top_p_alone
-from model.config import ModelConfig
-from tools.make_checkpoint import text_config
+import deltaserve.kernels.reference as R
+import deltaserve.kernels.triton_ops as T
+from deltaserve.kernels.sampling import SamplingTensors, lm_like_logits, sample
+from deltaserve.kernels.triton_sampling import MAX_CANDIDATES, TOP_P_ROUNDS, draw, sample_on_gpu, top_p_alone
+from deltaserve.model.config import ModelConfig
+from deltaserve.tools.make_checkpoint import text_config
 
 
 PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)]  # (BLOCK_M, BLOCK_N, warps, stages)
@@ -557,7 +557,7 @@ def main(argv=None) -> int:
         print("bench_kernels needs a CUDA device")
         return 2
     rows = run(ns.size, ns.sweeps.split(","), ns.only.split(","))
-    lines = [f"### {datetime.date.today()} {torch.cuda.get_device_name()} `python -m tools.bench_kernels "
+    lines = [f"### {datetime.date.today()} {torch.cuda.get_device_name()} `python -m deltaserve.tools.bench_kernels "
              f"{' '.join(argv or sys.argv[1:])}` ({ns.size} shapes)", "",
              "| kernel | shape | time us | rate | vs ceiling / peer |", "|---|---|---:|---:|---|"]
     for name, shape, t, rate, note in rows:

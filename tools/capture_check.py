@@ -1,6 +1,6 @@
 """Diagnostics for the decode CUDA graphs: capture every bucket and compare each replay with the eager step.
 
-    python -m tools.capture_check --model DIR [--device cuda|cpu] [--tp N] [--buckets 1,2,4,...]
+    python -m deltaserve.tools.capture_check --model DIR [--device cuda|cpu] [--tp N] [--buckets 1,2,4,...]
         [--load-format safetensors|random] [--context 512] [--dot DIR]
 
 Per bucket: graph nodes, graph memory (private pool growth), capture time, max |replay - eager| over the live
@@ -22,9 +22,9 @@ from dataclasses import fields
 
 import torch
 
-from model.batch import DecodeBatch
-from runtime import AsyncEngine, EngineArgs
-from tools.live_rows import fill_live_rows, restore, snapshot
+from deltaserve.model.batch import DecodeBatch
+from deltaserve.runtime import AsyncEngine, EngineArgs
+from deltaserve.tools.live_rows import fill_live_rows, restore, snapshot
 
 log = logging.getLogger("capture_check")
 

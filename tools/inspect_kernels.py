@@ -1,6 +1,6 @@
 """Compile the decode step's GEMVs and GDN decode for sm90 without a GPU and report what their machine code does.
 
-    python -m tools.inspect_kernels [--arch 90]
+    python -m deltaserve.tools.inspect_kernels [--arch 90]
 
 Triton compiles for a named target with the `ptxas` it ships, so this runs on the development machine. For each
 kernel and tile it prints the registers a thread uses, how many programs an SM therefore holds at once (these
@@ -28,7 +28,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import triton_ops as T  # noqa: E402
+from deltaserve.kernels import triton_ops as T  # noqa: E402
 
 log = logging.getLogger(__name__)
 

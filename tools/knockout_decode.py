@@ -1,6 +1,6 @@
 """What each small kernel costs the decode step: the graph step with every launch of one kernel skipped.
 
-    python -m tools.knockout_decode --size 4b [--batches 1] [--context 1024] [--kernels NAME,NAME] [--pdl off]
+    python -m deltaserve.tools.knockout_decode --size 4b [--batches 1] [--context 1024] [--kernels NAME,NAME] [--pdl off]
 
 A kernel's own time (`tools.profile_decode --pdl off`) is not what it costs the step: under programmatic
 dependent launch its launch hides behind the kernel before it, while its wait, its loads' latency and its tail
@@ -21,10 +21,10 @@ import sys
 
 import torch
 
-from kernels import triton_ops
-from tools.bench_decode import add_engine_args, apply_launch_flags, open_engine
-from tools.capture_check import time_per_call
-from tools.live_rows import live_decode_batch
+from deltaserve.kernels import triton_ops
+from deltaserve.tools.bench_decode import add_engine_args, apply_launch_flags, open_engine
+from deltaserve.tools.capture_check import time_per_call
+from deltaserve.tools.live_rows import live_decode_batch
 
 # The decode step's kernels other than the projections (a GEMV's cost is mostly its weights' bytes).
 SMALL_KERNELS = ("_conv1d_decode_kernel", "_gdn_decode_kernel", "_gated_rms_norm_kernel",
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         return 2
     apply_launch_flags(ns)
     lines = asyncio.run(run(ns))
-    print(f"{datetime.date.today()} {torch.cuda.get_device_name()} `python -m tools.knockout_decode "
+    print(f"{datetime.date.today()} {torch.cuda.get_device_name()} `python -m deltaserve.tools.knockout_decode "
           f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n")
     print("\n".join(lines))
     return 0

@@ -1,6 +1,6 @@
 """Write a random Qwen3.5 checkpoint in the real Hugging Face layout, with a small trained tokenizer.
 
-    python -m tools.make_checkpoint OUT_DIR [--size tiny|tiny-tp|0.8b|4b|9b|27b] [--layers N]
+    python -m deltaserve.tools.make_checkpoint OUT_DIR [--size tiny|tiny-tp|0.8b|4b|9b|27b] [--layers N]
         [--dtype float32|bfloat16] [--sharded N] [--layout wrapper|plain] [--tied|--untied] [--seed S]
         [--config-only]
 
@@ -72,7 +72,7 @@ def train_tokenizer(vocab_size: int = 512):
     """A byte-level BPE on the shipped corpus; the special tokens take the ids right after the learned ones."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    text = resources.files("tools").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    text = resources.files("deltaserve.tools").joinpath("data/corpus.txt").read_text(encoding="utf-8")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -115,8 +115,8 @@ def text_config(size: str, vocab_size: int, layers: int | None = None, tied: boo
 
 def random_tensors(cfg: dict, seed: int, dtype: torch.dtype):
     """Yield (canonical name, tensor) for every tensor the config needs (model.weights.random_tensor's init)."""
-    from model.config import ModelConfig
-    from model.weights import expected_shapes, random_tensor
+    from deltaserve.model.config import ModelConfig
+    from deltaserve.model.weights import expected_shapes, random_tensor
 
     mc = ModelConfig.from_dict(cfg)
     gen = torch.Generator().manual_seed(seed)

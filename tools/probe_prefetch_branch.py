@@ -2,7 +2,7 @@
 while the memory-light kernels before it run (a 4B GDN layer's conv, recurrence and gated norm, about 8 µs with
 little HBM traffic), so that the projection then reads L2 instead of HBM.
 
-    python -m tools.probe_prefetch_branch
+    python -m deltaserve.tools.probe_prefetch_branch
 
 The projection is the 4B GDN out_proj GEMV (4096 -> 2560, 21 MB bf16). The small kernels are stand-ins: a
 dependent FMA chain, one program per SM, three in a row (5.2 or 8.4 µs together, run N4). Every iteration of the
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_ops
+from deltaserve.kernels import triton_ops
 
 COPIES = 32  # weight copies cycled through: together far larger than L2
 N, K = 2560, 4096  # 4B out_proj

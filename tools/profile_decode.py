@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes: per-kernel time of the graph replay, and the gaps between kernels.
 
-    python -m tools.profile_decode --size 4b [--layers N] [--batches 1,64] [--context 1024] [--top 25] [--pdl off]
+    python -m deltaserve.tools.profile_decode --size 4b [--layers N] [--batches 1,64] [--context 1024] [--top 25] [--pdl off]
 
 Random bf16 weights (generated on the device), tp = 1. For each batch size the decode graph is replayed under
 the torch profiler; kernels are grouped by name, with calls and GPU microseconds per step. "busy" is the sum of
@@ -22,9 +22,9 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tools.bench_decode import add_engine_args, apply_launch_flags, open_engine
-from tools.capture_check import time_per_call
-from tools.live_rows import live_decode_batch
+from deltaserve.tools.bench_decode import add_engine_args, apply_launch_flags, open_engine
+from deltaserve.tools.capture_check import time_per_call
+from deltaserve.tools.live_rows import live_decode_batch
 
 
 def _profile(replica, rank: int, rows: int, context: int, steps: int = 5) -> dict:

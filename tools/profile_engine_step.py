@@ -1,6 +1,6 @@
 """Where a decode step's wall time goes when it runs through the engine, against the step on the GPU.
 
-    python -m tools.profile_engine_step --size 4b [--layers N] [--batches 1,64] [--context 1024]
+    python -m deltaserve.tools.profile_engine_step --size 4b [--layers N] [--batches 1,64] [--context 1024]
 
 Random bf16 weights on a CUDA device (`tools.bench_decode`'s engine), tp = 1. For each batch size, `rows` greedy
 requests stream through `engine.generate` (as in bench_decode's engine column) while rank 0's `execute` and
@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from devices.rank import RankRuntime
-from devices.replica import Replica
-from tools.bench_decode import add_engine_args, apply_launch_flags, engine_step_time, open_engine
+from deltaserve.devices.rank import RankRuntime
+from deltaserve.devices.replica import Replica
+from deltaserve.tools.bench_decode import add_engine_args, apply_launch_flags, engine_step_time, open_engine
 
 
 class StepTimer:
