@@ -350,6 +350,15 @@ async def rest_of(streams, timeout=10):
     return [await asyncio.wait_for(collect(s), timeout) for s in streams]
 
 
+async def ends_once_dead(engine, streams) -> list:
+    """The final output of each stream, once the engine has failed: it is unhealthy and refuses new work."""
+    ends = await rest_of(streams)
+    assert not engine.healthy
+    with pytest.raises(EngineDeadError):
+        engine.generate([1, 2], greedy(2))
+    return [end for end, _ in ends]
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_failing_step_poisons_the_engine_and_ends_every_request_with_an_error(tiny_tp_ckpt, monkeypatch, tp):
     execute, calls = RankRuntime.execute, []
@@ -364,11 +373,7 @@ def test_a_failing_step_poisons_the_engine_and_ends_every_request_with_an_error(
         async with AsyncEngine(engine_args(tiny_tp_ckpt, tp=tp)) as engine:
             streams, _ = await live_streams(engine, 3)
             monkeypatch.setattr(RankRuntime, "execute", failing)
-            ends = await rest_of(streams)
-            assert not engine.healthy
-            with pytest.raises(EngineDeadError):
-                engine.generate([1, 2], greedy(2))
-            return [end for end, _ in ends]
+            return await ends_once_dead(engine, streams)
 
     ends = run(main())
     assert all(e.finished and e.finish_reason == "error" and "fell over" in e.error for e in ends)
@@ -388,11 +393,9 @@ def test_a_step_past_the_watchdog_poisons_the_engine(tiny_ckpt, monkeypatch):
     async def main():
         async with AsyncEngine(engine_args(tiny_ckpt, step_timeout_s=0.3)) as engine:
             streams, _ = await live_streams(engine, 2)
-            ends = await rest_of(streams)
-            return engine.healthy, [end for end, _ in ends]
+            return await ends_once_dead(engine, streams)
 
-    healthy, ends = run(main())
-    assert not healthy
+    ends = run(main())
     assert all(e.finish_reason == "error" and "did not finish" in e.error for e in ends)
 
 
@@ -413,11 +416,7 @@ def test_a_cancelled_step_loop_ends_every_request_with_an_error(tiny_ckpt, monke
             while len(in_step) == n:  # a step is with the ranks now
                 await asyncio.sleep(0.001)
             engine._loop_task.cancel()
-            ends = await rest_of(streams)
-            assert not engine.healthy
-            with pytest.raises(EngineDeadError):
-                engine.generate([1, 2], greedy(2))
-            return [end for end, _ in ends]
+            return await ends_once_dead(engine, streams)
 
     ends = run(main())
     assert all(e.finished and e.finish_reason == "error" and "cancelled" in e.error for e in ends)
@@ -495,8 +494,7 @@ def test_a_host_side_bug_in_planning_ends_every_request_with_an_error(tiny_ckpt,
         async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
             streams, _ = await live_streams(engine, 2)
             monkeypatch.setattr(Scheduler, "schedule", breaks)
-            ends = await rest_of(streams)
-            return engine.healthy, [end for end, _ in ends]
+            return await ends_once_dead(engine, streams)
 
-    healthy, ends = run(main())
-    assert not healthy and all(e.finish_reason == "error" and "not dense" in e.error for e in ends)
+    ends = run(main())
+    assert all(e.finish_reason == "error" and "not dense" in e.error for e in ends)
