@@ -22,5 +22,6 @@ def main(argv: list[str] | None = None) -> int:
         from deltaserve.runtime.cli import main as serve
 
         return serve(argv)
-    print(USAGE, file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr, end="")
-    return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    asked = argv[:1] in (["-h"], ["--help"])
+    print(USAGE, file=sys.stdout if asked else sys.stderr, end="")
+    return 0 if asked else 2

@@ -1,4 +1,5 @@
-"""`deltaserve serve ...` (also `python -m deltaserve.runtime.serve ...`): start an engine and the OpenAI HTTP server."""
+"""`deltaserve serve ...` (also `python -m deltaserve.runtime.serve ...`): start an engine and the OpenAI HTTP
+server."""
 
 from __future__ import annotations
 
