@@ -1,1 +1,1 @@
-"""Kernels of the Qwen3.5 forward: torch references (`kernels.reference`) and Triton kernels beside them."""
+"""Kernels of the Qwen3.5 forward by op family (norm, gemv, conv1d, gdn, attention, sampling), each module with its\ntorch references and its Triton kernels; `ops` gathers the set the forward calls."""

@@ -1,5 +1,5 @@
 """Sampling on the GPU in five Triton passes (and race rounds for top-p alone), drawing the same tokens as
-`kernels.sampling.sample`.
+`kernels.sampling.sample_reference`.
 
 The reference keeps, per row, a prefix of the vocabulary sorted by scaled logit s = logit / T, ties highest id
 first (top-k, then top-p on the top-k distribution, then min-p), and races the kept ids with counter-based
@@ -38,7 +38,7 @@ A row whose candidates would exceed MAX_CANDIDATES (top-k in the thousands, a fl
 past 32 nats, or more ids than that tied at a threshold), or a refined row whose boundary lies past its window,
 is flagged, and the caller samples that row with the reference. Nothing here synchronises with the host, so
 `draw` can be captured in a CUDA graph. On sm90 each pass is launched with programmatic dependent launch and waits
-for the pass before it at its start (`kernels.triton_ops.pdl_options`).
+for the pass before it at its start (`kernels.launch.pdl_options`).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .sampling import SamplingTensors, apply_penalties, sample, top_logprobs
-from .triton_ops import multiprocessors, pdl_options, wait_for_previous_kernel
+from .sampling import SamplingTensors, apply_penalties, sample_reference, top_logprobs
+from .launch import multiprocessors, pdl_options, wait_for_previous_kernel
 
 BINS = tl.constexpr(512)
 BINS_PER_NAT = tl.constexpr(16)  # bins cover d in [0, 32) nats; the last bin also holds everything further out
@@ -754,7 +754,7 @@ def later_round_programs(vocab: int, block: int = BLOCK) -> int:
 
 def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
          max_candidates: int = MAX_CANDIDATES, block: int = BLOCK, warps: int = 4,
-         top_p_rounds: int = TOP_P_ROUNDS) -> Drawn:
+         top_p_rounds: int = TOP_P_ROUNDS, pdl: bool = True) -> Drawn:
     """Greedy / temperature / top-k / top-p / min-p with penalties, for every row at once (see the module doc).
     `top_p_rounds` race rounds run for top-p-alone rows (0 when the caller knows there are none: two launches a
     round fewer). `splits` (programs per row), `max_candidates` (a power of two), `block` and `warps` (the passes'
@@ -763,7 +763,7 @@ def draw(logits: torch.Tensor, p: SamplingTensors, splits: int | None = None,
     dev = logits.device
     adjusted = apply_penalties(logits, p)
     splits = splits or default_splits(N, V, dev, top_p_rounds > 0)
-    pdl = pdl_options(dev)  # each pass waits for the one before at its start
+    pdl = pdl_options(dev, pdl)  # each pass waits for the one before at its start
     if splits > MAX_SPLITS:
         raise ValueError(f"splits={splits}: at most MAX_SPLITS={MAX_SPLITS} programs per row")
     chunk = triton.cdiv(triton.cdiv(V, splits), block) * block
@@ -828,13 +828,13 @@ def top_p_alone(temperature: float, top_p: float, top_k: int, vocab: int) -> boo
 
 
 def sample_on_gpu(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0,
-                  max_candidates: int = MAX_CANDIDATES, top_p_alone: bool = True):
-    """`kernels.sampling.sample`'s contract on `draw`: rows `draw` flags are sampled again by the reference.
+                  max_candidates: int = MAX_CANDIDATES, top_p_alone: bool = True, pdl: bool = True):
+    """`kernels.sampling.sample_reference`'s contract on `draw`: rows `draw` flags are sampled again by the reference.
     Reads the flags on the host (one synchronisation; the caller reads the tokens right after anyway).
     top_p_alone=False (the caller knows no row has top-p without top-k) skips the top-p race rounds."""
-    drawn = draw(logits, p, max_candidates=max_candidates, top_p_rounds=TOP_P_ROUNDS if top_p_alone else 0)
+    drawn = draw(logits, p, max_candidates=max_candidates, top_p_rounds=TOP_P_ROUNDS if top_p_alone else 0, pdl=pdl)
     tokens, chosen = drawn.tokens, drawn.logprobs
     redo = (drawn.done == 0).nonzero()[:, 0]
     if redo.numel():
-        tokens[redo], chosen[redo], _, _ = sample(logits[redo], p.rows(redo))
+        tokens[redo], chosen[redo], _, _ = sample_reference(logits[redo], p.rows(redo))
     return (tokens, chosen, *top_logprobs(logits, num_logprobs))

@@ -7,9 +7,11 @@ import logging
 import pytest
 import torch
 
-import deltaserve.kernels.reference as R
+from deltaserve.kernels import attention, conv1d, gdn, gemv, launch, norm  # noqa: F401
+from deltaserve.kernels.config import DEFAULT, GDN_FACTOR_MODES, KernelConfig
+from deltaserve.kernels.ops import triton_ops
 from deltaserve.model.config import ModelConfig
-from deltaserve.tools.make_checkpoint import text_config, write_checkpoint
+from deltaserve.model.synthetic import text_config, write_checkpoint
 
 pytestmark = pytest.mark.gpu
 BF16_TOL = 2e-2  # relative to the largest reference value
@@ -23,9 +25,7 @@ def rel(a, b):
 
 @pytest.fixture(scope="module")
 def T():
-    import deltaserve.kernels.triton_ops as ops
-
-    return ops
+    return triton_ops()
 
 
 @pytest.mark.parametrize("size", ["4b", "9b", "27b"])
@@ -42,20 +42,20 @@ def test_kernels_at_real_shapes_in_bf16(T, size):
     slots = torch.randperm(N, device=dev)
     slots[5] = -1
     ref_state = state.clone()
-    got = T.gdn_decode(mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv)
-    ref = R.gdn_decode(mixed.float(), a, b, A_log, dt_bias, ref_state, slots, hk, dk, dv)
+    got = gdn.gdn_decode(mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv)
+    ref = gdn.gdn_decode_reference(mixed.float(), a, b, A_log, dt_bias, ref_state, slots, hk, dk, dv)
     assert rel(got, ref) <= BF16_TOL and rel(state[:N], ref_state[:N]) <= 1e-4
 
     conv = torch.randn(N + 1, 3, C, device=dev, dtype=bf)
     wc = torch.randn(C, 4, device=dev, dtype=bf) * 0.3
     ref_conv = conv.clone()
-    assert rel(T.conv1d_decode(mixed, wc, conv, slots), R.conv1d_decode(mixed, wc, ref_conv, slots)) <= BF16_TOL
+    assert rel(conv1d.conv1d_decode(mixed, wc, conv, slots), conv1d.conv1d_decode_reference(mixed, wc, ref_conv, slots)) <= BF16_TOL
     assert torch.equal(conv[:N], ref_conv[:N])
 
     H = cfg.hidden_size
     x, r, w = (torch.randn(N, H, device=dev, dtype=bf), torch.randn(N, H, device=dev, dtype=bf),
                torch.randn(H, device=dev, dtype=bf) * 0.1)
-    assert rel(T.add_rms_norm(x, r, w, 1e-6)[0], R.add_rms_norm(x.float(), r.float(), w, 1e-6)[0]) <= BF16_TOL
+    assert rel(norm.add_rms_norm(x, r, w, 1e-6)[0], norm.add_rms_norm_reference(x.float(), r.float(), w, 1e-6)[0]) <= BF16_TOL
 
     nh, nkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     pages = 6000
@@ -64,17 +64,17 @@ def test_kernels_at_real_shapes_in_bf16(T, size):
     q = torch.randn(8, nh, D, device=dev, dtype=bf)
     table = torch.randperm(pages, device=dev)[: 8 * 200].view(8, 200).to(torch.int32)
     lens = torch.tensor([1, 17, 300, 1000, 2048, 2500, 3000, 3200], device=dev)
-    got = T.decode_attention(q, kc, vc, table, lens, D**-0.5)
-    assert rel(got, R.decode_attention(q, kc, vc, table, lens, D**-0.5)) <= BF16_TOL
+    got = attention.decode_attention(q, kc, vc, table, lens, D**-0.5)
+    assert rel(got, attention.decode_attention_reference(q, kc, vc, table, lens, D**-0.5)) <= BF16_TOL
 
-    cos, sin = R.rope_tables(cfg.rotary_dim, cfg.rope_theta, 4096, device=dev)
+    cos, sin = attention.rope_tables(cfg.rotary_dim, cfg.rope_theta, 4096, device=dev)
     qkv = torch.randn(64, (2 * nh + 2 * nkv) * D, device=dev, dtype=bf)
     qn, kn = (torch.randn(D, device=dev, dtype=bf) * 0.1 for _ in range(2))
     pos = torch.randint(0, 4096, (64,), device=dev)
     mapping = torch.randperm(160, device=dev)[:64]
     caches = [torch.zeros(11, 16, nkv, D, device=dev, dtype=bf) for _ in range(4)]
-    got = T.qk_norm_rope_cache(qkv, qn, kn, 1e-6, pos, cos, sin, caches[0], caches[1], mapping, nh, nkv)
-    ref = R.qk_norm_rope_cache(qkv, qn, kn, 1e-6, pos, cos, sin, caches[2], caches[3], mapping, nh, nkv)
+    got = attention.qk_norm_rope_cache(qkv, qn, kn, 1e-6, pos, cos, sin, caches[0], caches[1], mapping, nh, nkv)
+    ref = attention.qk_norm_rope_cache_reference(qkv, qn, kn, 1e-6, pos, cos, sin, caches[2], caches[3], mapping, nh, nkv)
     assert rel(got, ref) <= BF16_TOL and rel(caches[0], caches[2]) <= BF16_TOL and torch.equal(caches[1], caches[3])
 
     # Prefill attention over paged context: a fresh request, a chunk after cached pages, one token.
@@ -82,28 +82,28 @@ def test_kernels_at_real_shapes_in_bf16(T, size):
     q = torch.randn(sum(lens_p), nh, D, device=dev, dtype=bf)
     cu = torch.tensor([0, 700, 1000, 1001], dtype=torch.int32, device=dev)
     ctx_t = torch.tensor(ctx_p, device=dev)
-    got = T.prefill_attention(q, kc, vc, table[:3], cu, ctx_t, D**-0.5)
-    assert rel(got, R.prefill_attention(q, kc, vc, table[:3], cu, ctx_t, D**-0.5)) <= BF16_TOL
+    got = attention.prefill_attention(q, kc, vc, table[:3], cu, ctx_t, D**-0.5)
+    assert rel(got, attention.prefill_attention_reference(q, kc, vc, table[:3], cu, ctx_t, D**-0.5)) <= BF16_TOL
 
     conv_state = torch.randn(5, 3, C, device=dev, dtype=bf)
     ref_state = conv_state.clone()
     x = torch.randn(1001, C, device=dev, dtype=bf)
     slots3 = torch.tensor([3, 0, 1], device=dev)
-    got = T.conv1d_prefill(x, wc, conv_state, cu, slots3)
-    assert rel(got, R.conv1d_prefill(x, wc, ref_state, cu, slots3)) <= BF16_TOL
+    got = conv1d.conv1d_prefill(x, wc, conv_state, cu, slots3)
+    assert rel(got, conv1d.conv1d_prefill_reference(x, wc, ref_state, cu, slots3)) <= BF16_TOL
     assert torch.equal(conv_state, ref_state)
 
     # One-row projections that do not widen (the GEMV): the 9B/27B-sized out_proj and down_proj shapes.
     for n, k in ((H, hv * dv), (H, cfg.intermediate_size)):
         w_, x_ = torch.randn(n, k, device=dev, dtype=bf) * 0.02, torch.randn(1, k, device=dev, dtype=bf)
-        assert rel(T.gemv(x_, w_), R.linear(x_.float(), w_.float())) <= BF16_TOL
+        assert rel(gemv.gemv(x_, w_), gemv.linear_reference(x_.float(), w_.float())) <= BF16_TOL
     # The block input's add-and-norm fused into the one-row projection that reads it: in_proj, and gate_up with
     # silu(gate) * up (fp32 reference on the same bf16 inputs).
     x_, res_, nw_ = (torch.randn(1, H, device=dev, dtype=bf) for _ in range(3))
     for n, silu in ((2 * hk * dk + 2 * hv * dv + 2 * hv, False), (2 * cfg.intermediate_size, True)):
         w_ = torch.randn(n, H, device=dev, dtype=bf) * 0.02
-        fused, unfused = (T.add_rms_norm_gate_up, R.add_rms_norm_gate_up) if silu else (T.add_rms_norm_linear,
-                                                                                        R.add_rms_norm_linear)
+        fused, unfused = (gemv.add_rms_norm_gate_up, gemv.add_rms_norm_gate_up_reference) if silu else (gemv.add_rms_norm_linear,
+                                                                                        gemv.add_rms_norm_linear_reference)
         got, got_res = fused(x_, res_, nw_, cfg.rms_norm_eps, w_)
         ref, ref_res = unfused(x_.float(), res_.float(), nw_.float(), cfg.rms_norm_eps, w_.float())
         assert rel(got, ref) <= BF16_TOL and rel(got_res, ref_res) <= BF16_TOL
@@ -113,14 +113,14 @@ def test_gdn_matches_fla_core():
     fla = pytest.importorskip("fla.ops.gated_delta_rule")
     torch.manual_seed(0)
     dev, L, H, dk, dv = "cuda", 1000, 8, 128, 128
-    q = R.l2_normalize(torch.randn(L, H, dk, device=dev))
-    k = R.l2_normalize(torch.randn(L, H, dk, device=dev))
+    q = gdn.l2_normalize(torch.randn(L, H, dk, device=dev))
+    k = gdn.l2_normalize(torch.randn(L, H, dk, device=dev))
     v = torch.randn(L, H, dv, device=dev)
     g = -torch.rand(L, H, device=dev) * 0.5
     beta = torch.rand(L, H, device=dev)
     S0 = torch.randn(H, dk, dv, device=dev) * 0.1
-    exact, exact_state = R.gdn_recurrent(q * dk**-0.5, k, v, g, beta, S0)
-    ours, ours_state = R.gdn_chunked(q * dk**-0.5, k, v, g, beta, S0)
+    exact, exact_state = gdn.gdn_recurrent(q * dk**-0.5, k, v, g, beta, S0)
+    ours, ours_state = gdn.gdn_chunked(q * dk**-0.5, k, v, g, beta, S0)
     theirs, theirs_state = fla.chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=dk**-0.5,
                                                       initial_state=S0[None], output_final_state=True)
     # Ours in fp32 against the exact recurrence; fla (TF32 dots inside) against both, looser.
@@ -135,9 +135,7 @@ def test_gdn_matches_fla_core():
     a = torch.log(torch.expm1(-g[:1]))
     b = torch.log(beta[:1] / (1 - beta[:1]))
     pool = torch.cat([S0[None], torch.zeros(1, H, dk, dv, device=dev)])
-    import deltaserve.kernels.triton_ops as T
-
-    got = T.gdn_decode(mixed, a, b, torch.zeros(H, device=dev), torch.zeros(H, device=dev), pool,
+    got = gdn.gdn_decode(mixed, a, b, torch.zeros(H, device=dev), torch.zeros(H, device=dev), pool,
                        torch.zeros(1, dtype=torch.long, device=dev), H, dk, dv)
     assert rel(got, step[0]) <= 5e-3 and rel(pool[0], step_state[0]) <= 5e-3
 
@@ -146,17 +144,17 @@ def test_gdn_matches_fla_core():
 def test_triton_gdn_prefill_at_real_shapes(T, size):
     """Both factor precisions against the fp32 reference on packed requests from slots, bf16 factors (what a bf16
     model runs) with each state-pass tile gdn_scan_config can choose for them, since a tile can miscompile on its
-    own (32-wide fp32 factors gave NaN outputs, kernels.md run L4); bf16 factors also against fla-core's error on the
+    own (32-wide fp32 factors once gave NaN outputs); bf16 factors also against fla-core's error on the
     same case, when it is installed."""
     from deltaserve.tools.bench_kernels import fla_prefill, gdn_prefill_case, gdn_prefill_errors, gdn_prefill_reference
 
     case = gdn_prefill_case(ModelConfig.from_dict(text_config(size, 248320)))
     reference = gdn_prefill_reference(case)
-    errors = {mode: gdn_prefill_errors(case, lambda **c: T.gdn_prefill(**c, factors=mode), reference)
-              for mode in T.GDN_FACTOR_MODES}
-    by_tile = {tile: gdn_prefill_errors(case, lambda **c: T.gdn_prefill(**c, factors="bf16", scan_config=tile),
-                                        reference) for tile in (T.GDN_SCAN_NARROW, T.GDN_SCAN_WIDE)}
-    assert not T._PREFILL_FALLBACK, "a Triton kernel did not fit; the torch chunked form ran instead"
+    errors = {mode: gdn_prefill_errors(case, lambda **c: gdn.gdn_prefill(**c, factors=mode), reference)
+              for mode in GDN_FACTOR_MODES}
+    by_tile = {tile: gdn_prefill_errors(case, lambda **c: gdn.gdn_prefill(**c, factors="bf16", scan_config=tile),
+                                        reference) for tile in (DEFAULT.gdn_scan_narrow, DEFAULT.gdn_scan_wide)}
+    assert not gdn._PREFILL_FALLBACK, "a Triton kernel did not fit; the torch chunked form ran instead"
     (out_fp32, state_fp32), (out_bf16, state_bf16) = errors["fp32"], errors["bf16"]
     assert out_fp32 <= BF16_TOL and state_fp32 <= 5e-3
     assert out_bf16 <= BF16_TOL and state_bf16 <= 1e-2
@@ -170,7 +168,7 @@ def test_triton_gdn_prefill_at_real_shapes(T, size):
 
 
 def test_triton_sampler_at_the_real_vocabulary():
-    from deltaserve.kernels.sampling import SamplingTensors, lm_like_logits, sample
+    from deltaserve.kernels.sampling import SamplingTensors, lm_like_logits, sample_reference
     from deltaserve.kernels.triton_sampling import draw, sample_on_gpu
 
     n, vocab, dev = 64, 248320, "cuda"
@@ -183,7 +181,7 @@ def test_triton_sampler_at_the_real_vocabulary():
         p = SamplingTensors.filled(n, dev, seeds=torch.randint(0, 2**62, (n,), device=dev),
                                    steps=torch.full((n,), trial, device=dev), **mixed)
         drawn = draw(logits, p)
-        tokens, chosen, *_ = sample(logits, p)
+        tokens, chosen, *_ = sample_reference(logits, p)
         done = drawn.done == 1
         assert done.all()  # top-p alone included: the refine pass places its band
         wrong = (done & (drawn.tokens != tokens)).nonzero()[:, 0].tolist()
@@ -198,11 +196,12 @@ def test_triton_sampler_at_the_real_vocabulary():
     assert torch.allclose(as_bf16.logprobs, as_fp32.logprobs, atol=1e-5)
 
 
-async def _greedy_run(ckpt, graph: bool, use_nccl=None, n=32, tokens=128):
+async def _greedy_run(ckpt, graph: bool, use_nccl=None, n=32, tokens=128, kernel_config=None):
     from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 
     args = EngineArgs(model=ckpt, device="cuda", cuda_graph=graph, max_batch=32, max_model_len=1024,
-                      load_format="random", use_nccl=use_nccl, buckets=[1, 2, 4, 8, 16, 24, 32])
+                      load_format="random", use_nccl=use_nccl, buckets=[1, 2, 4, 8, 16, 24, 32],
+                      kernel_config=kernel_config)
     async with AsyncEngine(args) as engine:
         results: dict[int, list[int]] = {}
         started = asyncio.Event()
@@ -264,18 +263,16 @@ def test_graph_decode_equals_eager_through_the_engine(real_geometry_ckpt):
     assert len(eager[0]) == 128 and len({tuple(t) for t in eager}) > 1
 
 
-def test_pdl_launches_change_no_token(real_geometry_ckpt, monkeypatch):
+def test_pdl_launches_change_no_token(real_geometry_ckpt):
     """The decode kernels overlap under programmatic dependent launch; a kernel that read its input before the
     previous kernel finished writing it would change tokens."""
-    import deltaserve.kernels.triton_ops as T
-
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm90")
-    assert T.pdl_options(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
+    assert launch.pdl_options(torch.device("cuda"), DEFAULT.pdl) == {"PDL": True, "launch_pdl": True}
     with_pdl, _ = asyncio.run(_greedy_run(real_geometry_ckpt, graph=True, n=12, tokens=64))
-    monkeypatch.setattr(T, "PDL", False)
-    assert T.pdl_options(torch.device("cuda")) == {}
-    plain, _ = asyncio.run(_greedy_run(real_geometry_ckpt, graph=True, n=12, tokens=64))
+    assert launch.pdl_options(torch.device("cuda"), False) == {}
+    plain, _ = asyncio.run(_greedy_run(real_geometry_ckpt, graph=True, n=12, tokens=64,
+                                       kernel_config=KernelConfig(pdl=False)))
     assert with_pdl == plain
 
 

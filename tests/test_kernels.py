@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 
-import deltaserve.kernels.reference as R
-import deltaserve.kernels.triton_ops as T
+from deltaserve.kernels import attention, conv1d, gdn, gemv, launch, norm
+from deltaserve.kernels.config import DEFAULT, GDN_FACTOR_MODES, KernelConfig, Tile, WholeRows
+from deltaserve.kernels.ops import triton_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ELEMENTWISE, REDUCTION = 1e-5, 1e-4
@@ -38,11 +39,11 @@ def poisoned_outputs():
         t = empty_like(*args, **kw)
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    T.torch.empty, T.torch.empty_like = nan_empty, nan_empty_like
+    torch.empty, torch.empty_like = nan_empty, nan_empty_like
     try:
         yield
     finally:
-        T.torch.empty, T.torch.empty_like = empty, empty_like
+        torch.empty, torch.empty_like = empty, empty_like
 
 
 def randn(*shape, dtype=torch.float32):
@@ -53,21 +54,21 @@ def randn(*shape, dtype=torch.float32):
 def test_rms_norms(rows, cols):
     x, r, w = randn(rows, cols), randn(rows, cols), randn(cols) * 0.2
     with poisoned_outputs():
-        got, got_res = T.add_rms_norm(x, r, w, 1e-6)
-        plain = T.rms_norm(x.view(rows, 1, cols), w, 1e-6)
-    ref, ref_res = R.add_rms_norm(x, r, w, 1e-6)
+        got, got_res = norm.add_rms_norm(x, r, w, 1e-6)
+        plain = norm.rms_norm(x.view(rows, 1, cols), w, 1e-6)
+    ref, ref_res = norm.add_rms_norm_reference(x, r, w, 1e-6)
     assert rel(got, ref) <= REDUCTION and rel(got_res, ref_res) <= ELEMENTWISE
-    assert rel(plain, R.rms_norm(x.view(rows, 1, cols), w, 1e-6)) <= REDUCTION
+    assert rel(plain, norm.rms_norm_reference(x.view(rows, 1, cols), w, 1e-6)) <= REDUCTION
     with poisoned_outputs():  # no weight: (1 + w) folded into the projection that reads the norm
-        unit, unit_res = T.add_rms_norm(x, r, None, 1e-6)
-        plain_unit = T.rms_norm(x, None, 1e-6)
-    ref_unit, _ = R.add_rms_norm(x, r, None, 1e-6)
+        unit, unit_res = norm.add_rms_norm(x, r, None, 1e-6)
+        plain_unit = norm.rms_norm(x, None, 1e-6)
+    ref_unit, _ = norm.add_rms_norm_reference(x, r, None, 1e-6)
     assert rel(unit, ref_unit) <= REDUCTION and rel(unit_res, ref_res) <= ELEMENTWISE
-    assert rel(plain_unit, R.rms_norm(x, None, 1e-6)) <= REDUCTION and rel(unit, ref) > 0.05
+    assert rel(plain_unit, norm.rms_norm_reference(x, None, 1e-6)) <= REDUCTION and rel(unit, ref) > 0.05
     o, z, gw = randn(rows, 3, 32), randn(rows, 3, 32), randn(32)
     with poisoned_outputs():
-        got = T.gated_rms_norm(o, z, gw, 1e-6)
-    assert rel(got, R.gated_rms_norm(o, z, gw, 1e-6)) <= REDUCTION
+        got = norm.gated_rms_norm(o, z, gw, 1e-6)
+    assert rel(got, norm.gated_rms_norm_reference(o, z, gw, 1e-6)) <= REDUCTION
 
 
 def test_conv1d_decode_updates_state_through_slots():
@@ -77,8 +78,8 @@ def test_conv1d_decode_updates_state_through_slots():
     slots = torch.tensor([3, -1, 0, 5], device=DEVICE)
     ref_state = state.clone()
     with poisoned_outputs():
-        got = T.conv1d_decode(x, w, state, slots)
-    ref = R.conv1d_decode(x, w, ref_state, slots)
+        got = conv1d.conv1d_decode(x, w, state, slots)
+    ref = conv1d.conv1d_decode_reference(x, w, ref_state, slots)
     assert rel(got, ref) <= ELEMENTWISE
     assert torch.equal(state[:S], ref_state[:S])  # live slots written exactly; untouched ones unchanged
 
@@ -95,8 +96,8 @@ def test_conv1d_prefill_continues_each_request_from_its_slot():
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
     slots = torch.tensor([4, 0, 2, 5, 1], device=DEVICE)
     with poisoned_outputs():
-        got = T.conv1d_prefill(x, w, state, cu, slots)
-    ref = R.conv1d_prefill(x, w, ref_state, cu, slots)
+        got = conv1d.conv1d_prefill(x, w, state, cu, slots)
+    ref = conv1d.conv1d_prefill_reference(x, w, ref_state, cu, slots)
     assert rel(got, ref) <= ELEMENTWISE
     assert torch.equal(state, ref_state)  # new states written exactly; slot 3 and trash untouched
 
@@ -111,8 +112,8 @@ def test_gdn_decode(hk, hv, dk, dv):
     slots = torch.tensor([4, 0, -1, 2], device=DEVICE)
     ref_state = state.clone()
     with poisoned_outputs():
-        got = T.gdn_decode(mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv)
-    ref = R.gdn_decode(mixed, a, b, A_log, dt_bias, ref_state, slots, hk, dk, dv)
+        got = gdn.gdn_decode(mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv)
+    ref = gdn.gdn_decode_reference(mixed, a, b, A_log, dt_bias, ref_state, slots, hk, dk, dv)
     assert rel(got, ref) <= REDUCTION
     assert rel(state[:S], ref_state[:S]) <= REDUCTION
 
@@ -126,30 +127,30 @@ def test_decode_attention_any_group(nh, nkv):
     lens = torch.tensor([1, 77, 128], device=DEVICE)
     for splits in (1, 3):  # one split; several, some of them empty for the short rows
         with poisoned_outputs():
-            got = T.decode_attention(q, kc, vc, table, lens, D**-0.5, splits=splits)
-        assert rel(got, R.decode_attention(q, kc, vc, table, lens, D**-0.5)) <= REDUCTION
+            got = attention.decode_attention(q, kc, vc, table, lens, D**-0.5, splits=splits)
+        assert rel(got, attention.decode_attention_reference(q, kc, vc, table, lens, D**-0.5)) <= REDUCTION
     qg = randn(3, nh, 2 * D)  # the gate as a strided view, as the fused projection gives it
     gate = qg[..., D:]
     with poisoned_outputs():
-        got = T.decode_attention(q, kc, vc, table, lens, D**-0.5, gate)
-    assert rel(got, R.decode_attention(q, kc, vc, table, lens, D**-0.5, gate)) <= REDUCTION
+        got = attention.decode_attention(q, kc, vc, table, lens, D**-0.5, gate)
+    assert rel(got, attention.decode_attention_reference(q, kc, vc, table, lens, D**-0.5, gate)) <= REDUCTION
 
 
 def test_decode_splits_fill_the_gpu_within_the_context():
     cpu = torch.device("cpu")  # counts 4 multiprocessors
-    assert T.decode_splits(1, 1, 10_000, cpu) == 8
-    assert T.decode_splits(1, 1, 100, cpu) == 2  # two blocks of 64 tokens at most
-    assert T.decode_splits(64, 4, 10_000, cpu) == 1
+    assert attention.decode_splits(1, 1, 10_000, cpu) == 8
+    assert attention.decode_splits(1, 1, 100, cpu) == 2  # two blocks of 64 tokens at most
+    assert attention.decode_splits(64, 4, 10_000, cpu) == 1
 
 
 def test_chunked_gdn_reference_matches_the_recurrence():
     torch.manual_seed(0)
     L, H, dk, dv = 150, 3, 16, 8
-    q = R.l2_normalize(torch.randn(L, H, dk)) * dk**-0.5
-    k = R.l2_normalize(torch.randn(L, H, dk))
+    q = gdn.l2_normalize(torch.randn(L, H, dk)) * dk**-0.5
+    k = gdn.l2_normalize(torch.randn(L, H, dk))
     v, g, beta, S0 = torch.randn(L, H, dv), -torch.rand(L, H), torch.rand(L, H), torch.randn(H, dk, dv)
-    o1, s1 = R.gdn_recurrent(q, k, v, g, beta, S0)
-    o2, s2 = R.gdn_chunked(q, k, v, g, beta, S0)
+    o1, s1 = gdn.gdn_recurrent(q, k, v, g, beta, S0)
+    o2, s2 = gdn.gdn_chunked(q, k, v, g, beta, S0)
     assert rel(o2, o1) <= REDUCTION and rel(s2, s1) <= REDUCTION
 
 
@@ -164,15 +165,15 @@ def test_prefill_attention_over_paged_context(nh, nkv, D):
     table[0, 1:] = pages  # unused entries point at the trash page
     ctx = torch.tensor(contexts, device=DEVICE)
     with poisoned_outputs():
-        got = T.prefill_attention(q, kc, vc, table, cu, ctx, D**-0.5)
-    assert rel(got, R.prefill_attention(q, kc, vc, table, cu, ctx, D**-0.5)) <= REDUCTION
+        got = attention.prefill_attention(q, kc, vc, table, cu, ctx, D**-0.5)
+    assert rel(got, attention.prefill_attention_reference(q, kc, vc, table, cu, ctx, D**-0.5)) <= REDUCTION
 
 
 def test_silu_mul_and_strided_projection_views():
     x = randn(5, 2 * 300)
     with poisoned_outputs():
-        got = T.silu_mul(x)
-    assert rel(got, R.silu_mul(x)) <= ELEMENTWISE
+        got = norm.silu_mul(x)
+    assert rel(got, norm.silu_mul_reference(x)) <= ELEMENTWISE
     # GDN decode and the gated norm read a, b and z straight out of the fused input projection.
     hk, hv, dk, dv = 2, 4, 16, 16
     C = 2 * hk * dk + hv * dv
@@ -184,31 +185,31 @@ def test_silu_mul_and_strided_projection_views():
     slots = torch.tensor([0, 2, -1], device=DEVICE)
     mixed_c = mixed.contiguous()
     with poisoned_outputs():
-        o = T.gdn_decode(mixed_c, a, b, A_log, dt_bias, state, slots, hk, dk, dv)
-    ref_o = R.gdn_decode(mixed_c, a, b, A_log, dt_bias, ref_state, slots, hk, dk, dv)
+        o = gdn.gdn_decode(mixed_c, a, b, A_log, dt_bias, state, slots, hk, dk, dv)
+    ref_o = gdn.gdn_decode_reference(mixed_c, a, b, A_log, dt_bias, ref_state, slots, hk, dk, dv)
     assert rel(o, ref_o) <= REDUCTION and rel(state[:3], ref_state[:3]) <= REDUCTION
     w = randn(dv)
-    got = T.gated_rms_norm(ref_o, z.view(3, hv, dv), w, 1e-6)
-    assert rel(got, R.gated_rms_norm(ref_o, z.view(3, hv, dv), w, 1e-6)) <= REDUCTION
+    got = norm.gated_rms_norm(ref_o, z.view(3, hv, dv), w, 1e-6)
+    assert rel(got, norm.gated_rms_norm_reference(ref_o, z.view(3, hv, dv), w, 1e-6)) <= REDUCTION
     conv_state = randn(4, 3, C)
     ref_conv = conv_state.clone()
     wc = randn(C, 4)
     with poisoned_outputs():
-        got = T.conv1d_decode(mixed, wc, conv_state, slots)
-    assert rel(got, R.conv1d_decode(mixed, wc, ref_conv, slots)) <= ELEMENTWISE
+        got = conv1d.conv1d_decode(mixed, wc, conv_state, slots)
+    assert rel(got, conv1d.conv1d_decode_reference(mixed, wc, ref_conv, slots)) <= ELEMENTWISE
 
 
 def test_fused_qk_norm_rope_and_cache_write():
     T_, nh, nkv, D, rot = 4, 3, 1, 32, 8
-    cos, sin = R.rope_tables(rot, 1e7, 64, device=DEVICE)
+    cos, sin = attention.rope_tables(rot, 1e7, 64, device=DEVICE)
     qkv = randn(T_, (2 * nh + 2 * nkv) * D)
     qn, kn = randn(D) * 0.1, randn(D) * 0.1
     pos = torch.tensor([0, 9, 33, 63], device=DEVICE)
     mapping = torch.tensor([3, 17, 40, 2], device=DEVICE)
     caches = [torch.full((4, 16, nkv, D), float("nan"), device=DEVICE) for _ in range(4)]
     with poisoned_outputs():
-        got = T.qk_norm_rope_cache(qkv, qn, kn, 1e-6, pos, cos, sin, caches[0], caches[1], mapping, nh, nkv)
-    ref = R.qk_norm_rope_cache(qkv, qn, kn, 1e-6, pos, cos, sin, caches[2], caches[3], mapping, nh, nkv)
+        got = attention.qk_norm_rope_cache(qkv, qn, kn, 1e-6, pos, cos, sin, caches[0], caches[1], mapping, nh, nkv)
+    ref = attention.qk_norm_rope_cache_reference(qkv, qn, kn, 1e-6, pos, cos, sin, caches[2], caches[3], mapping, nh, nkv)
     assert rel(got, ref) <= REDUCTION
     flat = [c.view(-1, nkv, D)[mapping] for c in caches]
     assert rel(flat[0], flat[2]) <= REDUCTION and torch.equal(flat[1], flat[3])
@@ -224,7 +225,7 @@ def test_the_forward_on_triton_ops_matches_the_reference_forward(tiny_ckpt):
     if DEVICE != "cpu":
         pytest.skip("covered on the GPU by the engine tests")
     ref, tri = CpuRunner(tiny_ckpt), CpuRunner(tiny_ckpt)
-    tri.model.ops = T
+    tri.model.ops = triton_ops()
     prompts = {0: list(range(3, 40)), 1: [7, 8, 9]}
     assert rel(tri.prefill(prompts), ref.prefill(prompts)) <= REDUCTION
     tokens, positions = {0: 5, 1: 6}, {0: 37, 1: 3}
@@ -244,7 +245,7 @@ def _packed_gdn_requests(hk, hv, dk, dv):
                 dt_bias=torch.rand(hv, device=DEVICE), ssm_state=randn(6, hv, dk, dv) * 0.3,
                 cu_seqlens=torch.tensor([0, 1, 65, 215, 252], dtype=torch.int32, device=DEVICE),
                 slots=torch.tensor([3, 0, 4, 1], device=DEVICE), num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
-    return case, R.GdnChunks.build(case["cu_seqlens"].tolist(), DEVICE)
+    return case, gdn.GdnChunks.build(case["cu_seqlens"].tolist(), DEVICE)
 
 
 @pytest.mark.parametrize("hk,hv,dk,dv,column_block", [(2, 4, 16, 16, 32), (1, 2, 32, 16, 32), (1, 2, 32, 16, 16),
@@ -256,41 +257,43 @@ def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv, column_block):
     state = case["ssm_state"]
     ref_state = state.clone()
     with poisoned_outputs():
-        got = T.gdn_prefill(**case, chunks=chunks,  # 16: the prep kernel loops over two column blocks
-                            prep_config=(4, 1, column_block, T.GDN_PREP_CONFIG[3]))
-    ref = R.gdn_prefill(**dict(case, ssm_state=ref_state))
+        got = gdn.gdn_prefill(**case, chunks=chunks,  # 16: the prep kernel loops over two column blocks
+                            prep_config=(4, 1, column_block, DEFAULT.gdn_prep[3]))
+    ref = gdn.gdn_prefill_reference(**dict(case, ssm_state=ref_state))
     assert rel(got, ref) <= REDUCTION
     assert rel(state[:5], ref_state[:5]) <= REDUCTION
     assert torch.equal(state[2], ref_state[2])  # a slot no request uses is untouched
     with pytest.raises(ValueError, match="columns"):
-        T.gdn_prefill(**dict(case, mixed=case["mixed"][:, 1:]), chunks=chunks)
+        gdn.gdn_prefill(**dict(case, mixed=case["mixed"][:, 1:]), chunks=chunks)
 
 
 def test_the_state_pass_config_follows_how_many_programs_the_gpu_holds_at_once():
     cpu = torch.device("cpu")  # four "SMs": multiprocessors() on the CPU
-    assert T.multiprocessors(cpu) == 4
-    assert T.gdn_scan_config(1, 1, 128, cpu) == T.GDN_SCAN_NARROW  # 4 narrow programs fit
-    assert T.gdn_scan_config(1, 2, 128, cpu) == T.GDN_SCAN_WIDE  # 8 narrow programs would take turns
-    assert T.gdn_scan_config(1, 4, 32, cpu) == T.GDN_SCAN_NARROW  # one narrow block covers dv 32
-    assert T.gdn_scan_config(1, 1, 128, cpu, "fp32") == T.GDN_SCAN_FP32_FACTORS  # the one tile measured right
+    assert launch.multiprocessors(cpu) == 4
+    assert gdn.gdn_scan_config(1, 1, 128, cpu) == DEFAULT.gdn_scan_narrow  # 4 narrow programs fit
+    assert gdn.gdn_scan_config(1, 2, 128, cpu) == DEFAULT.gdn_scan_wide  # 8 narrow programs would take turns
+    assert gdn.gdn_scan_config(1, 4, 32, cpu) == DEFAULT.gdn_scan_narrow  # one narrow block covers dv 32
+    assert gdn.gdn_scan_config(1, 1, 128, cpu, "fp32") == DEFAULT.gdn_scan_fp32_factors  # the one tile measured right
+    other = KernelConfig(gdn_scan_narrow=(16, 2, 2))  # a config handed in, not a module global
+    assert gdn.gdn_scan_config(1, 1, 32, cpu, cfg=other) == (16, 2, 2)
 
 
 def test_chunked_gdn_prefill_with_bf16_factors():
-    """The WY factors in bf16 (GDN_FACTORS "bf16", which bf16 models take): formed, stored and applied in bf16. The
+    """The WY factors in bf16 (KernelConfig.gdn_factors "bf16", which bf16 models take): formed, stored and applied in bf16. The
     rounding shows, and stays at bf16's scale."""
     case, chunks = _packed_gdn_requests(2, 4, 32, 32)
     ref_case = dict(case, ssm_state=case["ssm_state"].clone())
-    ref = R.gdn_prefill(**ref_case)
+    ref = gdn.gdn_prefill_reference(**ref_case)
     errors = {}
-    for factors in T.GDN_FACTOR_MODES:
+    for factors in GDN_FACTOR_MODES:
         run = dict(case, ssm_state=case["ssm_state"].clone())
         with poisoned_outputs():
-            out = T.gdn_prefill(**run, chunks=chunks, factors=factors)
+            out = gdn.gdn_prefill(**run, chunks=chunks, factors=factors)
         errors[factors] = rel(out, ref), rel(run["ssm_state"][:5], ref_case["ssm_state"][:5])
     assert max(errors["fp32"]) <= REDUCTION
     assert all(REDUCTION < e <= 2e-2 for e in errors["bf16"]), errors
     with pytest.raises(ValueError, match="factors"):
-        T.gdn_prefill(**case, chunks=chunks, factors="fp16")
+        gdn.gdn_prefill(**case, chunks=chunks, factors="fp16")
 
 
 @pytest.mark.parametrize("k", [256, 320, 200])
@@ -298,40 +301,41 @@ def test_chunked_gdn_prefill_with_bf16_factors():
 def test_one_row_gemv_and_its_routing(k, n, monkeypatch):
     """Both one-row GEMVs against the reference: whole rows (k 256: one span; 320: 256 + 64) and the loop over K
     tiles (two tiles, whole at k 256 and ragged at k 200, which does not split into two spans)."""
-    monkeypatch.setattr(T, "GEMV_CONFIG", (2, 128, 4, 1))
+    cfg = KernelConfig(gemv_tile=Tile(2, 128, 4, 1))
     x, w = randn(1, k), randn(n, k) * 0.1
     strided = torch.cat([x, x], dim=1)[:, :k]  # a view with a row stride
     splits = k != 200
-    assert (T.whole_row_spans(k) is not None) == splits
-    configs = [T.GEMV_CONFIG]
+    assert (gemv.whole_row_spans(k) is not None) == splits
+    configs = [cfg.gemv_tile]
     if splits:
-        configs += [T.WholeRows(1, 4)] + ([T.WholeRows(8, 2)] if n % 8 == 0 else [])
+        configs += [WholeRows(1, 4)] + ([WholeRows(8, 2)] if n % 8 == 0 else [])
     for config in configs:
         with poisoned_outputs():
-            got, got_strided = T.gemv(x, w, config), T.gemv(strided, w, config)
-        assert rel(got, R.linear(x, w)) <= REDUCTION and rel(got_strided, R.linear(x, w)) <= REDUCTION, config
+            got, got_strided = gemv.gemv(x, w, config=config), gemv.gemv(strided, w, config=config)
+        assert rel(got, gemv.linear_reference(x, w)) <= REDUCTION and rel(got_strided, gemv.linear_reference(x, w)) <= REDUCTION, config
     if not splits:
         with pytest.raises(ValueError, match="K \\(200\\)"):
-            T.gemv(x, w, T.WholeRows(1, 4))
+            gemv.gemv(x, w, config=WholeRows(1, 4))
     with pytest.raises(ValueError, match="power of two"):
-        T.gemv(x, w, T.WholeRows(3, 4))
+        gemv.gemv(x, w, config=WholeRows(3, 4))
     # Narrowing: whole rows where K splits and N is a multiple of the rows a program, else the loop.
-    assert T.gemv_config(n, k) == (T.GEMV_WHOLE_ROWS if splits else T.GEMV_CONFIG)
-    monkeypatch.setattr(T, "GEMV_WHOLE_ROWS_ON", False)  # bench_decode --whole-rows off
-    assert T.gemv_config(n, k) == T.GEMV_CONFIG and T.norm_gemv_config(n * 2, k, False) == T.NORM_GEMV_CONFIG
-    monkeypatch.setattr(T, "GEMV_WHOLE_ROWS_ON", True)
-    monkeypatch.setattr(T, "GEMV_WHOLE_ROWS", T.WholeRows(2, 4))
-    assert T.gemv_config(n, k) == (T.GEMV_WHOLE_ROWS if splits and n % 2 == 0 else T.GEMV_CONFIG)
-    assert T.gemv_config(k + 1, k) == T.GEMV_NARROW_WIDENING_CONFIG  # widening a narrow input
-    assert T.gemv_config(k + 1, T.GEMV_WIDE_K) == T.GEMV_CONFIG  # widening a wide one
+    assert gemv.gemv_config(n, k, cfg) == (cfg.gemv_whole_rows if splits else cfg.gemv_tile)
+    off = KernelConfig(whole_rows=False)  # bench_decode --whole-rows off
+    assert gemv.gemv_config(n, k, off) == off.gemv_tile
+    assert gemv.norm_gemv_config(n * 2, k, False, off) == off.norm_gemv_tile
+    two_rows = KernelConfig(gemv_whole_rows=WholeRows(2, 4))
+    assert gemv.gemv_config(n, k, two_rows) == (WholeRows(2, 4) if splits and n % 2 == 0 else two_rows.gemv_tile)
+    assert gemv.gemv_config(k + 1, k, two_rows) == DEFAULT.gemv_narrow_widening_tile  # widening a narrow input
+    assert gemv.gemv_config(k + 1, DEFAULT.wide_input_k, two_rows) == DEFAULT.gemv_tile  # widening a wide one
     wide = randn(k + 1, k) * 0.1  # the widening tile (512 wide) runs past k: masked
     with poisoned_outputs():
-        assert rel(T.gemv(x, wide), R.linear(x, wide)) <= REDUCTION
+        assert rel(gemv.gemv(x, wide), gemv.linear_reference(x, wide)) <= REDUCTION
     calls = []
-    monkeypatch.setattr(T, "gemv", lambda x, w: calls.append(w.shape) or R.linear(x, w))
-    T.linear(x, w)  # one row: the GEMV
-    T.linear(torch.cat([x, x]), w)  # two rows: cuBLAS
-    T.linear(x, wide)  # one row, widening: the GEMV too
+    monkeypatch.setattr(gemv, "gemv", lambda x, w, cfg: calls.append(w.shape) or gemv.linear_reference(x, w))
+    gemv.linear(x, w)  # one row: the GEMV
+    gemv.linear(torch.cat([x, x]), w)  # two rows: cuBLAS
+    gemv.linear(x, wide)  # one row, widening: the GEMV too
+    gemv.linear(x, w, KernelConfig(gemv_one_row=False))  # bench_decode --gemv off: cuBLAS
     assert calls == [w.shape, wide.shape]
 
 
@@ -344,49 +348,48 @@ def test_input_norm_fused_into_the_one_row_projection(k, rows, with_residual, fo
     row count allows (10 rows: 5 gate rows, odd, take the loop), the loop over K tiles otherwise; more rows than
     one take the unfused path. 16 rows and k 256 fill every loop tile (no masks). Folded: the norm weight given as
     None and its (1 + w) in the projection's columns, as the model runs, against the reference with both apart."""
-    monkeypatch.setattr(T, "NORM_GEMV_CONFIG", (4, 128, 4, 1))  # two K tiles: whole (k 256) and ragged (k 200)
-    monkeypatch.setattr(T, "NORM_GEMV_SILU_CONFIG", (4, 128, 4, 1))
-    monkeypatch.setattr(T, "NORM_GEMV_WHOLE_ROWS", T.WholeRows(2, 4))
-    monkeypatch.setattr(T, "NORM_GEMV_SILU_WHOLE_ROWS", T.WholeRows(2, 2))
+    cfg = KernelConfig(norm_gemv_tile=Tile(4, 128, 4, 1),  # two K tiles: whole (k 256) and ragged (k 200)
+                       norm_gemv_silu_tile=Tile(4, 128, 4, 1), norm_gemv_whole_rows=WholeRows(2, 4),
+                       norm_gemv_silu_whole_rows=WholeRows(2, 2))
     x, nw, w = randn(1, k), randn(k) * 0.2, randn(rows, k) * 0.1  # 10 rows: a ragged last loop program
     res = randn(1, k) if with_residual else None
     splits = k != 200
-    assert T.norm_gemv_config(rows, k, False) == (T.NORM_GEMV_WHOLE_ROWS if splits else T.NORM_GEMV_CONFIG)
+    assert gemv.norm_gemv_config(rows, k, False, cfg) == (cfg.norm_gemv_whole_rows if splits else cfg.norm_gemv_tile)
     whole_silu = splits and rows // 2 % 2 == 0
-    assert T.norm_gemv_config(rows // 2, k, True) == (T.NORM_GEMV_SILU_WHOLE_ROWS if whole_silu
-                                                      else T.NORM_GEMV_SILU_CONFIG)
-    ref, ref_res = R.add_rms_norm_linear(x, res, nw, 1e-6, w)
-    ref_act = R.add_rms_norm_gate_up(x, res, nw, 1e-6, w)[0]
+    assert gemv.norm_gemv_config(rows // 2, k, True, cfg) == (cfg.norm_gemv_silu_whole_rows if whole_silu
+                                                           else cfg.norm_gemv_silu_tile)
+    ref, ref_res = gemv.add_rms_norm_linear_reference(x, res, nw, 1e-6, w)
+    ref_act = gemv.add_rms_norm_gate_up_reference(x, res, nw, 1e-6, w)[0]
     if folded:
         nw, w = None, w * (1.0 + nw)
     with poisoned_outputs():
-        got, got_res = T.add_rms_norm_linear(x, res, nw, 1e-6, w)
-        act, act_res = T.add_rms_norm_gate_up(x, res, nw, 1e-6, w)
-        loop, _ = T.norm_gemv(x, res, nw, 1e-6, w, config=T.NORM_GEMV_CONFIG)
-        loop_act, _ = T.norm_gemv(x, res, nw, 1e-6, w, rows // 2, config=T.NORM_GEMV_SILU_CONFIG)
+        got, got_res = gemv.add_rms_norm_linear(x, res, nw, 1e-6, w, cfg)
+        act, act_res = gemv.add_rms_norm_gate_up(x, res, nw, 1e-6, w, cfg)
+        loop, _ = gemv.norm_gemv(x, res, nw, 1e-6, w, config=cfg.norm_gemv_tile)
+        loop_act, _ = gemv.norm_gemv(x, res, nw, 1e-6, w, rows // 2, config=cfg.norm_gemv_silu_tile)
     assert rel(got, ref) <= REDUCTION and rel(got_res, ref_res) <= ELEMENTWISE
     assert act.shape == (1, rows // 2) and rel(act, ref_act) <= REDUCTION
     assert rel(act_res, ref_res) <= ELEMENTWISE
     assert rel(loop, ref) <= REDUCTION and rel(loop_act, ref_act) <= REDUCTION
     calls = []
-    monkeypatch.setattr(T, "norm_gemv", lambda *a, **kw: calls.append(kw.get("silu_mul_rows", 0)))
+    monkeypatch.setattr(gemv, "norm_gemv", lambda *a, **kw: calls.append(kw.get("silu_mul_rows", 0)))
     two = torch.cat([x, x])
-    got2, _ = T.add_rms_norm_linear(two, None if res is None else torch.cat([res, res]), nw, 1e-6, w)
+    got2, _ = gemv.add_rms_norm_linear(two, None if res is None else torch.cat([res, res]), nw, 1e-6, w)
     assert not calls and rel(got2, torch.cat([ref, ref])) <= REDUCTION
-    T.add_rms_norm_gate_up(x, res, nw, 1e-6, w)
+    gemv.add_rms_norm_gate_up(x, res, nw, 1e-6, w)
     assert calls == [rows // 2]
-    # From GEMV_WIDE_K up, the norm kernel and the plain GEMV run.
-    monkeypatch.setattr(T, "GEMV_WIDE_K", k)
-    got_wide, _ = T.add_rms_norm_linear(x, res, nw, 1e-6, w)
-    act_wide, _ = T.add_rms_norm_gate_up(x, res, nw, 1e-6, w)
-    assert calls == [rows // 2] and rel(got_wide, ref) <= REDUCTION and rel(act_wide, act) <= REDUCTION
+    # From wide_input_k up, or with the fusion off, the norm kernel and the plain GEMV run.
+    for unfused in (KernelConfig(wide_input_k=k), KernelConfig(fused_norm=False)):
+        got_wide, _ = gemv.add_rms_norm_linear(x, res, nw, 1e-6, w, unfused)
+        act_wide, _ = gemv.add_rms_norm_gate_up(x, res, nw, 1e-6, w, unfused)
+        assert calls == [rows // 2] and rel(got_wide, ref) <= REDUCTION and rel(act_wide, act) <= REDUCTION
 
 
 def test_no_barrier_holds_back_the_fused_norm_gemvs_weight_loads():
     """Compiled offline for sm90, no loop of the add-and-norm GEMV holds a barrier: its weight loads issue with the
-    input's instead of after a layout change through shared memory (run P3, docs/benchmarks/decode.md). The tool
+    input's instead of after a layout change through shared memory. The tool
     runs apart: it compiles, so it imports the kernels without the interpreter this process has."""
-    table = subprocess.run([sys.executable, "-m", "deltaserve.tools.inspect_kernels"], capture_output=True, text=True,
+    table = subprocess.run([sys.executable, "-m", "deltaserve.tools.lab.inspect_kernels"], capture_output=True, text=True,
                            check=True, timeout=300).stderr
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| norm_gemv")]
     assert len(rows) == 2, table
@@ -396,29 +399,29 @@ def test_no_barrier_holds_back_the_fused_norm_gemvs_weight_loads():
 
 
 def test_programs_an_sm_holds_follow_the_register_grants():
-    """The counts decode.md reports (runs P6, P3 and Q1): registers are granted 8 a thread at a time, so 62 and 64
+    """Registers are granted 8 a thread at a time, so 62 and 64
     registers both give 8 programs of 4 warps, 56 give 9, and 100 are granted as 104 (4 programs, not 5); the
     213-register GDN decode held 2, the 168-register one 3; 2-warp programs are capped at 32 an SM, large shared
     memory caps them too."""
     cases = [(62, 0, 4, 8), (64, 0, 4, 8), (56, 0, 4, 9), (100, 0, 4, 4), (94, 0, 4, 5), (80, 0, 4, 6),
              (72, 0, 4, 7), (168, 0, 4, 3), (213, 0, 4, 2), (16, 0, 2, 32), (32, 100_000, 4, 2)]
-    code = ("from tools.inspect_kernels import programs_per_sm as p; "
+    code = ("from deltaserve.tools.lab.inspect_kernels import programs_per_sm as p; "
             f"print([p(r, s, w) for r, s, w, _ in {cases}])")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout
     assert got.strip() == str([want for *_, want in cases])
 
 
 def test_knockout_stand_in_skips_every_launch_of_its_kernel():
-    """tools.knockout_decode times the step without one kernel: its stand-in must launch nothing and count."""
-    from deltaserve.tools.knockout_decode import SkippedLaunches
+    """tools/lab/knockout_decode times the step without one kernel: its stand-in must launch nothing and count."""
+    from deltaserve.tools.lab.knockout_decode import SkippedLaunches
 
     o, z, w = randn(3, 2, 16), randn(3, 2, 16), randn(16)
-    stand_in, original = SkippedLaunches(), T._gated_rms_norm_kernel
-    T._gated_rms_norm_kernel = stand_in
+    stand_in, original = SkippedLaunches(), norm._gated_rms_norm_kernel
+    norm._gated_rms_norm_kernel = stand_in
     try:
         with poisoned_outputs():
-            out = T.gated_rms_norm(o, z, w, 1e-6)
+            out = norm.gated_rms_norm(o, z, w, 1e-6)
     finally:
-        T._gated_rms_norm_kernel = original
+        norm._gated_rms_norm_kernel = original
     assert stand_in.calls == 1 and torch.isnan(out).all()
-    assert rel(T.gated_rms_norm(o, z, w, 1e-6), R.gated_rms_norm(o, z, w, 1e-6)) <= REDUCTION
+    assert rel(norm.gated_rms_norm(o, z, w, 1e-6), norm.gated_rms_norm_reference(o, z, w, 1e-6)) <= REDUCTION

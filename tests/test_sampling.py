@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deltaserve.kernels.sampling import SamplingTensors, bits_to_uniform, counter_uniform, sample
+from deltaserve.kernels.sampling import SamplingTensors, bits_to_uniform, counter_uniform, sample_reference
 
 
 def params(n, **kw):
@@ -24,7 +24,7 @@ def test_filters_that_leave_one_token_equal_greedy():
     best = logits.argmax(-1)
     for kw in (dict(temperature=0.0), dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
         for seed in range(5):
-            tokens, *_ = sample(logits, params(4, seeds=seed, **kw))
+            tokens, *_ = sample_reference(logits, params(4, seeds=seed, **kw))
             assert torch.equal(tokens, best), kw
 
 
@@ -41,7 +41,7 @@ def test_ties_rank_highest_id_first_in_every_path():
         values, ids = ranked(x, k)
         assert ids.tolist() == [e[:k] for e in expected] and torch.equal(values, x.gather(1, ids))
     p = params(5, top_k=torch.tensor([3, 7, 20, 50, 50]), top_p=0.8, seeds=torch.arange(5))
-    assert torch.equal(sample(x, p)[0], sample(x, p, max_top_k=50)[0])
+    assert torch.equal(sample_reference(x, p)[0], sample_reference(x, p, max_top_k=50)[0])
 
 
 def test_sampling_follows_the_tempered_distribution():
@@ -49,7 +49,7 @@ def test_sampling_follows_the_tempered_distribution():
     n = 4000
     counts = torch.zeros(5)
     for s in range(n):
-        tok, *_ = sample(logits, params(1, temperature=0.7, seeds=s, steps=3))
+        tok, *_ = sample_reference(logits, params(1, temperature=0.7, seeds=s, steps=3))
         counts[tok] += 1
     expected = (logits[0] / 0.7).softmax(-1) * n
     chi2 = ((counts - expected) ** 2 / expected).sum()
@@ -61,9 +61,9 @@ def test_top_k_top_p_min_p_only_draw_kept_tokens():
     probs = logits.softmax(-1)[0]
     seen = {"k": set(), "p": set(), "m": set()}
     for s in range(400):
-        seen["k"].add(int(sample(logits, params(1, top_k=2, seeds=s))[0]))
-        seen["p"].add(int(sample(logits, params(1, top_p=0.6, seeds=s))[0]))
-        seen["m"].add(int(sample(logits, params(1, min_p=0.5, seeds=s))[0]))
+        seen["k"].add(int(sample_reference(logits, params(1, top_k=2, seeds=s))[0]))
+        seen["p"].add(int(sample_reference(logits, params(1, top_p=0.6, seeds=s))[0]))
+        seen["m"].add(int(sample_reference(logits, params(1, min_p=0.5, seeds=s))[0]))
     assert seen["k"] == {0, 1}
     assert seen["p"] == {0, 1} and probs[0] < 0.6 <= probs[:2].sum()
     assert seen["m"] == {i for i in range(6) if probs[i] >= 0.5 * probs[0]}
@@ -74,9 +74,9 @@ def test_a_seeded_row_ignores_its_batch():
     logits = torch.randn(9, 500)
     seeds = torch.arange(100, 109)
     steps = torch.arange(9) * 3
-    batch, *_ = sample(logits, params(9, seeds=seeds, steps=steps, temperature=1.3, top_p=0.9))
+    batch, *_ = sample_reference(logits, params(9, seeds=seeds, steps=steps, temperature=1.3, top_p=0.9))
     for i in range(9):
-        alone, *_ = sample(logits[i : i + 1], params(1, seeds=seeds[i : i + 1], steps=steps[i : i + 1],
+        alone, *_ = sample_reference(logits[i : i + 1], params(1, seeds=seeds[i : i + 1], steps=steps[i : i + 1],
                                                      temperature=1.3, top_p=0.9))
         assert alone.item() == batch[i].item()
 
@@ -86,19 +86,19 @@ def test_penalties_push_away_from_seen_tokens():
     counts = torch.tensor([[3, 0, 0, 0]], dtype=torch.int32)
     p = params(1, temperature=0.0, frequency_penalty=0.1)
     p.output_counts, p.prompt_mask = counts, torch.zeros(1, 4, dtype=torch.bool)
-    assert sample(logits, p)[0].item() == 1  # 2.0 - 0.3 < 1.9
+    assert sample_reference(logits, p)[0].item() == 1  # 2.0 - 0.3 < 1.9
     p = params(1, temperature=0.0, presence_penalty=0.05)
     p.output_counts, p.prompt_mask = counts, torch.zeros(1, 4, dtype=torch.bool)
-    assert sample(logits, p)[0].item() == 0  # 2.0 - 0.05 > 1.9
+    assert sample_reference(logits, p)[0].item() == 0  # 2.0 - 0.05 > 1.9
     p = params(1, temperature=0.0, repetition_penalty=1.2)
     p.output_counts = torch.zeros(1, 4, dtype=torch.int32)
     p.prompt_mask = torch.tensor([[True, False, False, False]])
-    assert sample(logits, p)[0].item() == 1  # 2.0 / 1.2 < 1.9
+    assert sample_reference(logits, p)[0].item() == 1  # 2.0 / 1.2 < 1.9
 
 
 def test_logprobs_are_the_raw_distribution():
     logits = torch.randn(3, 50)
-    tokens, chosen, top_ids, top_lp = sample(logits, params(3, temperature=0.5, seeds=1), num_logprobs=4)
+    tokens, chosen, top_ids, top_lp = sample_reference(logits, params(3, temperature=0.5, seeds=1), num_logprobs=4)
     ref = logits.log_softmax(-1)
     assert torch.allclose(chosen, ref.gather(1, tokens[:, None])[:, 0])
     assert torch.equal(top_ids, ref.topk(4).indices) and torch.allclose(top_lp, ref.topk(4).values)
@@ -111,10 +111,10 @@ def test_the_top_k_fast_path_draws_the_same_tokens_as_the_full_sort():
     for seed in range(30):
         p = params(6, temperature=0.9, top_k=top_k, top_p=0.8, min_p=0.01, seeds=torch.arange(6) + 100 * seed,
                    steps=torch.full((6,), seed))
-        full, *_ = sample(logits, p)
-        fast, *_ = sample(logits, p, max_top_k=50)
+        full, *_ = sample_reference(logits, p)
+        fast, *_ = sample_reference(logits, p, max_top_k=50)
         assert torch.equal(full, fast)
-    greedy_flag, *_ = sample(logits, params(6, temperature=0.0), all_greedy=True)
+    greedy_flag, *_ = sample_reference(logits, params(6, temperature=0.0), all_greedy=True)
     assert torch.equal(greedy_flag, logits.argmax(-1))
 
 
@@ -154,7 +154,7 @@ def test_the_triton_sampler_draws_the_reference_tokens_and_logprobs():
             p.repetition_penalty.fill_(1.3)
             p.frequency_penalty.fill_(0.2)
         got = T.draw(logits, p, splits=3, max_candidates=64)
-        tokens, chosen, *_ = sample(logits, p)
+        tokens, chosen, *_ = sample_reference(logits, p)
         assert got.done.tolist() == [1] * n
         assert torch.equal(got.tokens, tokens), (trial, got.tokens, tokens)
         assert torch.allclose(got.logprobs, chosen, atol=1e-5)
@@ -173,7 +173,7 @@ def test_rows_without_top_k_or_top_p_race_at_their_temperature():
                    steps=torch.full((n,), step, device=DEVICE))
         got = T.draw(logits, p, splits=3)
         assert got.done.tolist() == [1] * n
-        assert torch.equal(got.tokens, sample(logits, p)[0]), step
+        assert torch.equal(got.tokens, sample_reference(logits, p)[0]), step
 
 
 def test_a_row_whose_candidates_overflow_is_flagged_for_the_reference():
@@ -185,7 +185,7 @@ def test_a_row_whose_candidates_overflow_is_flagged_for_the_reference():
     got = T.draw(logits, p, splits=2, max_candidates=64)
     # 2000 tied ids overflow 64 candidates; the nearly flat rows' boundaries are placed (top-p: by the refine)
     assert got.done.tolist() == [0, 1, 1, 0]
-    tokens, *_ = sample(logits, p)
+    tokens, *_ = sample_reference(logits, p)
     assert torch.equal(got.tokens[1:3], tokens[1:3])
     assert torch.equal(T.sample_on_gpu(logits, p, max_candidates=64)[0], tokens)  # flagged rows: the reference
 
@@ -203,7 +203,7 @@ def test_top_p_race_rounds_settle_rows_exactly_and_leave_the_rest_to_the_histogr
                    temperature=torch.tensor([0.7, 1.3], device=DEVICE).repeat(n // 2),
                    min_p=torch.tensor([0.0] * (n - 4) + [0.05] * 4, device=DEVICE),
                    seeds=torch.randint(0, 2**62, (n,), device=DEVICE), steps=torch.full((n,), step, device=DEVICE))
-        tokens, chosen, *_ = sample(logits, p)
+        tokens, chosen, *_ = sample_reference(logits, p)
         # Rounds after the first walk the rows left, 4 programs to a row (blocks of 1024 ids), or 16 (of 256).
         settled_after = {}
         cases = ((0, 1024), (T.TOP_P_ROUNDS, 1024))
@@ -274,7 +274,7 @@ def test_tied_logits_draw_the_reference_tokens():
                    temperature=torch.tensor([1.0, 0.8], device=DEVICE).repeat(8))
         got = T.draw(logits, p, splits=3)
         assert got.done.tolist() == [1] * n
-        assert torch.equal(got.tokens, sample(logits, p)[0]), step
+        assert torch.equal(got.tokens, sample_reference(logits, p)[0]), step
 
 
 def test_top_k_rows_draw_the_reference_tokens_however_spread_their_top_is():
@@ -292,7 +292,7 @@ def test_top_k_rows_draw_the_reference_tokens_however_spread_their_top_is():
                        steps=torch.full((3,), step, device=DEVICE))
             got = T.draw(logits, p, splits=splits, max_candidates=512)
             assert got.done.tolist() == [1, 1, 1]
-            assert torch.equal(got.tokens, sample(logits, p)[0]), (splits, step)
+            assert torch.equal(got.tokens, sample_reference(logits, p)[0]), (splits, step)
 
 
 def test_top_p_keeps_more_ids_than_it_copies():
@@ -308,7 +308,7 @@ def test_top_p_keeps_more_ids_than_it_copies():
     assert (kept > 256).all()  # the nucleus is larger than the candidate buffer
     got = T.draw(logits, p, splits=3, max_candidates=256)
     assert got.done.tolist() == [1] * n
-    assert torch.equal(got.tokens, sample(logits, p)[0])
+    assert torch.equal(got.tokens, sample_reference(logits, p)[0])
 
 
 def test_top_p_alone_over_a_broad_body_is_refined_not_left_to_the_reference():
@@ -323,7 +323,7 @@ def test_top_p_alone_over_a_broad_body_is_refined_not_left_to_the_reference():
                    steps=torch.full((n,), step, device=DEVICE))
         got = T.draw(logits, p, splits=3, max_candidates=64)
         assert got.done.tolist() == [1] * n
-        assert torch.equal(got.tokens, sample(logits, p)[0]), step
+        assert torch.equal(got.tokens, sample_reference(logits, p)[0]), step
 
 
 def test_top_p_keeps_exactly_the_reference_nucleus():
@@ -349,7 +349,7 @@ def test_top_p_keeps_exactly_the_reference_nucleus():
             logits = torch.empty(1, vocab, device=DEVICE)
             logits[0, torch.cat([rest[:kept - 1], by_bonus[1:2], by_bonus[0:1], rest[kept - 1:]])] = values
             one_more = params(1, device=DEVICE, top_p=float(mass_before[kept - 1]) + 1e-6, seeds=seed)
-            if sample(logits, p)[0][0] == by_bonus[1] and sample(logits, one_more)[0][0] == by_bonus[0]:
+            if sample_reference(logits, p)[0][0] == by_bonus[1] and sample_reference(logits, one_more)[0][0] == by_bonus[0]:
                 break
         else:
             raise AssertionError("no layout found")

@@ -17,12 +17,12 @@ import torch.nn.functional as F
 import triton.testing
 from triton.runtime.errors import OutOfResources
 
-import deltaserve.kernels.reference as R
-import deltaserve.kernels.triton_ops as T
-from deltaserve.kernels.sampling import SamplingTensors, lm_like_logits, sample
+from deltaserve.kernels import attention, conv1d, gdn, gemv, norm
+from deltaserve.kernels.config import GDN_FACTOR_MODES, WholeRows
+from deltaserve.kernels.sampling import SamplingTensors, lm_like_logits, sample_reference
 from deltaserve.kernels.triton_sampling import MAX_CANDIDATES, TOP_P_ROUNDS, draw, sample_on_gpu, top_p_alone
 from deltaserve.model.config import ModelConfig
-from deltaserve.tools.make_checkpoint import text_config
+from deltaserve.model.synthetic import text_config
 
 
 PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)]  # (BLOCK_M, BLOCK_N, warps, stages)
@@ -36,10 +36,10 @@ ROUND_STEPS = 200  # token steps drawn per round count: the share of batches a r
 # Loop tiles (BLOCK_N, BLOCK_K, warps, stages), then whole rows (rows a program, warps).
 GEMV_SWEEP = [(2, 4096, 4, 1), (2, 2048, 2, 2), (2, 2048, 4, 2), (2, 1024, 2, 3), (4, 2048, 4, 2),
               (1, 2048, 2, 2), (4, 512, 4, 2), (8, 512, 4, 2), (8, 256, 4, 3), (4, 1024, 4, 1),
-              (8, 512, 8, 1)] + [T.WholeRows(*c) for c in ((1, 2), (1, 4), (1, 8), (2, 4))]
+              (8, 512, 8, 1)] + [WholeRows(*c) for c in ((1, 2), (1, 4), (1, 8), (2, 4))]
 NORM_GEMV_SWEEP = [(8, 512, 4, 2), (4, 512, 4, 2), (4, 512, 4, 3), (8, 256, 4, 3), (8, 256, 2, 3), (4, 1024, 4, 2),
                    (2, 2048, 2, 2), (16, 256, 4, 2), (8, 512, 8, 2), (16, 512, 8, 2)
-                   ] + [T.WholeRows(*c) for c in ((1, 2), (2, 2), (2, 4), (4, 4))]
+                   ] + [WholeRows(*c) for c in ((1, 2), (2, 2), (2, 4), (4, 4))]
 
 
 def bench(fn) -> float:
@@ -120,15 +120,15 @@ def projections(cfg, rows: list, bw: float, sweep: bool) -> None:
         weights = [torch.randn(n, k, device=dev, dtype=bf) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device=dev, dtype=bf)
         nbytes = (n * k + k + n) * 2
-        t = graph_time_per_call(lambda w: lambda: T.gemv(x, w), weights)
+        t = graph_time_per_call(lambda w: lambda: gemv.gemv(x, w), weights)
         t_peer = graph_time_per_call(lambda w: lambda: x @ w.t(), weights)
-        routed = f"ours, {T.gemv_config(n, k)}"
+        routed = f"ours, {gemv.gemv_config(n, k)}"
         rows.append((f"one-row projection {name} (runs on {routed})", f"1 x {k} -> {n}", t,
                      f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy; cuBLAS {nbytes / t_peer / bw:.0%}"
                      f" ({t_peer / t:.2f}x our time)"))
         for config in GEMV_SWEEP if sweep else ():
             try:
-                t = graph_time_per_call(lambda w: lambda: T.gemv(x, w, config), weights)
+                t = graph_time_per_call(lambda w: lambda: gemv.gemv(x, w, config=config), weights)
             except OutOfResources:
                 continue
             rows.append((f"one-row projection {name} config {config}", f"1 x {k} -> {n}", t,
@@ -151,24 +151,24 @@ def norm_projections(cfg, rows: list, bw: float, sweep: bool) -> None:
     for name, (n, silu) in shapes.items():
         copies = max(2, -(-(512 << 20) // (n * H * 2)))
         weights = [torch.randn(n, H, device=dev, dtype=bf) * 0.02 for _ in range(copies)]
-        fused = T.add_rms_norm_gate_up if silu else T.add_rms_norm_linear
-        act = R.silu_mul if silu else (lambda y: y)
+        fused = gemv.add_rms_norm_gate_up if silu else gemv.add_rms_norm_linear
+        act = norm.silu_mul_reference if silu else (lambda y: y)
 
         def unfused(w, project):
-            normed, _ = T.add_rms_norm(x, res, None, eps)
+            normed, _ = norm.add_rms_norm(x, res, None, eps)
             return act(project(normed, w))
 
         nbytes = (n * H + 2 * H + (n // 2 if silu else n)) * 2
         t = graph_time_per_call(lambda w: lambda: fused(x, res, None, eps, w), weights)
-        t_split = graph_time_per_call(lambda w: lambda: unfused(w, T.linear), weights)
+        t_split = graph_time_per_call(lambda w: lambda: unfused(w, gemv.linear), weights)
         t_cublas = graph_time_per_call(lambda w: lambda: unfused(w, lambda h, w_: h @ w_.t()), weights)
         rows.append((f"one-row add-and-norm + {name}, fused", f"1 x {H} -> {n}", t, f"{nbytes / t / 1e12:.2f} TB/s",
                      f"{nbytes / t / bw:.0%} of copy; unfused (norm kernel, linear's pick) {t_split * 1e6:.1f} us = "
                      f"{t_split / t:.2f}x ours; norm + cuBLAS {t_cublas * 1e6:.1f} us = {t_cublas / t:.2f}x ours"))
         for config in NORM_GEMV_SWEEP if sweep else ():
             try:
-                t = graph_time_per_call(lambda w: lambda: T.norm_gemv(x, res, None, eps, w, n // 2 if silu else 0,
-                                                                      config), weights)
+                t = graph_time_per_call(lambda w: lambda: gemv.norm_gemv(x, res, None, eps, w, n // 2 if silu else 0,
+                                                                      config=config), weights)
             except OutOfResources:
                 continue
             rows.append((f"one-row add-and-norm + {name}, fused, config {config}", f"1 x {H} -> {n}", t,
@@ -196,7 +196,7 @@ def run(size: str, sweeps=SWEEPS, sections=SECTIONS) -> list[tuple]:
     for n in (1, 64, 4096) if "decode" in sections else ():
         x, r = torch.randn(n, H, device=dev, dtype=bf), torch.randn(n, H, device=dev, dtype=bf)
         w = torch.randn(H, device=dev, dtype=bf)
-        memory_row("add_rms_norm", f"{n}x{H}", lambda: T.add_rms_norm(x, r, w, 1e-6), 4 * n * H * 2)
+        memory_row("add_rms_norm", f"{n}x{H}", lambda: norm.add_rms_norm(x, r, w, 1e-6), 4 * n * H * 2)
 
     hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     C = 2 * hk * dk + hv * dv
@@ -224,23 +224,23 @@ def decode_gdn(rows, memory_row, sweeps, mixed, a, b, A_log, dt_bias, state, slo
     N, C = mixed.shape
     hv = a.shape[1]
     state_bytes = 2 * N * hv * dk * dv * 4
-    t_ours = memory_row("gdn_decode (fused)", f"batch {N}, Hv {hv}", lambda: T.gdn_decode(
+    t_ours = memory_row("gdn_decode (fused)", f"batch {N}, Hv {hv}", lambda: gdn.gdn_decode(
         mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv), state_bytes, "(state traffic; target 80%)")
 
     for block_v in (16, 32, 64) if "decode" in sweeps else ():  # the sweep behind the default (64, 4 warps)
         for warps in (2, 4, 8):
-            memory_row(f"gdn_decode block_v={block_v} warps={warps}", f"batch {N}", lambda: T.gdn_decode(
-                mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv, block_v, warps), state_bytes)
+            memory_row(f"gdn_decode block_v={block_v} warps={warps}", f"batch {N}", lambda: gdn.gdn_decode(
+                mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv, block_v=block_v, num_warps=warps), state_bytes)
 
-    memory_row("conv1d_decode", f"batch {N}, C {C}", lambda: T.conv1d_decode(mixed, wc, conv_state, slots),
+    memory_row("conv1d_decode", f"batch {N}, C {C}", lambda: conv1d.conv1d_decode(mixed, wc, conv_state, slots),
                N * C * 2 * (3 * 2 + 2))
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
     except ImportError:
         rows.append(("fla-core", "not installed", float("nan"), "", "no GDN comparison"))
         return
-    q, k, v = R.gdn_split_qkv(mixed, hk, dk, hv, dv)
-    g, beta = R.gdn_gates(a, b, A_log, dt_bias)
+    q, k, v = gdn.gdn_split_qkv(mixed, hk, dk, hv, dv)
+    g, beta = gdn.gdn_gates(a, b, A_log, dt_bias)
     qf, kf, vf = (x.to(torch.bfloat16)[None] for x in (q / dk**-0.5, k, v))
     s0 = state[:N].clone()
     t_fla = bench(lambda: fused_recurrent_gated_delta_rule(qf.transpose(0, 1), kf.transpose(0, 1),
@@ -270,7 +270,7 @@ def gdn_prefill_case(cfg, dev="cuda", seed=0) -> dict:
 def gdn_prefill_reference(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 reference's output and final slot states for `case` (which is left as it was)."""
     state = case["ssm_state"].clone()
-    out = R.gdn_prefill(**dict(case, ssm_state=state, mixed=case["mixed"].float()))
+    out = gdn.gdn_prefill_reference(**dict(case, ssm_state=state, mixed=case["mixed"].float()))
     return out, state
 
 
@@ -296,7 +296,7 @@ def fla_prefill(chunk_gated_delta_rule, mixed, a, b, A_log, dt_bias, ssm_state, 
     q, k, v = mixed.split([num_k_heads * head_k_dim, num_k_heads * head_k_dim, hv * head_v_dim], dim=-1)
     group = hv // num_k_heads
     q, k = (x.unflatten(1, (num_k_heads, head_k_dim)).repeat_interleave(group, dim=1)[None] for x in (q, k))
-    g, beta = R.gdn_gates(a, b, A_log, dt_bias)
+    g, beta = gdn.gdn_gates(a, b, A_log, dt_bias)
     out, final = chunk_gated_delta_rule(q, k, v.unflatten(1, (hv, head_v_dim))[None], g=g[None], beta=beta[None],
                                         scale=head_k_dim**-0.5, initial_state=ssm_state[slots],
                                         output_final_state=True, use_qk_l2norm_in_kernel=True,
@@ -309,8 +309,8 @@ def prefill_accuracy(cfg, rows, chunk_gated_delta_rule) -> None:
     case = gdn_prefill_case(cfg)
     reference = gdn_prefill_reference(case)
     shape = "4 requests, 2765 tokens"
-    for mode in T.GDN_FACTOR_MODES:
-        out_err, state_err = gdn_prefill_errors(case, lambda **c: T.gdn_prefill(**c, factors=mode), reference)
+    for mode in GDN_FACTOR_MODES:
+        out_err, state_err = gdn_prefill_errors(case, lambda **c: gdn.gdn_prefill(**c, factors=mode), reference)
         rows.append((f"gdn_prefill accuracy, factors {mode}", shape, None, "",
                      f"error vs fp32 reference: output {out_err:.1e}, state {state_err:.1e}"))
     out_err, state_err = gdn_prefill_errors(case, lambda **c: fla_prefill(chunk_gated_delta_rule, **c), reference)
@@ -325,16 +325,16 @@ def scan_layouts(rows, mixed, a, b, A_log, dt_bias, hk, dk, dv) -> None:
     tiles = GDN_SCAN_SWEEP[:4]  # both of gdn_scan_config's, and each with the other block and stage count
     for requests in (1, 2, 4, 16, 64):
         cu = [L // requests * r for r in range(requests + 1)]
-        chunks = R.GdnChunks.build(cu, mixed.device)
+        chunks = gdn.GdnChunks.build(cu, mixed.device)
         cu_t = torch.tensor(cu, device=mixed.device, dtype=torch.int32)
         slots = torch.arange(requests, device=mixed.device)
         pool = torch.zeros(requests + 1, hv, dk, dv, device=mixed.device)
         times = {}
         for tile in tiles:
-            split = kernel_split(lambda: T.gdn_prefill(mixed, a, b, A_log, dt_bias, pool, cu_t, slots, hk, dk, dv,
+            split = kernel_split(lambda: gdn.gdn_prefill(mixed, a, b, A_log, dt_bias, pool, cu_t, slots, hk, dk, dv,
                                                        chunks, scan_config=tile))
             times[tile] = dict(split)["_gdn_chunk_scan_out_kernel"]
-        chosen = T.gdn_scan_config(requests, hv, dv, mixed.device)
+        chosen = gdn.gdn_scan_config(requests, hv, dv, mixed.device)
         rows.append((f"gdn_prefill state pass, {requests} x {L // requests} tokens", "tiles " + ", ".join(
             f"{tile}: {seconds * 1e6:.1f}" for tile, seconds in times.items()), times[chosen], "",
             f"chosen {chosen}, {times[chosen] / min(times.values()):.2f}x the fastest"))
@@ -353,29 +353,29 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
         ap, bp = torch.randn(L, hv, device=dev, dtype=bf), torch.randn(L, hv, device=dev, dtype=bf)
         cu = torch.tensor([0, L], device=dev, dtype=torch.int32)
         one = torch.tensor([0], device=dev)
-        chunks = R.GdnChunks.build([0, L], dev)  # built with the batch, as the forward does
+        chunks = gdn.GdnChunks.build([0, L], dev)  # built with the batch, as the forward does
         pool = torch.zeros(2, hv, dk, dv, device=dev)
-        t_pre = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, chunks))
-        for name, seconds in kernel_split(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk,
+        t_pre = bench(lambda: gdn.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, chunks))
+        for name, seconds in kernel_split(lambda: gdn.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk,
                                                                 dk, dv, chunks)):
             rows.append((f"gdn_prefill phase {name[:40]}", f"{L} tokens", seconds, "", ""))
         for kind, sweep in (("scan", GDN_SCAN_SWEEP), ("prep", GDN_PREP_SWEEP)):
             for config in sweep if kind in sweeps else ():
-                t = bench(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, chunks,
+                t = bench(lambda: gdn.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv, chunks,
                                                 **{f"{kind}_config": config}))
-                fits = not T._PREFILL_FALLBACK  # a config that does not fit turns the torch fallback on: undo it
-                T._PREFILL_FALLBACK.clear()
+                fits = not gdn._PREFILL_FALLBACK  # a config that does not fit turns the torch fallback on: undo it
+                gdn._PREFILL_FALLBACK.clear()
                 rows.append((f"gdn_prefill {kind} config {config}", f"{L} tokens", t if fits else float("nan"), "",
                              "" if fits else "does not fit this GPU"))
         if "scan" in sweeps:
             scan_layouts(rows, mixed_p, ap, bp, A_log, dt_bias, hk, dk, dv)
-        qp, kp, vp = R.gdn_split_qkv(mixed_p, hk, dk, hv, dv)
-        gp, betap = R.gdn_gates(ap, bp, A_log, dt_bias)
+        qp, kp, vp = gdn.gdn_split_qkv(mixed_p, hk, dk, hv, dv)
+        gp, betap = gdn.gdn_gates(ap, bp, A_log, dt_bias)
         qp, kp, vp = ((x / dk**-0.5 if i == 0 else x).to(bf)[None] for i, x in enumerate((qp, kp, vp)))
         t_fla_pre = bench(lambda: chunk_gated_delta_rule(qp, kp, vp, g=gp[None], beta=betap[None], scale=dk**-0.5,
                                                          initial_state=pool[:1], output_final_state=True,
                                                          cu_seqlens=cu.long()))
-        k_pre = kernel_time(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv,
+        k_pre = kernel_time(lambda: gdn.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv,
                                                   chunks))
         k_fla = kernel_time(lambda: chunk_gated_delta_rule(qp, kp, vp, g=gp[None], beta=betap[None], scale=dk**-0.5,
                                                            initial_state=pool[:1], output_final_state=True,
@@ -394,8 +394,8 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
             rows.append((f"fla phase {name[:40]}", f"{L} tokens", seconds, "", ""))
         rows.append((f"fla phase: {len(fla_split) - 4} other kernels", f"{L} tokens",
                      sum(seconds for _, seconds in fla_split[4:]), "", ""))
-        for mode in T.GDN_FACTOR_MODES:
-            k_mode = kernel_time(lambda: T.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv,
+        for mode in GDN_FACTOR_MODES:
+            k_mode = kernel_time(lambda: gdn.gdn_prefill(mixed_p, ap, bp, A_log, dt_bias, pool, cu, one, hk, dk, dv,
                                                        chunks, factors=mode))
             rows.append((f"gdn_prefill kernel time, factors {mode}", f"{L} tokens", k_mode, "",
                          f"ours/fla kernel time {k_mode / k_fla:.2f}"))
@@ -414,9 +414,9 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
         ctx3 = torch.tensor([ctx_len], device=dev)
         fl = 4 * nh * D * (L * ctx_len + L * L / 2)  # QK^T and PV over the causal half
         for config in PREFILL_ATTN_SWEEP if ctx_len == 0 and "attention" in sweeps else ():
-            t = bench(lambda: T.prefill_attention(qp, kc3, vc3, table3, cu3, ctx3, D**-0.5, config=config))
+            t = bench(lambda: attention.prefill_attention(qp, kc3, vc3, table3, cu3, ctx3, D**-0.5, config=config))
             rows.append((f"prefill_attention config {config}", f"{L} tokens", t, f"{fl / t / 1e12:.0f} TFLOP/s", ""))
-        t = bench(lambda: T.prefill_attention(qp, kc3, vc3, table3, cu3, ctx3, D**-0.5))
+        t = bench(lambda: attention.prefill_attention(qp, kc3, vc3, table3, cu3, ctx3, D**-0.5))
         kk = kc3[:-1].flatten(0, 1).transpose(0, 1)[None]  # peer: torch SDPA on contiguous K/V, no paging
         vv = vc3[:-1].flatten(0, 1).transpose(0, 1)[None]
         qq = qp.transpose(0, 1)[None]
@@ -433,18 +433,18 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
     mixed_long = torch.randn(L, C, device=dev, dtype=bf)
     conv_pool = torch.randn(3, 3, C, device=dev, dtype=bf)
     cu1, slot1 = torch.tensor([0, L], device=dev, dtype=torch.int32), torch.tensor([1], device=dev)
-    memory_row("conv1d_prefill", f"{L} tokens, C {C}", lambda: T.conv1d_prefill(mixed_long, wc, conv_pool, cu1, slot1),
+    memory_row("conv1d_prefill", f"{L} tokens, C {C}", lambda: conv1d.conv1d_prefill(mixed_long, wc, conv_pool, cu1, slot1),
                L * C * 2 * 2, "(input + output)")
 
     T_ = 4096
-    cos, sin = R.rope_tables(cfg.rotary_dim, cfg.rope_theta, 8192, device=dev)
+    cos, sin = attention.rope_tables(cfg.rotary_dim, cfg.rope_theta, 8192, device=dev)
     qkv = torch.randn(T_, (2 * nh + 2 * nkv) * D, device=dev, dtype=bf)
     qn, kn = torch.randn(D, device=dev, dtype=bf), torch.randn(D, device=dev, dtype=bf)
     pos = torch.arange(T_, device=dev)
     kc2 = torch.empty(T_ // 16 + 1, 16, nkv, D, device=dev, dtype=bf)
     vc2 = torch.empty_like(kc2)
     mapping = torch.arange(T_, device=dev)
-    memory_row("qk_norm_rope_cache", f"{T_} tokens", lambda: T.qk_norm_rope_cache(
+    memory_row("qk_norm_rope_cache", f"{T_} tokens", lambda: attention.qk_norm_rope_cache(
         qkv, qn, kn, 1e-6, pos, cos, sin, kc2, vc2, mapping, nh, nkv), T_ * (2 * nh + 4 * nkv) * D * 2)
 
 
@@ -459,14 +459,14 @@ def decode_attention(cfg, rows, memory_row):
     table = torch.randperm(pages, device=dev).view(N, ctx // 16).to(torch.int32)
     lens = torch.full((N,), ctx, device=dev)
     memory_row("decode_attention (split-K)", f"batch {N} x {ctx} ctx, group {nh // nkv}",
-               lambda: T.decode_attention(q, kc, vc, table, lens, D**-0.5), 2 * N * ctx * nkv * D * 2,
+               lambda: attention.decode_attention(q, kc, vc, table, lens, D**-0.5), 2 * N * ctx * nkv * D * 2,
                "(KV traffic; target 75%)")
     for n, ctx in ((1, 1024), (64, 1024)):  # the decode benchmark's shapes (page tables 2048 tokens wide)
         q = torch.randn(n, nh, D, device=dev, dtype=bf)
         table = torch.randperm(pages, device=dev)[: n * 128].view(n, 128).to(torch.int32)
         lens = torch.full((n,), ctx, device=dev)
-        t = triton.testing.do_bench_cudagraph(lambda: T.decode_attention(q, kc, vc, table, lens, D**-0.5)) / 1e3
-        rows.append((f"decode_attention, {T.decode_splits(n, nkv, 128 * 16, dev)} splits (graph replay)",
+        t = triton.testing.do_bench_cudagraph(lambda: attention.decode_attention(q, kc, vc, table, lens, D**-0.5)) / 1e3
+        rows.append((f"decode_attention, {attention.decode_splits(n, nkv, 128 * 16, dev)} splits (graph replay)",
                      f"batch {n} x {ctx} ctx", t, f"{2 * n * ctx * nkv * D * 2 / t / 1e12:.2f} TB/s", ""))
 
 
@@ -511,7 +511,7 @@ def sampling(cfg, rows, sweeps):
         t_eager = bench(lambda: draw(logits, p, top_p_rounds=rounds))
         # with the reference's redraw of flagged rows
         t_engine = bench(lambda: sample_on_gpu(logits, p, top_p_alone=rounds > 0))
-        t_ref = bench(lambda: sample(logits, p, all_greedy=kw["temperature"] == 0, max_top_k=kw.get("top_k", 0)))
+        t_ref = bench(lambda: sample_reference(logits, p, all_greedy=kw["temperature"] == 0, max_top_k=kw.get("top_k", 0)))
         rows.append((f"sampling, {name}, {MAX_CANDIDATES} candidates (ours, graph replay)", f"batch {n} x {V}", t_gpu,
                      f"{logits.nbytes / t_gpu / 1e12:.2f} TB/s",
                      f"target <= 100 us; eager call {t_eager * 1e6:.0f} us; "

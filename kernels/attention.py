@@ -1,0 +1,392 @@
+"""Gated attention over the paged KV cache: partial RoPE and the cache write, decode (split-K) and prefill (flash)
+attention. The torch references, then the Triton kernels."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import DEFAULT, KernelConfig
+from .launch import _pow2, multiprocessors, pdl_options, wait_for_previous_kernel
+from .norm import rms_norm_reference
+
+
+# Torch references
+
+
+def rope_tables(rotary_dim: int, theta: float, max_positions: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_positions, rotary_dim // 2] in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+    freqs = torch.arange(max_positions, dtype=torch.float32, device=device)[:, None] * inv_freq[None]
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotate-half on the first rotary_dim dims of each head. x [T, heads, D]."""
+    half = cos.shape[1]
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    xf = x.float()
+    x1, x2, rest = xf[..., :half], xf[..., half : 2 * half], xf[..., 2 * half :]
+    rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
+    return rotated.to(x.dtype)
+
+
+def rope_and_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate q and k, write k and v into the paged cache at `slot_mapping`; returns the rotated q."""
+    q = apply_rope(q, positions, cos, sin)
+    k = apply_rope(k, positions, cos, sin)
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    return q
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Views of a fused [q_proj | k_proj | v_proj] row: query and gate [T, nH, D] (each head's q_proj rows are
+    [query | gate]), k and v [T, nKV, D]."""
+    T, D = qkv.shape[0], head_dim
+    qg = qkv[:, : num_heads * 2 * D].view(T, num_heads, 2 * D)
+    k = qkv[:, num_heads * 2 * D : (num_heads * 2 + num_kv_heads) * D].view(T, num_kv_heads, D)
+    v = qkv[:, (num_heads * 2 + num_kv_heads) * D :].view(T, num_kv_heads, D)
+    return qg[..., :D], qg[..., D:], k, v
+
+
+def qk_norm_rope_cache_reference(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """From the fused projection: q_norm/k_norm, RoPE, the paged K/V write; returns the rotated query [T, nH, D]."""
+    q, _, k, v = split_qkv(qkv, num_heads, num_kv_heads, q_norm.shape[0])
+    return rope_and_cache(rms_norm_reference(q, q_norm, eps), rms_norm_reference(k, k_norm, eps), v, positions, cos, sin, k_cache,
+                          v_cache, slot_mapping)
+
+
+def apply_output_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Gated attention: o * sigmoid(gate), in fp32, rounded once."""
+    return (o.float() * torch.sigmoid(gate.float())).to(o.dtype)
+
+
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one request, [length, n_kv, D]."""
+    return cache[pages].reshape(-1, *cache.shape[2:])[:length]
+
+
+def prefill_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens over its cached context plus themselves (paged KV).
+
+    q [T, nH, D]; the new tokens' K/V must already be in the cache. context_lens [R]: tokens before this chunk.
+    """
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    page_size = k_cache.shape[1]
+    bounds, contexts = cu_seqlens.tolist(), context_lens.tolist()
+    for r in range(len(contexts)):
+        s, e = bounds[r], bounds[r + 1]
+        total = contexts[r] + (e - s)
+        pages = page_table[r, : (total + page_size - 1) // page_size].long()
+        keys = _gather_pages(k_cache, pages, total).float().repeat_interleave(group, dim=1)
+        values = _gather_pages(v_cache, pages, total).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,shd->hts", q[s:e].float(), keys) * scale
+        query_pos = torch.arange(contexts[r], total, device=q.device)[:, None]
+        mask = torch.arange(total, device=q.device)[None, :] > query_pos
+        probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+        out[s:e] = torch.einsum("hts,shd->thd", probs, values).to(q.dtype)
+    return out
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per row over its first seq_lens[n] cached tokens, times sigmoid(gate) when given.
+    q, gate [N, nH, D]; page_table [N, P]."""
+    N, nH, D = q.shape
+    n_kv = k_cache.shape[2]
+    group = nH // n_kv
+    keys = k_cache[page_table.long()].reshape(N, -1, n_kv, D).float()  # [N, P*page, n_kv, D]
+    values = v_cache[page_table.long()].reshape(N, -1, n_kv, D).float()
+    qg = q.float().reshape(N, n_kv, group, D)
+    scores = torch.einsum("nkgd,nskd->nkgs", qg, keys) * scale
+    positions = torch.arange(keys.shape[1], device=q.device)
+    scores = scores.masked_fill(positions[None, None, None, :] >= seq_lens[:, None, None, None], float("-inf"))
+    out = torch.einsum("nkgs,nskd->nkgd", scores.softmax(-1), values).reshape(N, nH, D)
+    if gate is not None:
+        out = out * torch.sigmoid(gate.float())
+    return out.to(q.dtype)
+
+
+# From the fused q/k/v projection: q_norm/k_norm, partial RoPE (NeoX rotate-half on the first rotary dims) and
+# the paged K/V write, one program per (token, head).
+
+
+@triton.jit
+def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, map_ptr, qo_ptr,
+                               row_stride, NQ, NKV, eps, HALF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                               PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    partner = tl.where(d < HALF, d + HALF, d - HALF)
+    rot = d < 2 * HALF
+    idx = tl.where(rot, d % HALF, 0)
+    c = tl.load(cos_ptr + pos * HALF + idx, mask=rot, other=1.0)
+    s = tl.load(sin_ptr + pos * HALF + idx, mask=rot, other=0.0)
+    s = tl.where(d < HALF, -s, s)
+    row = qkv_ptr + t * row_stride
+    if head < NQ:
+        src = row + head * 2 * D  # each q_proj head is [query | gate]
+        w_ptr = qn_ptr
+    else:
+        src = row + NQ * 2 * D + (head - NQ) * D
+        w_ptr = kn_ptr
+    x = tl.load(src + d, mask=dmask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    normed = (x * inv * (1.0 + tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)))
+    normed = normed.to(qo_ptr.dtype.element_ty).to(tl.float32)  # the norm's output is in the model dtype
+    xp = tl.load(src + partner, mask=rot & dmask, other=0.0).to(tl.float32)
+    normed_p = xp * inv * (1.0 + tl.load(w_ptr + partner, mask=rot & dmask, other=0.0).to(tl.float32))
+    normed_p = normed_p.to(qo_ptr.dtype.element_ty).to(tl.float32)
+    y = tl.where(rot, normed * c + normed_p * s, normed)
+    if head < NQ:
+        tl.store(qo_ptr + (t * NQ + head) * D + d, y.to(qo_ptr.dtype.element_ty), mask=dmask)
+    else:
+        kh = head - NQ
+        dest = tl.load(map_ptr + t).to(tl.int64)
+        tl.store(kc_ptr + (dest * NKV + kh) * D + d, y.to(kc_ptr.dtype.element_ty), mask=dmask)
+        vv = tl.load(row + NQ * 2 * D + NKV * D + kh * D + d, mask=dmask, other=0.0)
+        tl.store(vc_ptr + (dest * NKV + kh) * D + d, vv.to(vc_ptr.dtype.element_ty), mask=dmask)
+
+
+def qk_norm_rope_cache(qkv, q_norm, k_norm, eps, positions, cos, sin, k_cache, v_cache, slot_mapping,
+                       num_heads: int, num_kv_heads: int, cfg: KernelConfig = DEFAULT):
+    T, D = qkv.shape[0], q_norm.shape[0]
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    out = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
+    _qk_norm_rope_cache_kernel[(T, num_heads + num_kv_heads)](
+        qkv, q_norm, k_norm, positions, cos, sin, k_cache, v_cache, slot_mapping, out, qkv.stride(0),
+        num_heads, num_kv_heads, eps, HALF=cos.shape[1], D=D, BLOCK_D=_pow2(D), **pdl_options(qkv.device, cfg.pdl))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decode attention over paged KV, split-K (flash decoding), any GQA group; a second kernel merges the splits.
+# Program (row, kv head, split): all query heads of the group at once, 64 cached tokens per iteration. Each row's
+# actual length is shared out evenly over the splits when the kernel runs, so a graph captured with a fixed
+# split count still spreads a short context over many programs; the count is chosen to fill the GPU.
+
+
+@triton.jit
+def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, part_o_ptr, part_ml_ptr,
+                        NH, NKV, WIDTH, scale,
+                        GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
+                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(len_ptr + row)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gmask, dmask = g < GROUP, d < D
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + (row * NH + heads[:, None]) * D + d[None, :], mask=gmask[:, None] & dmask[None, :],
+                other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    share = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * share
+    stop = tl.minimum(start + share, seq_len)
+    for t0 in range(start, stop, BLOCK_N):
+        tok = t0 + tl.arange(0, BLOCK_N)
+        tmask = tok < stop
+        page = tl.load(table_ptr + row * WIDTH + tok // PAGE, mask=tmask, other=0).to(tl.int64)
+        flat = page * PAGE + tok % PAGE
+        kv_off = (flat[:, None] * NKV + kvh) * D + d[None, :]
+        kvmask = tmask[:, None] & dmask[None, :]
+        kt = tl.load(kc_ptr + kv_off, mask=kvmask, other=0.0)
+        s = tl.dot(q, tl.trans(kt), input_precision=PRECISION).to(tl.float32) * scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        vt = tl.load(vc_ptr + kv_off, mask=kvmask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION).to(tl.float32)
+        m = m_new
+    base = (row * NH + heads) * SPLITS + split
+    tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+    tl.store(part_ml_ptr + base * 2, m, mask=gmask)
+    tl.store(part_ml_ptr + base * 2 + 1, l, mask=gmask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, gate_ptr, NH, gate_row_stride, gate_head_stride,
+                         D: tl.constexpr, SPLITS: tl.constexpr, HAS_GATE: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
+    rh = tl.program_id(0).to(tl.int64)  # row * NH + head
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask, dmask = s < SPLITS, d < D
+    m = tl.load(part_ml_ptr + (rh * SPLITS + s) * 2, mask=smask, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (rh * SPLITS + s) * 2 + 1, mask=smask, other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)
+    o = tl.load(part_o_ptr + (rh * SPLITS + s[:, None]) * D + d[None, :], mask=smask[:, None] & dmask[None, :],
+                other=0.0)
+    total = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    if HAS_GATE:  # gated attention: o * sigmoid(gate)
+        gate = tl.load(gate_ptr + (rh // NH) * gate_row_stride + (rh % NH) * gate_head_stride + d, mask=dmask,
+                       other=0.0).to(tl.float32)
+        total = total / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + rh * D + d, total.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+DECODE_ATTN_BLOCK_N = 64  # cached tokens per iteration
+MAX_DECODE_SPLITS = 64
+
+
+def decode_splits(rows: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
+    """Splits per (row, kv head): enough programs for two per multiprocessor, no more than the longest
+    possible context can use."""
+    wanted = _pow2(triton.cdiv(2 * multiprocessors(device), rows * kv_heads))
+    return max(1, min(wanted, MAX_DECODE_SPLITS, triton.cdiv(max_tokens, DECODE_ATTN_BLOCK_N)))
+
+
+def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, gate=None, cfg: KernelConfig = DEFAULT,
+                     splits: int | None = None):
+    N, NH, D = q.shape
+    NKV, PAGE = k_cache.shape[2], k_cache.shape[1]
+    group = NH // NKV
+    width = page_table.shape[1]
+    splits = splits or decode_splits(N, NKV, width * PAGE, q.device)
+    part_o = torch.empty(N, NH, splits, D, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(N, NH, splits, 2, dtype=torch.float32, device=q.device)
+    _decode_attn_kernel[(N, NKV, splits)](
+        q.contiguous(), k_cache, v_cache, page_table, seq_lens, part_o, part_ml,
+        NH, NKV, width, scale,
+        GROUP=group, D=D, PAGE=PAGE, SPLITS=splits, BLOCK_G=max(16, _pow2(group)), BLOCK_D=_pow2(D),
+        BLOCK_N=DECODE_ATTN_BLOCK_N,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, **pdl_options(q.device, cfg.pdl),
+    )
+    out = torch.empty_like(q)
+    if gate is not None and gate.stride(2) != 1:
+        gate = gate.contiguous()
+    _merge_splits_kernel[(N * NH,)](
+        part_o, part_ml, out, gate if gate is not None else out, NH, gate.stride(0) if gate is not None else 0,
+        gate.stride(1) if gate is not None else 0, D=D, SPLITS=splits, HAS_GATE=gate is not None,
+        BLOCK_S=_pow2(splits), BLOCK_D=_pow2(D), **pdl_options(q.device, cfg.pdl))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Prefill attention (flash attention over paged KV): packed variable-length chunks, each causal over its cached
+# context plus itself. Program (query block, query head); request r owns program blocks from cu[r] // BLOCK_M + r,
+# which leaves room for its cdiv(len, BLOCK_M) blocks without a host-side block table.
+
+
+@triton.jit
+def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, R, NH, NKV, table_width,
+                         q_row_stride, scale, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    p, head = tl.program_id(0), tl.program_id(1)
+    rs = tl.arange(0, BLOCK_R)
+    first_block = tl.load(cu_ptr + rs, mask=rs < R, other=0) // BLOCK_M + rs
+    r = tl.sum(((first_block <= p) & (rs < R)).to(tl.int32), 0) - 1
+    start, stop = tl.load(cu_ptr + r), tl.load(cu_ptr + r + 1)
+    q0 = start + (p - (start // BLOCK_M + r)) * BLOCK_M  # this program's block within request r
+    if q0 < stop:
+        ctx = tl.load(ctx_ptr + r)
+        kvh = head // GROUP
+        m_idx = q0 + tl.arange(0, BLOCK_M)
+        q_live = m_idx < stop
+        q_pos = ctx + m_idx - start  # absolute positions of the queries
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        q = tl.load(q_ptr + m_idx.to(tl.int64)[:, None] * q_row_stride + head * D + d[None, :],
+                    mask=q_live[:, None] & dmask[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        kv_end = ctx + tl.minimum(q0 + BLOCK_M, stop) - start  # keys past the block's last query are masked anyway
+        for n0 in range(0, kv_end, BLOCK_N):
+            k_pos = n0 + tl.arange(0, BLOCK_N)
+            k_live = k_pos < kv_end
+            page = tl.load(table_ptr + r.to(tl.int64) * table_width + k_pos // PAGE, mask=k_live, other=0).to(tl.int64)
+            kv_at = ((page * PAGE + k_pos % PAGE) * NKV + kvh) * D
+            kv_mask = k_live[:, None] & dmask[None, :]
+            k = tl.load(kc_ptr + kv_at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(vc_ptr + kv_at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # log2 units: scale has log2(e)
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_live[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.exp2(m_i - m_new)
+            probs = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(probs, 1)
+            acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (m_idx.to(tl.int64)[:, None] * NH + head) * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=q_live[:, None] & dmask[None, :])
+
+
+def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale: float,
+                      cfg: KernelConfig = DEFAULT, config=None):
+    """Same contract as prefill_attention_reference; no host synchronisation, no score matrix in memory.
+    `config` overrides cfg.prefill_attention_tile (the benchmark sweeps it)."""
+    T_, NH, D = q.shape
+    NKV, PAGE = k_cache.shape[2], k_cache.shape[1]
+    R = context_lens.shape[0]
+    out = torch.empty(T_, NH, D, dtype=q.dtype, device=q.device)
+    if q.stride(2) != 1 or q.stride(1) != D:
+        q = q.contiguous()
+    block_m, block_n, warps, stages = config or cfg.prefill_attention_tile
+    _prefill_attn_kernel[(T_ // block_m + R, NH)](
+        q, k_cache, v_cache, page_table, cu_seqlens, context_lens, out, R, NH, NKV, page_table.shape[1],
+        q.stride(0), scale * 1.4426950408889634, GROUP=NH // NKV, D=D, PAGE=PAGE, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=_pow2(D), BLOCK_R=max(2, _pow2(R + 1)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages)
+    return out

@@ -1,0 +1,87 @@
+"""Launch choices of the Triton ops, as data: one frozen `KernelConfig` is handed to the op set
+(`kernels.ops.triton_ops(config)`) and from there to every op; nothing reads a module global. Benchmarks and tests
+make their own with `dataclasses.replace`. Plain Python: the runtime can name it without importing torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Tile(NamedTuple):
+    """A loop-over-K GEMV's tile: BLOCK_N output rows a program, BLOCK_K columns an iteration."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+class WholeRows(NamedTuple):
+    """The whole-rows GEMV's launch configuration."""
+
+    rows: int  # weight rows a program (gate rows, with as many up rows, for silu(gate) * up)
+    warps: int
+
+
+GDN_FACTOR_MODES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    # Programmatic dependent launch for the decode kernels and the sampler's passes (kernels/launch.py).
+    pdl: bool = True
+
+    # One-row projections (batch-1 decode): our GEMVs instead of cuBLAS, which reaches about half the copy bandwidth
+    # on small matrices at one row. Off also unfuses the input norms.
+    gemv_one_row: bool = True
+    # Whole rows: a program loads its few weight rows in full, as two power-of-two spans (K = K1 + K2), and reduces
+    # once, so all its loads are in flight together; it takes the narrowing projections whose K splits so. Off: the
+    # loop over K tiles takes every one-row projection.
+    whole_rows: bool = True
+    gemv_whole_rows: WholeRows = WholeRows(1, 4)
+    gemv_tile: Tile = Tile(2, 2048, 2, 2)
+    # A widening projection of an input narrower than `wide_input_k` has few columns to stream per row: more rows a
+    # program keep it busy.
+    gemv_narrow_widening_tile: Tile = Tile(4, 512, 4, 2)
+    wide_input_k: int = 4096
+
+    # The block's input add-and-norm fused into the one-row projection that reads it (and silu(gate) * up into the
+    # MLP's epilogue). Every program reloads the input, the residual and the norm weight, which on wide inputs costs
+    # what the saved launches give back, so only inputs narrower than `wide_input_k` are fused.
+    fused_norm: bool = True
+    # Two rows a program (two gate and two up rows with silu) in four warps: the fastest of the H200 sweep on every
+    # node it ran on (two warps won on one node and lost on another).
+    norm_gemv_whole_rows: WholeRows = WholeRows(2, 4)
+    norm_gemv_silu_whole_rows: WholeRows = WholeRows(2, 4)
+    norm_gemv_tile: Tile = Tile(4, 512, 4, 2)
+    # BLOCK_N gate rows and as many up rows; a shorter K tile with a third stage beat (8, 512, 4, 2) on the H200.
+    norm_gemv_silu_tile: Tile = Tile(8, 256, 4, 3)
+
+    # Prefill attention (BLOCK_M, BLOCK_N, warps, stages): the fastest of the H200 sweep at head dim 256.
+    prefill_attention_tile: tuple[int, int, int, int] = (128, 64, 8, 3)
+
+    # Chunked GDN prefill, prep kernel (warps, stages, column block, register cap). Uncapped it takes 255 registers
+    # a thread, two programs an SM; 168 lets three programs of four warps share the 64K registers, and the little it
+    # spills costs less than the occupancy gives.
+    gdn_prep: tuple[int, int, int, int] = (4, 1, 64, 168)
+    # State pass (block of dv, warps, stages). Its programs walk their request's chunks one after another, so a batch
+    # of few long requests is bound by that walk's latency: narrow blocks pay while every program runs at once;
+    # otherwise wide blocks (k, q, Kd and P read half as often) do.
+    gdn_scan_narrow: tuple[int, int, int] = (32, 4, 3)
+    gdn_scan_wide: tuple[int, int, int] = (64, 4, 3)
+    # fp32 factors take the wide block with two stages: three stages of fp32 tiles outgrow shared memory at the
+    # widest heads, and 32-wide blocks with fp32 factors in a bf16 model gave NaN outputs under Triton 3.6.
+    gdn_scan_fp32_factors: tuple[int, int, int] = (64, 4, 2)
+    # The precision of the WY factors Kd and W in a bf16 model. "bf16": formed from the inverse rounded to bf16,
+    # stored in bf16 and applied to the state rounded to bf16 (the state itself stays fp32), as fla-core does, 1.4x
+    # faster at the 27B heads. "fp32": fp32 factors and TF32 products, about 5x closer to the fp32 reference in the
+    # final state. An fp32 model always takes "fp32".
+    gdn_factors: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.gdn_factors not in GDN_FACTOR_MODES:
+            raise ValueError(f"gdn_factors must be one of {GDN_FACTOR_MODES}, got {self.gdn_factors!r}")
+
+
+DEFAULT = KernelConfig()

@@ -1,0 +1,166 @@
+"""Causal depthwise conv1d + SiLU over the conv state [S+1, K-1, C]: the torch references, then the Triton kernels
+for decode and packed prefill."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .config import DEFAULT, KernelConfig
+from .launch import _pow2, pdl_options, wait_for_previous_kernel
+
+
+# Torch references
+
+
+def slot_rows(slots: torch.Tensor, trash: int) -> torch.Tensor:
+    """Map slot -1 (padding) to the pool's trash entry."""
+    return torch.where(slots < 0, torch.full_like(slots, trash), slots)
+
+
+def conv1d_prefill_reference(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """Causal depthwise conv (kernel K) + SiLU over packed requests, each continuing from its slot's conv state.
+
+    x [T, C]; weight [C, K]; conv_state [S+1, K-1, C], updated in place with each request's last K-1 inputs.
+    """
+    K = weight.shape[1]
+    out = torch.empty_like(x)
+    bounds = cu_seqlens.tolist()
+    w = weight.float().t().flip(0)  # [K, C]: row j multiplies the input j steps back
+    for r, slot in enumerate(slots.tolist()):
+        start, stop = bounds[r], bounds[r + 1]
+        window = torch.cat([conv_state[slot].to(x.dtype), x[start:stop]], dim=0).float()  # [K-1+L, C]
+        L = stop - start
+        acc = torch.zeros(L, x.shape[1], dtype=torch.float32, device=x.device)
+        for j in range(K):
+            acc += w[j] * window[K - 1 - j : K - 1 - j + L]
+        out[start:stop] = F.silu(acc).to(x.dtype)
+        conv_state[slot] = window[L:].to(conv_state.dtype)
+    return out
+
+
+def conv1d_decode_reference(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One token per row: x [N, C]; conv_state [S+1, K-1, C] read and written in place through `slots` (-1: none)."""
+    rows = slot_rows(slots, conv_state.shape[0] - 1)
+    window = torch.cat([conv_state.index_select(0, rows).to(x.dtype), x[:, None]], dim=1)  # [N, K, C]
+    acc = (window.float() * weight.float().t()[None]).sum(1)
+    conv_state.index_copy_(0, rows, window[:, 1:].to(conv_state.dtype))
+    return F.silu(acc).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Causal depthwise conv1d + SiLU, decode: conv state [S+1, K-1, C] read and written in place through slots.
+
+
+@triton.jit
+def _conv1d_decode_kernel(x_ptr, w_ptr, state_ptr, slot_ptr, out_ptr, C, x_row_stride, trash,
+                          K: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = cols < C
+    w_last = tl.load(w_ptr + cols * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    slot = tl.load(slot_ptr + row)  # written by the host before the step: safe before the wait
+    wait_for_previous_kernel(PDL)
+    slot = tl.where(slot < 0, trash, slot).to(tl.int64)
+    base = state_ptr + slot * (K - 1) * C
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+    acc = x.to(tl.float32) * w_last
+    for j in tl.static_range(K - 1):
+        prev = tl.load(base + j * C + cols, mask=mask, other=0.0)
+        acc += prev.to(tl.float32) * tl.load(w_ptr + cols * K + j, mask=mask, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(base + (j - 1) * C + cols, prev, mask=mask)  # shift the window left by one
+    tl.store(base + (K - 2) * C + cols, x.to(state_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * C + cols, (acc / (1.0 + tl.exp(-acc))).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
+                  cfg: KernelConfig = DEFAULT):
+    N, C = x.shape
+    K = weight.shape[1]
+    out = torch.empty_like(x)
+    BLOCK_C = 256
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    _conv1d_decode_kernel[(N, triton.cdiv(C, BLOCK_C))](
+        x, weight, conv_state, slots, out, C, x.stride(0), conv_state.shape[0] - 1, K=K, BLOCK_C=BLOCK_C,
+        **pdl_options(x.device, cfg.pdl))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Causal depthwise conv1d + SiLU, prefill over packed requests. Kernel 1, parallel over (block of packed tokens,
+# block of channels): each token finds its request in cu_seqlens and reads the K-1 inputs before it from the packed
+# chunk or, near the request's start, from the slot's conv state. Kernel 2, after it (so no read sees a new state),
+# writes each request's last K-1 inputs back to its slot.
+
+
+@triton.jit
+def _request_of(t, cu_ptr, R, BLOCK_R: tl.constexpr):
+    """Index of the request holding each packed token t (cu_seqlens has R+1 entries)."""
+    r = tl.arange(0, BLOCK_R)
+    ends = tl.load(cu_ptr + 1 + r, mask=r < R, other=2**31 - 1)
+    return tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), 1)
+
+
+@triton.jit
+def _conv1d_prefill_kernel(x_ptr, w_ptr, state_ptr, cu_ptr, slot_ptr, out_ptr, T, C, R, x_row_stride,
+                           K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    live = t < T
+    req = _request_of(t, cu_ptr, R, BLOCK_R)
+    start = tl.load(cu_ptr + req, mask=live, other=0)
+    slot = tl.load(slot_ptr + req, mask=live, other=0).to(tl.int64)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    cmask = cols < C
+    for j in tl.static_range(K):  # input j steps back, weight column K-1-j
+        src = t - j
+        inside = src >= start
+        m = live[:, None] & cmask[None, :]
+        xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=m & inside[:, None], other=0.0)
+        row = K - 1 + src - start  # row of the conv state when the input predates the chunk
+        sv = tl.load(state_ptr + (slot * (K - 1) + row)[:, None] * C + cols[None, :], mask=m & ~inside[:, None],
+                     other=0.0).to(xv.dtype)
+        w = tl.load(w_ptr + cols * K + (K - 1 - j), mask=cmask, other=0.0).to(tl.float32)
+        acc += tl.where(inside[:, None], xv, sv).to(tl.float32) * w[None, :]
+    tl.store(out_ptr + t[:, None] * C + cols[None, :], (acc / (1.0 + tl.exp(-acc))).to(out_ptr.dtype.element_ty),
+             mask=live[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _conv1d_state_kernel(x_ptr, state_ptr, cu_ptr, slot_ptr, C, x_row_stride,
+                         K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start, stop = tl.load(cu_ptr + r), tl.load(cu_ptr + r + 1)
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    m = tl.arange(0, BLOCK_K)  # new state row m is window row L + m: an input of the chunk, or an old state row
+    src = stop - (K - 1) + m
+    inside = src >= start
+    ok = (m < K - 1)[:, None] & (cols < C)[None, :]
+    xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=ok & inside[:, None], other=0.0)
+    old = tl.load(state_ptr + (slot * (K - 1) + (stop - start) + m)[:, None] * C + cols[None, :],
+                  mask=ok & ~inside[:, None], other=0.0)
+    new = tl.where(inside[:, None], xv.to(state_ptr.dtype.element_ty), old)
+    tl.store(state_ptr + (slot * (K - 1) + m)[:, None] * C + cols[None, :], new, mask=ok)
+
+
+def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, cu_seqlens: torch.Tensor,
+                   slots: torch.Tensor, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
+    T, C = x.shape
+    K, R = weight.shape[1], slots.shape[0]
+    out = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    BLOCK_T, BLOCK_C = 32, 128
+    _conv1d_prefill_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C))](
+        x, weight, conv_state, cu_seqlens, slots, out, T, C, R, x.stride(0),
+        K=K, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, BLOCK_R=max(2, _pow2(R)))
+    _conv1d_state_kernel[(R, triton.cdiv(C, BLOCK_C))](
+        x, conv_state, cu_seqlens, slots, C, x.stride(0), K=K, BLOCK_K=max(2, _pow2(K - 1)), BLOCK_C=BLOCK_C)
+    return out

@@ -1,0 +1,65 @@
+"""What the Triton kernels share: launch options (programmatic dependent launch), the device's SM count, and the
+bf16 matmul helper that also runs under the interpreter."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The device's SM count (4 on the CPU, where the interpreter runs the kernels), for sizing grids."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+# The interpreter's tl.dot on bf16 operands returns garbage, so there `_dot_bf16` multiplies the bf16-rounded
+# operands in fp32: the same products (exact in fp32), summed in another order.
+BF16_MMA = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+@triton.jit
+def _dot_bf16(a, b, acc=None):
+    """acc + a @ b on operands rounded to bf16, accumulated in fp32."""
+    a, b = a.to(tl.bfloat16), b.to(tl.bfloat16)
+    if BF16_MMA:
+        return tl.dot(a, b, acc)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+
+# Programmatic dependent launch (sm90+). A decode step is some 230 short kernels; launched with PDL, a kernel's
+# programs start on the SMs the previous kernel's tail leaves idle instead of after a launch gap.
+# The rule that keeps this safe: before `wait_for_previous_kernel` a kernel reads only what no kernel writes (model
+# weights, and the decode slots, which the host writes before the step) and writes nothing. Each kernel lets the
+# next one launch only after its own wait, so at most two kernels overlap. The conv and the GDN decode read their
+# row's slot before the wait, which takes one load off their chain of dependent loads. Reading more before the wait
+# (the layers' state, a projection two kernels back, the attention's lengths and first pages) made the step slower:
+# those loads then wait behind the previous kernel's writes anyway, and hold the SM while they do. Off
+# (`KernelConfig.pdl`), on the CPU and before sm90 every kernel launches plainly.
+
+
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_options(device: torch.device, enabled: bool) -> dict:
+    """Launch options for a kernel with a `PDL` constexpr (one that calls `wait_for_previous_kernel` first)."""
+    return {"PDL": True, "launch_pdl": True} if enabled and _pdl_capable(device) else {}
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """Wait until the previous kernel in the stream has finished and its writes are visible, then let the next
+    kernel launch. A no-op without PDL."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -1,0 +1,87 @@
+"""The op set the forward calls, written down once: `ForwardOps`, with the torch references (`reference_ops`, the
+CPU path and every kernel's oracle) or the Triton kernels under one launch configuration (`triton_ops`).
+
+Conventions every op keeps, whichever implements it:
+- Token tensors are packed over requests: [T, ...], with `cu_seqlens` [R+1] offsets for prefill.
+- State pools carry one extra "trash" entry at the end (slot -1 and padding rows map there), so a padding row
+  reads and writes only memory no request owns, with no data-dependent branching (CUDA-graph safe).
+- Conv state per slot is [K-1, C]: the last K-1 pre-conv inputs, channel-contiguous.
+- Recurrent (GDN) state per slot is [Hv, dk, dv] in fp32.
+- Paged KV per attention layer is [num_pages + 1, page_size, n_kv_heads, D]; `slot_mapping` holds each token's
+  flat index page * page_size + offset.
+Every Triton op launches on the current torch stream with no host synchronisation and reads lengths, slots and
+page tables from device tensors, so the decode ones can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .config import DEFAULT, KernelConfig
+
+
+@dataclass(frozen=True)
+class ForwardOps:
+    add_rms_norm: Callable  # (x, residual, weight, eps) -> (normed, new residual): the final norm
+    add_rms_norm_linear: Callable  # a block's input add-and-norm and its first projection
+    add_rms_norm_gate_up: Callable  # the MLP's input add-and-norm, gate/up projection and silu(gate) * up
+    linear: Callable  # x @ weight.T
+    gated_rms_norm: Callable  # the GDN output norm, times silu(z)
+    conv1d_prefill: Callable
+    conv1d_decode: Callable
+    gdn_prefill: Callable
+    gdn_decode: Callable
+    qk_norm_rope_cache: Callable  # q/k norms, RoPE and the paged K/V write, from the fused projection
+    prefill_attention: Callable
+    decode_attention: Callable  # with the sigmoid output gate applied inside
+    apply_output_gate: Callable  # the prefill attention's output gate (torch on both paths)
+    rope_tables: Callable  # (rotary_dim, theta, max_positions, device) -> cos, sin
+    config: KernelConfig | None = None  # the Triton ops' launch configuration; None for the references
+
+
+def reference_ops() -> ForwardOps:
+    from . import attention, conv1d, gdn, gemv, norm
+
+    return ForwardOps(
+        add_rms_norm=norm.add_rms_norm_reference,
+        add_rms_norm_linear=gemv.add_rms_norm_linear_reference,
+        add_rms_norm_gate_up=gemv.add_rms_norm_gate_up_reference,
+        linear=gemv.linear_reference,
+        gated_rms_norm=norm.gated_rms_norm_reference,
+        conv1d_prefill=conv1d.conv1d_prefill_reference,
+        conv1d_decode=conv1d.conv1d_decode_reference,
+        gdn_prefill=gdn.gdn_prefill_reference,
+        gdn_decode=gdn.gdn_decode_reference,
+        qk_norm_rope_cache=attention.qk_norm_rope_cache_reference,
+        prefill_attention=attention.prefill_attention_reference,
+        decode_attention=attention.decode_attention_reference,
+        apply_output_gate=attention.apply_output_gate,
+        rope_tables=attention.rope_tables,
+    )
+
+
+def triton_ops(config: KernelConfig = DEFAULT) -> ForwardOps:
+    from . import attention, conv1d, gdn, gemv, norm
+
+    def bound(module, name: str) -> Callable:
+        return functools.partial(getattr(module, name), cfg=config)
+
+    return ForwardOps(
+        add_rms_norm=bound(norm, "add_rms_norm"),
+        add_rms_norm_linear=bound(gemv, "add_rms_norm_linear"),
+        add_rms_norm_gate_up=bound(gemv, "add_rms_norm_gate_up"),
+        linear=bound(gemv, "linear"),
+        gated_rms_norm=bound(norm, "gated_rms_norm"),
+        conv1d_prefill=bound(conv1d, "conv1d_prefill"),
+        conv1d_decode=bound(conv1d, "conv1d_decode"),
+        gdn_prefill=bound(gdn, "gdn_prefill"),
+        gdn_decode=bound(gdn, "gdn_decode"),
+        qk_norm_rope_cache=bound(attention, "qk_norm_rope_cache"),
+        prefill_attention=bound(attention, "prefill_attention"),
+        decode_attention=bound(attention, "decode_attention"),
+        apply_output_gate=attention.apply_output_gate,
+        rope_tables=attention.rope_tables,
+        config=config,
+    )
