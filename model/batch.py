@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.kernels.reference import GdnChunks
+from deltaserve.kernels.gdn import GdnChunks
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""One tensor-parallel rank's Qwen3.5 forward, built from the ops in `kernels/` (torch references or Triton).
+"""One tensor-parallel rank's Qwen3.5 forward, built only from the ops of a `kernels.ops.ForwardOps` (torch
+references or Triton).
 
 Prefill runs packed variable-length chunks; decode runs one token for each of N rows as one batched forward.
 Under tensor parallelism the three row-parallel projections (GDN out_proj, attention o_proj, MLP down_proj)
@@ -11,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from deltaserve.kernels import reference as reference_ops
+from deltaserve.kernels.ops import ForwardOps, reference_ops
 
 from .batch import DecodeBatch, PrefillBatch
 from .config import ModelConfig
@@ -28,17 +29,17 @@ class Qwen35Shard:
         self,
         cfg: ModelConfig,
         weights: dict[str, torch.Tensor],
+        local: LocalSizes,
         *,
-        tp: int = 1,
-        ops=reference_ops,
+        ops: ForwardOps | None = None,
         all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        self.cfg, self.w, self.ops, self.tp = cfg, weights, ops, tp
-        self.local = LocalSizes.of(cfg, tp)
+        self.cfg, self.w, self.local = cfg, weights, local
+        self.ops = ops or reference_ops()
         self.all_reduce = all_reduce or _no_reduce
         embed = weights["embed_tokens.weight"]
         self.dtype, self.device = embed.dtype, embed.device
-        self.cos, self.sin = reference_ops.rope_tables(
+        self.cos, self.sin = self.ops.rope_tables(
             cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, device=self.device
         )
         self.scale = cfg.head_dim**-0.5
@@ -146,7 +147,8 @@ class Qwen35Shard:
             qkv, w[sa + "q_norm.weight"], w[sa + "k_norm.weight"], cfg.rms_norm_eps, positions, self.cos, self.sin,
             state.k_cache[j], state.v_cache[j], slot_mapping, nh, nkv,
         )
-        _, gate, _, _ = reference_ops.split_qkv(qkv, nh, nkv, cfg.head_dim)
+        D = cfg.head_dim  # each head's q_proj rows are [query | gate]
+        gate = qkv[:, : nh * 2 * D].view(qkv.shape[0], nh, 2 * D)[..., D:]
         return q, gate, residual
 
     def _attn_output(self, o: torch.Tensor, p: str) -> torch.Tensor:
@@ -157,7 +159,7 @@ class Qwen35Shard:
         o = self.ops.prefill_attention(
             q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.cu_seqlens, batch.context_lens, self.scale
         )
-        return self._attn_output(reference_ops.apply_output_gate(o, gate), p), residual
+        return self._attn_output(self.ops.apply_output_gate(o, gate), p), residual
 
     def _attn_decode(self, x, residual, p, state: ModelState, batch: DecodeBatch, j: int):
         q, gate, residual = self._attn_inputs(x, residual, p, state, j, batch.positions, batch.slot_mapping)

@@ -23,20 +23,20 @@ class StateSizes:
     conv_bytes_per_slot: int
     ssm_bytes_per_slot: int
     kv_bytes_per_page: int
+    page_size: int
 
     @property
     def bytes_per_slot(self) -> int:
         return self.conv_bytes_per_slot + self.ssm_bytes_per_slot
 
     @classmethod
-    def of(cls, cfg: ModelConfig, tp: int, dtype: torch.dtype, page_size: int = PAGE_SIZE) -> "StateSizes":
-        local = LocalSizes.of(cfg, tp)
+    def of(cls, cfg: ModelConfig, local: LocalSizes, dtype: torch.dtype, page_size: int = PAGE_SIZE) -> "StateSizes":
         elem = torch.tensor([], dtype=dtype).element_size()
         n_gdn, n_attn = len(cfg.gdn_layers), len(cfg.attention_layers)
         conv = n_gdn * (cfg.linear_conv_kernel_dim - 1) * local.gdn_conv_dim * elem
         ssm = n_gdn * local.gdn_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
         kv = n_attn * 2 * page_size * local.num_kv_heads * cfg.head_dim * elem
-        return cls(conv, ssm, kv)
+        return cls(conv, ssm, kv, page_size)
 
 
 class ModelState:
@@ -45,14 +45,13 @@ class ModelState:
     def __init__(
         self,
         cfg: ModelConfig,
-        tp: int,
+        local: LocalSizes,
         num_slots: int,
         num_pages: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         page_size: int = PAGE_SIZE,
     ) -> None:
-        local = LocalSizes.of(cfg, tp)
         self.num_slots, self.num_pages, self.page_size = num_slots, num_pages, page_size
         self.trash_slot, self.trash_page = num_slots, num_pages
         n_gdn, n_attn = len(cfg.gdn_layers), len(cfg.attention_layers)
@@ -79,3 +78,27 @@ class ModelState:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm, self.k_cache, self.v_cache))
+
+
+# Activation memory: what the forward needs beside the state, which the capacity plan keeps free.
+
+
+def _widest_projection(cfg: ModelConfig, local: LocalSizes) -> int:
+    """Widest per-rank activation row: the GDN conv channels, the attention q+gate, or the MLP gate+up."""
+    return max(local.gdn_conv_dim, 2 * local.num_heads * cfg.head_dim, 2 * local.intermediate)
+
+
+def decode_activation_bytes(cfg: ModelConfig, local: LocalSizes, dtype: torch.dtype, bucket: int) -> int:
+    """Activation memory a decode step of `bucket` rows needs (what a captured graph keeps), an upper estimate."""
+    if bucket == 0:
+        return 0
+    elem = torch.tensor([], dtype=dtype).element_size()
+    per_row = (8 * cfg.hidden_size + 4 * _widest_projection(cfg, local)) * elem + 3 * cfg.vocab_size * 4
+    return bucket * per_row + (64 << 20)
+
+
+def prefill_activation_bytes(cfg: ModelConfig, local: LocalSizes, dtype: torch.dtype, tokens: int) -> int:
+    """Activations of one prefill step of `tokens` tokens (chunked GDN works 64 tokens at a time)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    per_token = (8 * cfg.hidden_size + 6 * _widest_projection(cfg, local)) * elem
+    return tokens * per_token + 4 * cfg.vocab_size * 4 * 8 + (256 << 20)

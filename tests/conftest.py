@@ -31,14 +31,14 @@ def _seeded():
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
-    from deltaserve.tools.make_checkpoint import write_checkpoint
+    from deltaserve.model.synthetic import write_checkpoint
 
     return write_checkpoint(str(tmp_path_factory.mktemp("tiny")), "tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_tp_ckpt(tmp_path_factory):
-    from deltaserve.tools.make_checkpoint import write_checkpoint
+    from deltaserve.model.synthetic import write_checkpoint
 
     return write_checkpoint(str(tmp_path_factory.mktemp("tiny_tp")), "tiny-tp", sharded=3)
 

@@ -7,6 +7,7 @@ import torch
 from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk
 from deltaserve.model.config import load_model_config
 from deltaserve.model.forward import Qwen35Shard
+from deltaserve.model.sharding import LocalSizes
 from deltaserve.model.state import PAGE_SIZE, ModelState
 from deltaserve.model.weights import load_rank_weights
 
@@ -64,9 +65,9 @@ class CpuRunner:
         self.device = device
         weights = load_rank_weights(checkpoint_dir, self.cfg, rank=rank, tp=tp, dtype=dtype, device=device,
                                     progress=False)
-        kw = {"ops": ops} if ops is not None else {}
-        self.model = Qwen35Shard(self.cfg, weights, tp=tp, all_reduce=all_reduce, **kw)
-        self.state = ModelState(self.cfg, tp, num_slots, num_pages, dtype, device)
+        local = LocalSizes.of(self.cfg, tp)
+        self.model = Qwen35Shard(self.cfg, weights, local, ops=ops, all_reduce=all_reduce)
+        self.state = ModelState(self.cfg, local, num_slots, num_pages, dtype, device)
         self.next_page = 0
         self.pages: dict[int, list[int]] = {}
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from deltaserve.model.config import ConfigError, ModelConfig, load_model_config
 from deltaserve.model.weights import WeightError, load_rank_weights
-from deltaserve.tools.make_checkpoint import write_checkpoint
+from deltaserve.model.synthetic import write_checkpoint
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ def test_tp_that_does_not_divide_is_refused(tiny_tp_ckpt, tp, field):
 
 
 def test_published_geometries_parse():
-    from deltaserve.tools.make_checkpoint import SIZES, text_config
+    from deltaserve.model.synthetic import SIZES, text_config
 
     for size in ("0.8b", "4b", "9b", "27b"):
         cfg = ModelConfig.from_dict(text_config(size, 248320))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import CpuRunner, rel_err
 
-from deltaserve.devices.collectives import ThreadAllReduce
+from deltaserve.devices.cpu import ThreadAllReduce
 from deltaserve.model.config import ConfigError, load_model_config
 from deltaserve.model.sharding import LocalSizes
 from deltaserve.model.state import StateSizes
@@ -142,10 +142,10 @@ def test_a_rank_that_raises_mid_step_poisons_the_engine(tiny_tp_ckpt, monkeypatc
 
 def test_rank_memory_for_the_27b_geometry_at_tp2():
     from deltaserve.model.config import ModelConfig
-    from deltaserve.tools.make_checkpoint import text_config
+    from deltaserve.model.synthetic import text_config
 
     cfg = ModelConfig.from_dict(text_config("27b", 248320))
-    sizes = StateSizes.of(cfg, 2, torch.bfloat16)
+    sizes = StateSizes.of(cfg, LocalSizes.of(cfg, 2), torch.bfloat16)
     n_gdn, n_attn = 48, 16
     # conv: K-1 = 3 inputs of (2*Hk*dk + Hv*dv)/tp channels, bf16
     assert sizes.conv_bytes_per_slot == n_gdn * 3 * ((2 * 16 * 128 + 48 * 128) // 2) * 2
