@@ -22,6 +22,7 @@ class CapacityPlan:
     max_batch: int  # decode rows (dense slots)
     prefill_slots: int
     num_pages: int  # KV pages (excluding the trash page)
+    page_size: int  # tokens per KV page
     largest_bucket: int  # buckets up to this one are captured
     graph_reserve_bytes: int
     state_bytes: int  # slots + pages, as allocated
@@ -76,4 +77,4 @@ def plan_capacity(
     num_pages = (budget - reserve - slots_bytes) // bytes_per_page - 1
     assert num_pages >= batch * pages_per_request
     state = slots_bytes + (num_pages + 1) * bytes_per_page
-    return CapacityPlan(batch, prefill_slots, num_pages, buckets[index], reserve, state)
+    return CapacityPlan(batch, prefill_slots, num_pages, page_size, buckets[index], reserve, state)

@@ -1,25 +1,29 @@
-"""The step protocol between the engine and the device workers: plain data, no torch."""
+"""The step protocol between the engine and the device workers: plain data, no torch.
+
+The slot changes are what the ranks do to their state; the engine makes them from the scheduler's plan, which
+speaks of requests (runtime/scheduler.py), so the devices never import the runtime.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 
-
 @dataclass
-class Promotion:
-    request_id: str
-    from_slot: int  # the prefill state slot
-    to_slot: int  # the decode slot it takes
-    pages: list[int]
-
-
-@dataclass
-class Compaction:
-    """Retire decode slot `hole`; if `moved_from` is set, that (last) slot's request moves into the hole."""
+class RetireSlot:
+    """Free decode slot `hole`; if `moved_from` is set, that (last) slot's state moves into the hole."""
 
     hole: int
     moved_from: int | None
+
+
+@dataclass
+class PromoteSlot:
+    """Move a prefilled request's state from its prefill slot into decode slot `to_slot`, with its KV pages."""
+
+    from_slot: int
+    to_slot: int
+    pages: list[int]
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,9 @@ class PrefillCommand:
 
 @dataclass
 class StepCommand:
-    compactions: list[Compaction] = field(default_factory=list)
+    compactions: list[RetireSlot] = field(default_factory=list)
     released_prefill_slots: list[int] = field(default_factory=list)
-    promotions: list[Promotion] = field(default_factory=list)
+    promotions: list[PromoteSlot] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)  # input token of decode slot i
     decode_positions: list[int] = field(default_factory=list)
     decode_token_index: list[int] = field(default_factory=list)  # index of the token each row samples

@@ -1,4 +1,5 @@
-"""The CUDA device backend: a stream per rank made with cuda-python, raw CUDA-graph decode, NCCL collectives.
+"""The CUDA device backend: a stream per rank made with cuda-python, the Triton ops, raw CUDA-graph decode, NCCL
+collectives.
 
 Graph capture uses the runtime API directly (cudaStreamBeginCapture in thread-local mode, EndCapture,
 Instantiate, Launch): other ranks' threads keep allocating and launching while one captures. Torch allocations
@@ -16,6 +17,10 @@ from collections.abc import Callable
 
 import torch
 from cuda.bindings import runtime as cudart
+
+from deltaserve.kernels.config import KernelConfig
+
+from .backend import DecodeProgram
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +86,24 @@ class NcclCollective:
         self.comms = []
 
 
-def make_collective(tp: int, use_nccl: bool) -> NcclCollective | None:
-    return NcclCollective(tp) if use_nccl else None
+class CudaBackend:
+    name, has_graphs = "cuda", True
+
+    def __init__(self, kernel_config: KernelConfig) -> None:
+        self.kernel_config = kernel_config
+
+    def check_devices(self, tp: int) -> None:
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is visible; use device='cpu'")
+        if tp > torch.cuda.device_count():
+            raise ValueError(f"tp={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+
+    def make_collective(self, tp: int, use_nccl: bool | None, timeout_s: float) -> NcclCollective | None:
+        """NCCL when there is more than one rank, or when asked for at tp = 1 (to measure its cost)."""
+        return NcclCollective(tp) if (tp > 1 if use_nccl is None else use_nccl) else None
+
+    def open_rank(self, rank: int, collective: NcclCollective | None) -> "CudaRankBackend":
+        return CudaRankBackend(rank, collective, self.kernel_config)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -90,17 +111,17 @@ def make_collective(tp: int, use_nccl: bool) -> NcclCollective | None:
 
 
 class CudaRankBackend:
-    def __init__(self, rank: int, collective: NcclCollective | None) -> None:
-        from deltaserve.kernels import triton_ops
+    def __init__(self, rank: int, collective: NcclCollective | None, kernel_config: KernelConfig) -> None:
+        from deltaserve.kernels.ops import triton_ops
 
-        self.rank, self.ops, self.collective = rank, triton_ops, collective
+        self.rank, self.ops, self.collective = rank, triton_ops(kernel_config), collective
         self.device = torch.device("cuda", rank)
         torch.cuda.set_device(self.device)
         self._raw_stream = check(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking),
                                  "cudaStreamCreateWithFlags")
         self.stream = torch.cuda.ExternalStream(int(self._raw_stream), device=self.device)
         self.all_reduce = collective.for_rank(rank) if collective is not None else None
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: CudaDecodeGraphs | None = None
 
     @contextlib.contextmanager
     def context(self):
@@ -121,8 +142,8 @@ class CudaRankBackend:
         if self.collective is not None:
             self.collective.warm_up(self.rank, self.device)
 
-    def capture_decode_graphs(self, model, runtime, buckets: list[int], progress: bool) -> "DecodeGraphs":
-        self.graphs = DecodeGraphs(self, model, runtime, buckets, progress)
+    def capture_decode(self, programs: dict[int, DecodeProgram], progress: bool) -> "CudaDecodeGraphs":
+        self.graphs = CudaDecodeGraphs(self, programs, progress)
         return self.graphs
 
     def close(self) -> None:
@@ -133,55 +154,51 @@ class CudaRankBackend:
         check(cudart.cudaStreamDestroy(self._raw_stream), "cudaStreamDestroy")
 
     def release_memory(self) -> None:
-        """Hand cached blocks back to the driver once the rank's tensors are dropped (the runtime and its
-        graphs refer to each other, so a collection runs first)."""
+        """Hand cached blocks back to the driver once the rank's tensors are dropped."""
         gc.collect()
         torch.cuda.empty_cache()
 
 
-class DecodeGraphs:
-    """A captured decode step per bucket; `runner(bucket, batch)` replays it and returns its logits."""
+class CudaDecodeGraphs:
+    """A captured decode step per bucket. Each is captured from a program (a function of the bucket's fixed inputs
+    and the state) and keeps only its executable graph and its logits; `graphs(bucket)` replays one."""
 
-    def __init__(self, backend: CudaRankBackend, model, runtime, buckets: list[int], progress: bool) -> None:
+    def __init__(self, backend: CudaRankBackend, programs: dict[int, DecodeProgram], progress: bool) -> None:
         from tqdm import tqdm
 
-        self.backend, self.model, self.runtime = backend, model, runtime
-        self.stream = backend._raw_stream
+        self.rank, self.device = backend.rank, backend.device
+        self.torch_stream, self.stream = backend.stream, backend._raw_stream
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple] = {}  # bucket -> (graph, exec, logits)
         self.eager: set[int] = set()
         self.stats: dict[int, dict] = {}
-        for bucket in tqdm(sorted(buckets, reverse=True), desc=f"capturing decode graphs (rank {backend.rank})",
+        for bucket in tqdm(sorted(programs, reverse=True), desc=f"capturing decode graphs (rank {self.rank})",
                            disable=not progress, leave=False):
-            self._capture(bucket)
+            self._capture(bucket, programs[bucket])
         if self.eager:
             log.warning("rank %d: CUDA graphs were requested but buckets %s run eagerly (capture refused)",
-                        backend.rank, sorted(self.eager))
+                        self.rank, sorted(self.eager))
 
-    def _warm(self, batch) -> None:
-        # Compiles every Triton kernel and initialises cuBLAS for these shapes on this thread and stream.
+    def _capture(self, bucket: int, program: DecodeProgram) -> None:
+        # Two eager runs first compile every Triton kernel and initialise cuBLAS for these shapes on this thread
+        # and stream.
         for _ in range(2):
-            self.model.decode(self.runtime.state, batch)
-        self.backend.stream.synchronize()
-
-    def _capture(self, bucket: int) -> None:
-        device = self.backend.device.index
-        self.runtime.inputs.fill([], [], bucket)  # all rows inert padding: they touch only the trash slot/page
-        batch = self.runtime.inputs.batch(bucket)
-        self._warm(batch)
+            program()
+        self.torch_stream.synchronize()
+        device = self.device.index
         started = time.perf_counter()
-        before = torch.cuda.memory_reserved(self.backend.device)
+        before = torch.cuda.memory_reserved(self.device)
         torch._C._cuda_beginAllocateCurrentThreadToPool(device, self.pool)
         graph = None
         try:
             check(cudart.cudaStreamBeginCapture(
                 self.stream, cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture")
             try:
-                logits = self.model.decode(self.runtime.state, batch)
+                logits = program()
             finally:
                 graph = check(cudart.cudaStreamEndCapture(self.stream), "cudaStreamEndCapture")
         except Exception as exc:
-            log.error("rank %d: capture of bucket %d failed (%s); it will run eagerly", self.backend.rank, bucket, exc)
+            log.error("rank %d: capture of bucket %d failed (%s); it will run eagerly", self.rank, bucket, exc)
             self.eager.add(bucket)
             if graph is not None:
                 cudart.cudaGraphDestroy(graph)
@@ -190,28 +207,29 @@ class DecodeGraphs:
             torch._C._cuda_endAllocateToPool(device, self.pool)
         graph_exec = check(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
         check(cudart.cudaGraphUpload(graph_exec, self.stream), "cudaGraphUpload")
-        self.backend.stream.synchronize()
+        self.torch_stream.synchronize()
         _, nodes = check(cudart.cudaGraphGetNodes(graph, 0), "cudaGraphGetNodes")
         self.graphs[bucket] = (graph, graph_exec, logits)
         self.stats[bucket] = {
             "nodes": nodes, "capture_s": time.perf_counter() - started,
-            "pool_bytes": torch.cuda.memory_reserved(self.backend.device) - before,
+            "pool_bytes": torch.cuda.memory_reserved(self.device) - before,
         }
 
-    def __call__(self, bucket: int, batch) -> torch.Tensor:
-        entry = self.graphs.get(bucket)
-        if entry is None:
-            return self.model.decode(self.runtime.state, batch)
-        check(cudart.cudaGraphLaunch(entry[1], self.stream), "cudaGraphLaunch")
-        return entry[2]
+    def captured(self, bucket: int) -> bool:
+        return bucket in self.graphs
+
+    def __call__(self, bucket: int) -> torch.Tensor:
+        _, graph_exec, logits = self.graphs[bucket]
+        check(cudart.cudaGraphLaunch(graph_exec, self.stream), "cudaGraphLaunch")
+        return logits
 
     def dot(self, bucket: int, path: str) -> None:
         check(cudart.cudaGraphDebugDotPrint(self.graphs[bucket][0], path.encode(), 0), "cudaGraphDebugDotPrint")
 
     def destroy(self) -> None:
-        self.backend.stream.synchronize()
+        self.torch_stream.synchronize()
         for graph, graph_exec, _ in self.graphs.values():
             check(cudart.cudaGraphExecDestroy(graph_exec), "cudaGraphExecDestroy")
             check(cudart.cudaGraphDestroy(graph), "cudaGraphDestroy")
         self.graphs.clear()
-        torch._C._cuda_releasePool(self.backend.device.index, self.pool)
+        torch._C._cuda_releasePool(self.device.index, self.pool)

@@ -15,13 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.kernels.config import KernelConfig
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.forward import Qwen35Shard
-from deltaserve.model.state import PAGE_SIZE, ModelState, StateSizes
+from deltaserve.model.sharding import LocalSizes
+from deltaserve.model.state import ModelState, StateSizes, decode_activation_bytes, prefill_activation_bytes
 from deltaserve.model.weights import load_rank_weights, random_rank_weights, weight_bytes
 
+from .backend import device_backend
 from .capacity import CapacityPlan, plan_capacity
-from .collectives import ThreadAllReduce
 from .commands import StepCommand, StepResult
 from .rank import RankRuntime
 from .worker import WorkerGroup
@@ -40,7 +42,7 @@ class ReplicaSpec:
     cfg: ModelConfig
     device: str  # "cpu" | "cuda"
     tp: int
-    dtype: torch.dtype
+    dtype: str  # a torch dtype's name: "bfloat16", "float16", "float32"
     max_batch: int
     max_model_len: int
     prefill_slots: int
@@ -54,27 +56,7 @@ class ReplicaSpec:
     use_nccl: bool | None = None  # cuda: None means NCCL only when tp > 1 (tp = 1 can force a 1-rank communicator)
     random_weights: bool = False  # generate weights on the device instead of reading the checkpoint's
     seed: int = 0
-
-
-def _widest_projection(cfg: ModelConfig, tp: int) -> int:
-    """Widest per-rank activation row: the GDN conv channels, the attention q+gate, or the MLP gate+up."""
-    return max(cfg.gdn_conv_dim, 2 * cfg.num_attention_heads * cfg.head_dim, 2 * cfg.intermediate_size) // tp
-
-
-def graph_reserve_bytes(cfg: ModelConfig, tp: int, dtype: torch.dtype, bucket: int) -> int:
-    """Activation memory a decode step of `bucket` rows needs (what a captured graph keeps), an upper estimate."""
-    if bucket == 0:
-        return 0
-    elem = torch.tensor([], dtype=dtype).element_size()
-    per_row = (8 * cfg.hidden_size + 4 * _widest_projection(cfg, tp)) * elem + 3 * cfg.vocab_size * 4
-    return bucket * per_row + (64 << 20)
-
-
-def prefill_scratch_bytes(cfg: ModelConfig, tp: int, dtype: torch.dtype, tokens: int) -> int:
-    """Activations of one prefill step of `tokens` tokens (chunked GDN works 64 tokens at a time)."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    per_token = (8 * cfg.hidden_size + 6 * _widest_projection(cfg, tp)) * elem
-    return tokens * per_token + 4 * cfg.vocab_size * 4 * 8 + (256 << 20)
+    kernel_config: KernelConfig | None = None  # cuda: the Triton ops' launch choices (None: the defaults)
 
 
 class _Rank:
@@ -89,23 +71,21 @@ class _Rank:
 class Replica:
     def __init__(self, spec: ReplicaSpec) -> None:
         self.spec = spec
-        spec.cfg.check_tp(spec.tp)  # before any weight is read
+        self.backend = device_backend(spec.device, cpu_memory_bytes=spec.cpu_memory_bytes,
+                                      kernel_config=spec.kernel_config or KernelConfig())
+        self.backend.check_devices(spec.tp)
+        self.local = LocalSizes.of(spec.cfg, spec.tp)  # refuses a tp the heads do not split, before any weight is read
+        self.dtype: torch.dtype = getattr(torch, spec.dtype)
         self.ranks = [_Rank() for _ in range(spec.tp)]
         self.collective = None
         self.group: WorkerGroup | None = None
         self.plan: CapacityPlan | None = None
-        self.sizes = StateSizes.of(spec.cfg, spec.tp, spec.dtype)
+        self.sizes = StateSizes.of(spec.cfg, self.local, self.dtype)
 
     # Start-up -------------------------------------------------------------------------------------------------------
     async def start(self) -> None:
         spec = self.spec
-        if spec.device == "cuda":
-            from . import cuda
-
-            use_nccl = spec.tp > 1 if spec.use_nccl is None else spec.use_nccl
-            self.collective = cuda.make_collective(spec.tp, use_nccl)
-        else:
-            self.collective = ThreadAllReduce(spec.tp, timeout_s=spec.step_timeout_s)
+        self.collective = self.backend.make_collective(spec.tp, spec.use_nccl, spec.step_timeout_s)
         self.group = WorkerGroup(spec.tp, spec.step_timeout_s, on_abort=self._abort_collective)
         started = time.perf_counter()
         free = await self.group.call(self._load, timeout_s=3600)
@@ -114,15 +94,15 @@ class Replica:
             free_bytes=min(free),
             bytes_per_slot=self.sizes.bytes_per_slot,
             bytes_per_page=self.sizes.kv_bytes_per_page,
-            page_size=PAGE_SIZE,
+            page_size=self.sizes.page_size,
             max_model_len=spec.max_model_len,
             requested_batch=spec.max_batch,
             prefill_slots=spec.prefill_slots,
             # The CPU budget counts state only; on a GPU the prefill activations come out of the same memory.
-            prefill_scratch_bytes=prefill_scratch_bytes(spec.cfg, spec.tp, spec.dtype, spec.prefill_token_budget)
+            prefill_scratch_bytes=prefill_activation_bytes(spec.cfg, self.local, self.dtype, spec.prefill_token_budget)
             if spec.device == "cuda" else 0,
             buckets=spec.buckets,
-            graph_reserve=lambda b: graph_reserve_bytes(spec.cfg, spec.tp, spec.dtype, b) if self._graphs else 0,
+            graph_reserve=lambda b: decode_activation_bytes(spec.cfg, self.local, self.dtype, b) if self._graphs else 0,
         )
         if self.plan.max_batch < spec.max_batch:
             log.warning("max_batch lowered from %d to %d to fit memory", spec.max_batch, self.plan.max_batch)
@@ -130,8 +110,8 @@ class Replica:
             "per rank: %.1f MiB state per slot (conv %.2f + recurrent %.2f), %.3f MiB per KV page of %d tokens; "
             "%d decode slots + %d prefill slots, %d KV pages (%d tokens), largest graph bucket %d",
             self.sizes.bytes_per_slot / 2**20, self.sizes.conv_bytes_per_slot / 2**20,
-            self.sizes.ssm_bytes_per_slot / 2**20, self.sizes.kv_bytes_per_page / 2**20, PAGE_SIZE,
-            self.plan.max_batch, self.plan.prefill_slots, self.plan.num_pages, self.plan.num_pages * PAGE_SIZE,
+            self.sizes.ssm_bytes_per_slot / 2**20, self.sizes.kv_bytes_per_page / 2**20, self.plan.page_size,
+            self.plan.max_batch, self.plan.prefill_slots, self.plan.num_pages, self.plan.num_pages * self.plan.page_size,
             self.plan.largest_bucket,
         )
         await self.group.call(self._allocate, timeout_s=3600)
@@ -150,7 +130,7 @@ class Replica:
 
     @property
     def _graphs(self) -> bool:
-        return self.spec.device == "cuda" and self.spec.cuda_graph
+        return self.backend.has_graphs and self.spec.cuda_graph
 
     @property
     def buckets(self) -> list[int]:
@@ -162,20 +142,15 @@ class Replica:
 
     def _load(self, rank: int) -> int:
         spec, r = self.spec, self.ranks[rank]
-        if spec.device == "cuda":
-            from . import cuda
-
-            r.backend = cuda.CudaRankBackend(rank, self.collective)
-        else:
-            r.backend = CpuRankBackend(rank, self.collective, spec.cpu_memory_bytes)
+        r.backend = self.backend.open_rank(rank, self.collective)
         with r.backend.context():
             if spec.random_weights:
                 weights = random_rank_weights(spec.cfg, rank=rank, tp=spec.tp, device=r.backend.device,
-                                              dtype=spec.dtype, seed=spec.seed, progress=rank == 0)
+                                              dtype=self.dtype, seed=spec.seed, progress=rank == 0)
             else:
                 weights = load_rank_weights(spec.checkpoint, spec.cfg, rank=rank, tp=spec.tp,
-                                            device=r.backend.device, dtype=spec.dtype, progress=rank == 0)
-            r.model = Qwen35Shard(spec.cfg, weights, tp=spec.tp, ops=r.backend.ops, all_reduce=r.backend.all_reduce)
+                                            device=r.backend.device, dtype=self.dtype, progress=rank == 0)
+            r.model = Qwen35Shard(spec.cfg, weights, self.local, ops=r.backend.ops, all_reduce=r.backend.all_reduce)
             log.info("rank %d/%d: %.1f MiB of weights on %s", rank, spec.tp, weight_bytes(weights) / 2**20,
                      r.backend.device)
             return r.backend.free_memory(spec.memory_fraction)
@@ -183,11 +158,11 @@ class Replica:
     def _allocate(self, rank: int) -> None:
         spec, r, plan = self.spec, self.ranks[rank], self.plan
         with r.backend.context():
-            state = ModelState(spec.cfg, spec.tp, plan.max_batch + plan.prefill_slots, plan.num_pages, spec.dtype,
-                               r.backend.device)
+            state = ModelState(spec.cfg, self.local, plan.max_batch + plan.prefill_slots, plan.num_pages,
+                               self.dtype, r.backend.device, page_size=plan.page_size)
             r.runtime = RankRuntime(
                 r.model, state, rank=rank, max_batch=plan.max_batch,
-                max_pages_per_seq=-(-spec.max_model_len // PAGE_SIZE), device=r.backend.device,
+                max_pages_per_seq=-(-spec.max_model_len // plan.page_size), device=r.backend.device,
             )
             log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)
 
@@ -195,7 +170,7 @@ class Replica:
         r = self.ranks[rank]
         with r.backend.context():
             r.backend.warm_up_collective()
-            r.runtime.decode_runner = r.backend.capture_decode_graphs(r.model, r.runtime, self.buckets, rank == 0)
+            r.runtime.graphs = r.backend.capture_decode(r.runtime.decode_programs(self.buckets), progress=rank == 0)
 
     # Steps ----------------------------------------------------------------------------------------------------------
     def start_step(self, cmd: StepCommand) -> Awaitable[StepResult]:
@@ -244,27 +219,3 @@ class Replica:
         if r.backend is not None:
             r.backend.release_memory()
 
-
-class CpuRankBackend:
-    """CPU device: torch reference ops, the in-process all-reduce, a configured memory budget, no graphs."""
-
-    def __init__(self, rank: int, collective: ThreadAllReduce, memory_bytes: int) -> None:
-        from deltaserve.kernels import reference
-
-        self.rank, self.device, self.ops = rank, torch.device("cpu"), reference
-        self.all_reduce = collective.for_rank(rank)
-        self.memory_bytes = memory_bytes
-
-    def context(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def free_memory(self, fraction: float) -> int:
-        return self.memory_bytes
-
-    def close(self) -> None:
-        pass
-
-    def release_memory(self) -> None:
-        pass

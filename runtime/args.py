@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deltaserve.kernels.config import KernelConfig
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -28,6 +30,7 @@ class EngineArgs:
     capture_timeout_s: float = 900.0  # watchdog over the start-up graph capture sweep
     use_nccl: bool | None = None  # cuda: None = NCCL when tp > 1; True forces a communicator even at tp = 1
     load_format: str = "safetensors"  # "random": random weights made on the device (benchmarks at real sizes)
+    kernel_config: KernelConfig | None = None  # cuda: the Triton ops' launch choices (None: the defaults)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):

@@ -21,13 +21,11 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
-from deltaserve.devices.commands import PrefillCommand, RowSampling, StepCommand, StepResult
+from deltaserve.devices.commands import PrefillCommand, PromoteSlot, RetireSlot, RowSampling, StepCommand, StepResult
 from deltaserve.devices.replica import Replica, ReplicaSpec
 from deltaserve.devices.worker import ReplicaPoisoned
 from deltaserve.model.config import load_model_config
-from deltaserve.model.state import PAGE_SIZE
+from deltaserve.model.synthetic import demo_checkpoint
 
 from .args import EngineArgs
 from .metrics import EngineMetrics
@@ -149,15 +147,8 @@ class AsyncEngine:
     async def start(self) -> None:
         args = self.args
         if args.model is None:
-            from deltaserve.tools.demo import demo_checkpoint
-
             args.model = demo_checkpoint()
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but no CUDA device is visible; use device='cpu'")
-        if args.device == "cuda" and args.tp > torch.cuda.device_count():
-            raise ValueError(f"tp={args.tp} needs {args.tp} GPUs; {torch.cuda.device_count()} visible")
         self.cfg = load_model_config(args.model)
-        self.cfg.check_tp(args.tp)
         self.tokenizer = TextTokenizer(args.model)
         if self.tokenizer.vocab_size > self.cfg.vocab_size:
             raise ValueError(
@@ -168,12 +159,12 @@ class AsyncEngine:
         self.model_name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         buckets = sorted(args.buckets) if args.buckets else default_buckets(args.max_batch)
         spec = ReplicaSpec(
-            checkpoint=args.model, cfg=self.cfg, device=args.device, tp=args.tp, dtype=getattr(torch, args.dtype),
+            checkpoint=args.model, cfg=self.cfg, device=args.device, tp=args.tp, dtype=args.dtype,
             max_batch=args.max_batch, max_model_len=self.max_model_len, prefill_slots=args.prefill_slots,
             prefill_token_budget=args.prefill_token_budget, buckets=buckets, cuda_graph=args.cuda_graph,
             memory_fraction=args.memory_fraction, cpu_memory_bytes=args.cpu_memory_bytes,
             step_timeout_s=args.step_timeout_s, capture_timeout_s=args.capture_timeout_s, use_nccl=args.use_nccl,
-            random_weights=args.load_format == "random", seed=args.seed,
+            random_weights=args.load_format == "random", seed=args.seed, kernel_config=args.kernel_config,
         )
         self.replica = Replica(spec)
         try:
@@ -183,7 +174,7 @@ class AsyncEngine:
             raise
         plan = self.replica.plan
         self.scheduler = Scheduler(
-            num_pages=plan.num_pages, page_size=PAGE_SIZE, max_batch=plan.max_batch,
+            num_pages=plan.num_pages, page_size=plan.page_size, max_batch=plan.max_batch,
             max_prefill_slots=plan.prefill_slots, prefill_token_budget=args.prefill_token_budget,
             max_model_len=self.max_model_len, buckets=self.replica.buckets,
         )
@@ -358,8 +349,10 @@ class AsyncEngine:
     def _command(self, plan) -> StepCommand:
         reqs = self.requests
         cmd = StepCommand(
-            compactions=plan.compactions, released_prefill_slots=plan.released_prefill_slots,
-            promotions=plan.promotions, bucket=plan.bucket, step_seed=self._rng.getrandbits(62),
+            compactions=[RetireSlot(c.hole, c.moved_from) for c in plan.compactions],
+            released_prefill_slots=plan.released_prefill_slots,
+            promotions=[PromoteSlot(p.from_slot, p.to_slot, p.pages) for p in plan.promotions],
+            bucket=plan.bucket, step_seed=self._rng.getrandbits(62),
         )
         # Requests that finished before this plan were retired by it, so every row here is live.
         for rid in plan.decode_ids:

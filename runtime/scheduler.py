@@ -16,8 +16,6 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from deltaserve.devices.commands import Compaction, Promotion
-
 
 class CapacityError(ValueError):
     """A request that can never fit this engine (too long for the context, or for the KV pages)."""
@@ -45,6 +43,22 @@ class SchedRequest:
     @property
     def lifetime_tokens(self) -> int:
         return self.prompt_len + self.max_tokens
+
+
+@dataclass
+class Compaction:
+    """Retire decode slot `hole`; if `moved_from` is set, that (last) slot's request moves into the hole."""
+
+    hole: int
+    moved_from: int | None
+
+
+@dataclass
+class Promotion:
+    request_id: str
+    from_slot: int  # the prefill state slot
+    to_slot: int  # the decode slot it takes
+    pages: list[int]
 
 
 @dataclass

@@ -10,7 +10,7 @@ from deltaserve.devices.capacity import CapacityRefused, plan_capacity
 from deltaserve.devices.commands import PrefillCommand, RowSampling, StepCommand
 from deltaserve.devices.rank import RankRuntime
 from deltaserve.devices.worker import ReplicaPoisoned, WorkerGroup
-from deltaserve.devices.commands import Compaction, Promotion
+from deltaserve.devices.commands import PromoteSlot, RetireSlot
 
 MiB = 1 << 20
 
@@ -78,22 +78,22 @@ def test_promotion_copies_state_and_compaction_moves_it(tiny_ckpt):
     prefill_into(rt, 4, [5, 6, 7], [0])
     prefill_into(rt, 5, [8, 9], [1])
     promoted = rt.state.ssm[:, 5].clone()
-    rt.execute(StepCommand(promotions=[Promotion("a", 4, 0, [0]), Promotion("b", 5, 1, [1])],
+    rt.execute(StepCommand(promotions=[PromoteSlot(4, 0, [0]), PromoteSlot(5, 1, [1])],
                            decode_tokens=[1, 2], decode_positions=[3, 2], decode_token_index=[1, 1], bucket=2))
     assert rt.occupied[:2] == [True, True]
     state_b = rt.state.ssm[:, 1].clone()
     assert not torch.equal(state_b, promoted)  # it decoded one token from the promoted state
     # Retire slot 0: slot 1 moves into the hole, with its state and page-table row.
-    rt._apply_slot_changes(StepCommand(compactions=[Compaction(0, 1)], decode_tokens=[3], decode_positions=[3],
+    rt._apply_slot_changes(StepCommand(compactions=[RetireSlot(0, 1)], decode_tokens=[3], decode_positions=[3],
                                        decode_token_index=[2], bucket=1))
     assert rt.occupied[:2] == [True, False]
     assert torch.equal(rt.state.ssm[:, 0], state_b) and rt.inputs.table_host[0, 0] == 1
 
 
 @pytest.mark.parametrize("bad", [
-    StepCommand(compactions=[Compaction(2, None)]),  # retiring a free slot
-    StepCommand(compactions=[Compaction(0, 3)]),  # moving from a free slot
-    StepCommand(promotions=[Promotion("x", 4, 0, [2])]),  # promoting into a taken slot
+    StepCommand(compactions=[RetireSlot(2, None)]),  # retiring a free slot
+    StepCommand(compactions=[RetireSlot(0, 3)]),  # moving from a free slot
+    StepCommand(promotions=[PromoteSlot(4, 0, [2])]),  # promoting into a taken slot
     StepCommand(decode_tokens=[1, 2, 3], decode_positions=[1, 1, 1], decode_token_index=[1, 1, 1], bucket=4),
 ])
 def test_slot_protocol_mismatch_raises(tiny_ckpt, bad):
@@ -101,7 +101,7 @@ def test_slot_protocol_mismatch_raises(tiny_ckpt, bad):
 
     rt, _ = make_runtime(tiny_ckpt)
     prefill_into(rt, 4, [5, 6, 7], [0])
-    rt.execute(StepCommand(promotions=[Promotion("a", 4, 0, [0])], decode_tokens=[1], decode_positions=[3],
+    rt.execute(StepCommand(promotions=[PromoteSlot(4, 0, [0])], decode_tokens=[1], decode_positions=[3],
                            decode_token_index=[1], bucket=1))
     with pytest.raises(SlotProtocolError):
         rt.execute(bad)

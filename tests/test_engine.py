@@ -304,10 +304,11 @@ def test_profile_engine_step_splits_the_step_and_restores_what_it_wraps(tiny_ckp
     step the streams see, the gap splits at the hand-off, and the wrapped methods come back on exit."""
     from deltaserve.devices.rank import RankRuntime
     from deltaserve.devices.replica import Replica
+    from deltaserve.devices.sampling import SlotSampling
     from deltaserve.tools.bench_decode import engine_step_time
-    from deltaserve.tools.profile_engine_step import StepTimer
+    from deltaserve.tools.lab.profile_engine_step import StepTimer
 
-    originals = (Replica.start_step, RankRuntime.execute, RankRuntime._sample)
+    originals = (Replica.start_step, RankRuntime.execute, SlotSampling.sample)
 
     async def main():
         async with AsyncEngine(engine_args(tiny_ckpt, prefill_token_budget=64)) as engine:
@@ -316,7 +317,7 @@ def test_profile_engine_step_splits_the_step_and_restores_what_it_wraps(tiny_ckp
             return step, timer.summary(start, end), len(timer.steps)
 
     step, s, recorded = run(main())
-    assert (Replica.start_step, RankRuntime.execute, RankRuntime._sample) == originals
+    assert (Replica.start_step, RankRuntime.execute, SlotSampling.sample) == originals
     assert recorded >= 32
     assert s["execute_s"] > 0 and s["sample_s"] > 0 and s["to_handoff_s"] > 0 and s["handoff_to_start_s"] > 0
     assert abs(s["gap_s"] - s["to_handoff_s"] - s["handoff_to_start_s"]) < 1e-9

@@ -1,0 +1,87 @@
+"""What a device backend provides: one module per backend (devices/cpu.py, devices/cuda.py), behind these protocols.
+
+A backend checks the devices a replica asks for, makes the collective its ranks share, and opens one
+`RankBackend` per rank: the rank's device, its op set, its all-reduce, its memory and, where the device has
+them, its decode graphs. The replica drives every backend the same way and never asks which one it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from deltaserve.kernels.config import KernelConfig
+from deltaserve.kernels.ops import ForwardOps
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+DecodeProgram = Callable[[], torch.Tensor]  # one decode step over a bucket's fixed inputs; returns its logits
+
+
+class Collective(Protocol):
+    def for_rank(self, rank: int) -> AllReduce: ...
+
+    def abort(self) -> None:
+        """Break every wait, so ranks blocked in a collective raise instead of hanging."""
+
+    def close(self) -> None: ...
+
+
+class DecodeGraphs(Protocol):
+    stats: dict[int, dict]  # bucket -> {"nodes", "capture_s", "pool_bytes"}
+
+    def captured(self, bucket: int) -> bool: ...
+
+    def __call__(self, bucket: int) -> torch.Tensor:
+        """Replay the bucket's graph; its logits (a fixed tensor the next replay overwrites)."""
+
+    def destroy(self) -> None: ...
+
+
+class RankBackend(Protocol):
+    rank: int
+    device: torch.device
+    ops: ForwardOps
+    all_reduce: AllReduce | None
+    graphs: DecodeGraphs | None
+
+    def context(self) -> contextlib.AbstractContextManager: ...
+
+    def free_memory(self, fraction: float) -> int:
+        """Bytes this rank may still allocate for state."""
+
+    def warm_up_collective(self) -> None: ...
+
+    def capture_decode(self, programs: dict[int, DecodeProgram], progress: bool) -> DecodeGraphs | None:
+        """Capture each bucket's decode program (None: this device has no graphs)."""
+
+    def close(self) -> None: ...
+
+    def release_memory(self) -> None: ...
+
+
+class DeviceBackend(Protocol):
+    name: str
+    has_graphs: bool
+
+    def check_devices(self, tp: int) -> None:
+        """Raise ValueError naming the limit when `tp` ranks do not fit the visible devices."""
+
+    def make_collective(self, tp: int, use_nccl: bool | None, timeout_s: float) -> Collective | None: ...
+
+    def open_rank(self, rank: int, collective: Collective | None) -> RankBackend: ...
+
+
+def device_backend(device: str, *, cpu_memory_bytes: int, kernel_config: KernelConfig) -> DeviceBackend:
+    """The backend of `device` ("cpu" or "cuda"); the CUDA module is imported only when asked for."""
+    if device == "cuda":
+        from .cuda import CudaBackend
+
+        return CudaBackend(kernel_config)
+    if device == "cpu":
+        from .cpu import CpuBackend
+
+        return CpuBackend(cpu_memory_bytes)
+    raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
