@@ -23,15 +23,16 @@ import time
 
 import torch
 
-from deltaserve.kernels import triton_ops
+from deltaserve.kernels.config import DEFAULT, KernelConfig
 from deltaserve.kernels.sampling import SamplingTensors
 from deltaserve.kernels.triton_sampling import draw
+from deltaserve.model.sharding import LocalSizes
 from deltaserve.model.state import StateSizes
 from deltaserve.model.weights import weight_bytes
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 from deltaserve.tools.capture_check import time_per_call
 from deltaserve.tools.live_rows import live_decode_batch
-from deltaserve.tools.make_checkpoint import write_checkpoint
+from deltaserve.model.synthetic import write_checkpoint
 
 
 def copy_bandwidth(device, gib: float = 4.0) -> float:
@@ -44,7 +45,7 @@ def copy_bandwidth(device, gib: float = 4.0) -> float:
 
 
 def step_bytes(cfg, weights, tp: int, dtype, rows: int, context: int) -> int:
-    sizes = StateSizes.of(cfg, tp, dtype)
+    sizes = StateSizes.of(cfg, LocalSizes.of(cfg, tp), dtype)
     read = weight_bytes(weights)
     embed = weights["embed_tokens.weight"]
     if not cfg.tie_word_embeddings:  # only the batch's rows of the embedding are read
@@ -56,13 +57,14 @@ def step_bytes(cfg, weights, tp: int, dtype, rows: int, context: int) -> int:
 
 
 @contextlib.asynccontextmanager
-async def open_engine(size: str, layers: int | None, batches: list[int], context: int, tp: int):
+async def open_engine(size: str, layers: int | None, batches: list[int], context: int, tp: int,
+                      kernel_config: KernelConfig | None = None):
     """An engine on random bf16 weights of a `size`-shaped config, with a graph bucket for each batch size."""
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as folder:
         write_checkpoint(folder, size, layers=layers, weights=False)
         args = EngineArgs(model=folder, device="cuda", tp=tp, load_format="random", max_batch=max(batches),
                           max_model_len=context * 2, buckets=sorted(set(batches)), prefill_slots=1,
-                          prefill_token_budget=512)
+                          prefill_token_budget=512, kernel_config=kernel_config)
         async with AsyncEngine(args) as engine:
             yield engine
 
@@ -70,7 +72,7 @@ async def open_engine(size: str, layers: int | None, batches: list[int], context
 async def run(ns) -> list[dict]:
     batches = [int(b) for b in ns.batches.split(",")]
     results = []
-    async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp) as engine:
+    async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns)) as engine:
         replica = engine.replica
         bw = await replica.group.call(lambda rank: copy_bandwidth(replica.ranks[rank].backend.device))
         engine_steps = {rows: (await engine_step_time(engine, rows, ns.context))[0] for rows in batches}
@@ -116,8 +118,8 @@ def _measure(replica, rank, rows, context):
     with live_decode_batch(replica, rank, rows, context) as (r, batch):
         runtime, model, graphs = r.runtime, r.model, r.backend.graphs
         eager = time_per_call(lambda: model.decode(runtime.state, batch), r.backend.device, iters=10)
-        replay = time_per_call(lambda: graphs(rows, batch), r.backend.device, iters=50)
-        logits = graphs(rows, batch)
+        replay = time_per_call(lambda: graphs(rows), r.backend.device, iters=50)
+        logits = graphs(rows)
         # What the engine runs after the replay: the Triton sampler (Qwen's default filters, and greedy).
         p = SamplingTensors.filled(rows, logits.device, temperature=0.7, top_k=20, top_p=0.8, seeds=1)
         # No row has top-p without top-k, so, as in the engine, no top-p race rounds.
@@ -128,13 +130,14 @@ def _measure(replica, rank, rows, context):
 
 
 def table(ns, results) -> str:
+    k = kernel_config(ns)
     lines = [
         f"{ns.size} ({ns.layers or 'all'} layers), tp={ns.tp}, bf16, context {ns.context}, "
         f"copy bandwidth {results[0]['copy_tbps']:.2f} TB/s; one-row projections by "
-        f"{'the Triton GEMV' if triton_ops.GEMV_ONE_ROW else 'cuBLAS'}; input add-and-norms "
-        f"{'fused into the one-row projections' if triton_ops.GEMV_FUSED_NORM else 'by their own kernel'}; "
-        f"one-row GEMVs {'over whole weight rows where K splits' if triton_ops.GEMV_WHOLE_ROWS_ON else 'by K tiles'}; "
-        f"decode kernels launched {'with' if triton_ops.PDL else 'without'} programmatic dependent launch",
+        f"{'the Triton GEMV' if k.gemv_one_row else 'cuBLAS'}; input add-and-norms "
+        f"{'fused into the one-row projections' if k.gemv_one_row and k.fused_norm else 'by their own kernel'}; "
+        f"one-row GEMVs {'over whole weight rows where K splits' if k.whole_rows else 'by K tiles'}; "
+        f"decode kernels launched {'with' if k.pdl else 'without'} programmatic dependent launch",
         "",
         "| batch | graph step ms | eager step ms | graph/eager speed-up | tokens/s (graph) | HBM floor ms "
         "| graph / floor | sampling ms (T 0.7, top-k 20, top-p 0.8) | greedy ms | engine step ms (generate, greedy) "
@@ -151,49 +154,42 @@ def table(ns, results) -> str:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, batches: str) -> None:
-    """The flags of `open_engine` (model size and layers, batch sizes (graph buckets), context, tp) and `--pdl`,
-    which `apply_launch_flags` sets."""
+    """The flags of `open_engine` (model size and layers, batch sizes (graph buckets), context, tp) and the kernel
+    switches, which `kernel_config` turns into the engine's KernelConfig."""
     parser.add_argument("--size", default="4b")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--batches", default=batches)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pdl", choices=["on", "off"], default=None,
-                        help="launch the decode kernels with programmatic dependent launch (sm90+) "
-                        f"(default {'on' if triton_ops.PDL else 'off'})")
+    on_off = {"choices": ["on", "off"], "default": None}
+    parser.add_argument("--pdl", **on_off, help="launch the decode kernels with programmatic dependent launch (sm90+) "
+                        f"(default {'on' if DEFAULT.pdl else 'off'})")
+    parser.add_argument("--gemv", **on_off, help="one-row projections by the Triton GEMV, or all by cuBLAS "
+                        f"(default {'on' if DEFAULT.gemv_one_row else 'off'}); off also unfuses the norms")
+    parser.add_argument("--fused-norm", **on_off, help="each block's add-and-norm fused into its one-row input "
+                        f"projection, or a kernel of its own (default {'on' if DEFAULT.fused_norm else 'off'})")
+    parser.add_argument("--whole-rows", **on_off, help="one-row GEMVs over whole weight rows a program where K "
+                        f"splits into two spans, or all by the loop over K tiles (default "
+                        f"{'on' if DEFAULT.whole_rows else 'off'})")
 
 
-def apply_launch_flags(ns) -> None:
-    """Set what `--pdl` asks for, before the engine captures its graphs (it holds for the whole process)."""
-    if ns.pdl is not None:
-        triton_ops.PDL = ns.pdl == "on"
+def kernel_config(ns) -> KernelConfig:
+    """The KernelConfig the flags of `add_engine_args` ask for (the defaults where a flag is not given)."""
+    changes = {field: getattr(ns, flag) == "on" for flag, field in
+               (("pdl", "pdl"), ("gemv", "gemv_one_row"), ("fused_norm", "fused_norm"), ("whole_rows", "whole_rows"))
+               if getattr(ns, flag, None) is not None}
+    return KernelConfig(**changes)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser, batches="1,8,32,64")
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
-    parser.add_argument("--gemv", choices=["on", "off"], default=None,
-                        help="one-row projections by the Triton GEMV, or all by cuBLAS "
-                        f"(default {'on' if triton_ops.GEMV_ONE_ROW else 'off'}); off also unfuses the norms")
-    parser.add_argument("--fused-norm", choices=["on", "off"], default=None,
-                        help="each block's add-and-norm fused into its one-row input projection, or a kernel of its "
-                        f"own (default {'on' if triton_ops.GEMV_FUSED_NORM else 'off'})")
-    parser.add_argument("--whole-rows", choices=["on", "off"], default=None,
-                        help="one-row GEMVs over whole weight rows a program where K splits into two spans, or "
-                        f"all by the loop over K tiles (default {'on' if triton_ops.GEMV_WHOLE_ROWS_ON else 'off'})")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA device")
         return 2
-    if ns.gemv is not None:
-        triton_ops.GEMV_ONE_ROW = triton_ops.GEMV_FUSED_NORM = ns.gemv == "on"
-    if ns.fused_norm is not None:
-        triton_ops.GEMV_FUSED_NORM = ns.fused_norm == "on"
-    if ns.whole_rows is not None:
-        triton_ops.GEMV_WHOLE_ROWS_ON = ns.whole_rows == "on"
-    apply_launch_flags(ns)
     results = asyncio.run(run(ns))
     text = table(ns, results)
     stamp = f"{datetime.date.today()} {torch.cuda.get_device_name()} `python -m deltaserve.tools.bench_decode {' '.join(argv or sys.argv[1:])}`"

@@ -27,7 +27,7 @@ from deltaserve.devices.commands import SampledToken, StepResult
 from deltaserve.devices.worker import WorkerGroup
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 from deltaserve.runtime.cli import run
-from deltaserve.tools.make_checkpoint import write_checkpoint
+from deltaserve.model.synthetic import write_checkpoint
 
 
 class InstantReplica:

@@ -1,10 +1,10 @@
 """Where a decode step's wall time goes when it runs through the engine, against the step on the GPU.
 
-    python -m deltaserve.tools.profile_engine_step --size 4b [--layers N] [--batches 1,64] [--context 1024]
+    python -m deltaserve.tools.lab.profile_engine_step --size 4b [--layers N] [--batches 1,64] [--context 1024]
 
 Random bf16 weights on a CUDA device (`tools.bench_decode`'s engine), tp = 1. For each batch size, `rows` greedy
 requests stream through `engine.generate` (as in bench_decode's engine column) while rank 0's `execute` and
-`_sample` are timed. Printed per batch: the engine's step; `execute`, the device thread's whole step (inputs, the
+`SlotSampling.sample` are timed. Printed per batch: the engine's step; `execute`, the device thread's whole step (inputs, the
 graph's launch, sampling, the read-back); `sample`, the part of it from the sampler's launch to the read-back
 (it includes waiting for the forward); and the gap between two `execute`s, during which the GPU has nothing
 queued. The gap is split in two: from a step's end to the next step's hand-off (the event loop routes the
@@ -25,18 +25,19 @@ import torch
 
 from deltaserve.devices.rank import RankRuntime
 from deltaserve.devices.replica import Replica
-from deltaserve.tools.bench_decode import add_engine_args, apply_launch_flags, engine_step_time, open_engine
+from deltaserve.devices.sampling import SlotSampling
+from deltaserve.tools.bench_decode import add_engine_args, kernel_config, engine_step_time, open_engine
 
 
 class StepTimer:
-    """While entered, wraps Replica.start_step, RankRuntime.execute and RankRuntime._sample to record, for each of
+    """While entered, wraps Replica.start_step, RankRuntime.execute and SlotSampling.sample to record, for each of
     rank 0's steps, when it was handed to the ranks, when it started and ended, and how long its sampling took."""
 
     def __init__(self) -> None:
-        self.steps: list[tuple[float, float, float, float]] = []  # (handed, start, end, seconds in _sample)
+        self.steps: list[tuple[float, float, float, float]] = []  # (handed, start, end, seconds in SlotSampling.sample)
         self._handed = 0.0
         self._sampling = 0.0
-        self._wrapped = (Replica.start_step, RankRuntime.execute, RankRuntime._sample)
+        self._wrapped = (Replica.start_step, RankRuntime.execute, SlotSampling.sample)
 
     def __enter__(self) -> "StepTimer":
         start_step, execute, sample = self._wrapped
@@ -56,18 +57,18 @@ class StepTimer:
                 if runtime.rank == 0:
                     timer.steps.append((timer._handed, started, time.perf_counter(), timer._sampling))
 
-        def timed_sample(runtime, logits, setup):
+        def timed_sample(sampling, logits, setup):
             started = time.perf_counter()
             try:
-                return sample(runtime, logits, setup)
+                return sample(sampling, logits, setup)
             finally:
                 timer._sampling += time.perf_counter() - started
 
-        Replica.start_step, RankRuntime.execute, RankRuntime._sample = timed_start_step, timed_execute, timed_sample
+        Replica.start_step, RankRuntime.execute, SlotSampling.sample = timed_start_step, timed_execute, timed_sample
         return self
 
     def __exit__(self, *exc) -> None:
-        Replica.start_step, RankRuntime.execute, RankRuntime._sample = self._wrapped
+        Replica.start_step, RankRuntime.execute, SlotSampling.sample = self._wrapped
 
     def summary(self, start: float, end: float) -> dict:
         """Means over the steps inside [start, end]: the window in which every request decodes (before it the
@@ -86,7 +87,7 @@ class StepTimer:
 
 async def run(ns) -> None:
     batches = [int(b) for b in ns.batches.split(",")]
-    async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp) as engine:
+    async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns)) as engine:
         print("| batch | engine step ms | execute ms | sample ms (launch to read-back) | gap between executes ms "
               "| of it, to the hand-off ms | of it, hand-off to rank 0's start ms |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
@@ -106,7 +107,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("profile_engine_step needs a CUDA device")
         return 2
-    apply_launch_flags(ns)
     asyncio.run(run(ns))
     return 0
 

@@ -1,11 +1,11 @@
 """What each small kernel costs the decode step: the graph step with every launch of one kernel skipped.
 
-    python -m deltaserve.tools.knockout_decode --size 4b [--batches 1] [--context 1024] [--kernels NAME,NAME] [--pdl off]
+    python -m deltaserve.tools.lab.knockout_decode --size 4b [--batches 1] [--context 1024] [--kernels NAME,NAME] [--pdl off]
 
 A kernel's own time (`tools.profile_decode --pdl off`) is not what it costs the step: under programmatic
 dependent launch its launch hides behind the kernel before it, while its wait, its loads' latency and its tail
 stay on the step's path. This tool measures that cost directly. For each named Triton kernel of
-`kernels.triton_ops` it opens an engine whose launches of that kernel do nothing, captures the decode graph and
+the kernel modules (`kernels.norm`, `kernels.gemv`, ...) it opens an engine whose launches of that kernel do nothing, captures the decode graph and
 times its replay; a baseline engine with every kernel is timed before and after the knockouts. The outputs are
 wrong by design (the skipped kernel's output buffers stay unwritten), so only the times mean anything. Random
 bf16 weights, tp = 1.
@@ -21,8 +21,8 @@ import sys
 
 import torch
 
-from deltaserve.kernels import triton_ops
-from deltaserve.tools.bench_decode import add_engine_args, apply_launch_flags, open_engine
+from deltaserve.kernels import attention, conv1d, gdn, gemv, norm
+from deltaserve.tools.bench_decode import add_engine_args, kernel_config, open_engine
 from deltaserve.tools.capture_check import time_per_call
 from deltaserve.tools.live_rows import live_decode_batch
 
@@ -47,7 +47,7 @@ class SkippedLaunches:
 def _step_time(replica, rank: int, rows: int, context: int, stand_in: SkippedLaunches | None) -> tuple[float, int]:
     """(seconds per graph replay, the stand-in's launches in one eager step, or 0 without one)."""
     with live_decode_batch(replica, rank, rows, context) as (r, batch):
-        seconds = time_per_call(lambda: r.backend.graphs(rows, batch), r.backend.device, iters=100)
+        seconds = time_per_call(lambda: r.backend.graphs(rows), r.backend.device, iters=100)
         calls = 0
         if stand_in is not None:
             stand_in.calls = 0
@@ -56,26 +56,33 @@ def _step_time(replica, rank: int, rows: int, context: int, stand_in: SkippedLau
         return seconds, calls
 
 
+def _home(name: str):
+    """The kernel module that defines the Triton kernel `name`."""
+    for module in (norm, gemv, conv1d, gdn, attention):
+        if hasattr(module, name):
+            return module
+    raise ValueError(f"--kernels: no kernel module has a kernel {name!r}")
+
+
 async def _measure(ns, rows: int, knocked_out: str | None) -> tuple[float, int]:
     """The graph step of `rows` rows, with every launch of the kernel named `knocked_out` skipped (if given)."""
-    original = getattr(triton_ops, knocked_out) if knocked_out else None
+    original = getattr(_home(knocked_out), knocked_out) if knocked_out else None
     stand_in = SkippedLaunches() if knocked_out else None
     if knocked_out:
-        setattr(triton_ops, knocked_out, stand_in)
+        setattr(_home(knocked_out), knocked_out, stand_in)
     try:
-        async with open_engine(ns.size, ns.layers, [rows], ns.context, ns.tp) as engine:
+        async with open_engine(ns.size, ns.layers, [rows], ns.context, ns.tp, kernel_config(ns)) as engine:
             replica = engine.replica
             return (await replica.group.call(lambda rank: _step_time(replica, rank, rows, ns.context, stand_in)))[0]
     finally:
         if knocked_out:
-            setattr(triton_ops, knocked_out, original)
+            setattr(_home(knocked_out), knocked_out, original)
 
 
 async def run(ns) -> list[str]:
     kernels = [k for k in ns.kernels.split(",") if k]
     for name in kernels:
-        if not hasattr(triton_ops, name):
-            raise ValueError(f"--kernels: kernels.triton_ops has no kernel {name!r}")
+        _home(name)
     lines = []
     for rows in (int(b) for b in ns.batches.split(",")):
         before, _ = await _measure(ns, rows, None)
@@ -98,7 +105,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser, batches="1")
     parser.add_argument("--kernels", default=",".join(SMALL_KERNELS),
-                        help="Triton kernels of kernels.triton_ops to skip, one at a time")
+                        help="Triton kernels of the kernel modules to skip, one at a time")
     ns = parser.parse_args(argv)
     if ns.tp != 1:  # the stand-in's launch count is one rank's
         parser.error("--tp: knockout_decode times one rank's step; run it with --tp 1")
@@ -106,9 +113,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         logging.error("knockout_decode needs a CUDA device")
         return 2
-    apply_launch_flags(ns)
     lines = asyncio.run(run(ns))
-    print(f"{datetime.date.today()} {torch.cuda.get_device_name()} `python -m deltaserve.tools.knockout_decode "
+    print(f"{datetime.date.today()} {torch.cuda.get_device_name()} `python -m deltaserve.tools.lab.knockout_decode "
           f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n")
     print("\n".join(lines))
     return 0

@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes: per-kernel time of the graph replay, and the gaps between kernels.
 
-    python -m deltaserve.tools.profile_decode --size 4b [--layers N] [--batches 1,64] [--context 1024] [--top 25] [--pdl off]
+    python -m deltaserve.tools.lab.profile_decode --size 4b [--layers N] [--batches 1,64] [--context 1024] [--top 25] [--pdl off]
 
 Random bf16 weights (generated on the device), tp = 1. For each batch size the decode graph is replayed under
 the torch profiler; kernels are grouped by name, with calls and GPU microseconds per step. "busy" is the sum of
@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from deltaserve.tools.bench_decode import add_engine_args, apply_launch_flags, open_engine
+from deltaserve.tools.bench_decode import add_engine_args, kernel_config, open_engine
 from deltaserve.tools.capture_check import time_per_call
 from deltaserve.tools.live_rows import live_decode_batch
 
@@ -30,8 +30,8 @@ from deltaserve.tools.live_rows import live_decode_batch
 def _profile(replica, rank: int, rows: int, context: int, steps: int = 5) -> dict:
     with live_decode_batch(replica, rank, rows, context) as (r, batch):
         runtime, graphs = r.runtime, r.backend.graphs
-        step_s = time_per_call(lambda: graphs(rows, batch), r.backend.device, iters=50)
-        per_name = _kernel_times(lambda: graphs(rows, batch), steps)
+        step_s = time_per_call(lambda: graphs(rows), r.backend.device, iters=50)
+        per_name = _kernel_times(lambda: graphs(rows), steps)
         source = "graph replay"
         if not per_name:  # a profiler that cannot see inside graphs: the same kernels, launched eagerly
             per_name = _kernel_times(lambda: r.model.decode(runtime.state, batch), steps)
@@ -69,7 +69,7 @@ def report(result: dict, top: int) -> str:
 
 async def run(ns) -> list[dict]:
     batches = [int(b) for b in ns.batches.split(",")]
-    async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp) as engine:
+    async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns)) as engine:
         replica = engine.replica
         out = []
         for rows in batches:
@@ -87,7 +87,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         logging.error("profile_decode needs a CUDA device")
         return 2
-    apply_launch_flags(ns)
     for result in asyncio.run(run(ns)):
         print(report(result, ns.top), flush=True)
     return 0

@@ -1,6 +1,6 @@
 """Compile the decode step's GEMVs and GDN decode for sm90 without a GPU and report what their machine code does.
 
-    python -m deltaserve.tools.inspect_kernels [--arch 90]
+    python -m deltaserve.tools.lab.inspect_kernels [--arch 90]
 
 Triton compiles for a named target with the `ptxas` it ships, so this runs on the development machine. For each
 kernel and tile it prints the registers a thread uses, how many programs an SM therefore holds at once (these
@@ -28,7 +28,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from deltaserve.kernels import triton_ops as T  # noqa: E402
+from deltaserve.kernels import gdn, gemv  # noqa: E402
+from deltaserve.kernels.config import DEFAULT  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -60,29 +61,29 @@ SM90_REGISTERS, SM90_THREADS, SM90_PROGRAMS, SM90_SHARED, SHARED_RESERVED = 6553
 def cases():
     """(name, kernel, signature, constexprs, warps, stages, tile) of the decode step's GEMVs and GDN decode (4B
     sizes); tile names the launch configuration. The whole-rows GEMVs have no loop."""
-    for config in (T.GEMV_CONFIG, T.GEMV_NARROW_WIDENING_CONFIG):
+    for config in (DEFAULT.gemv_tile, DEFAULT.gemv_narrow_widening_tile):
         block_n, block_k, warps, stages = config
-        yield ("gemv", T._gemv_kernel, GEMV_SIGNATURE, dict(EVEN_K=True, PDL=True, BLOCK_N=block_n, BLOCK_K=block_k),
+        yield ("gemv", gemv._gemv_kernel, GEMV_SIGNATURE, dict(EVEN_K=True, PDL=True, BLOCK_N=block_n, BLOCK_K=block_k),
                warps, stages, f"(BLOCK_N, BLOCK_K, warps, stages) {config}")
-    for silu, config in ((False, T.NORM_GEMV_CONFIG), (True, T.NORM_GEMV_SILU_CONFIG)):
+    for silu, config in ((False, DEFAULT.norm_gemv_tile), (True, DEFAULT.norm_gemv_silu_tile)):
         block_n, block_k, warps, stages = config
-        yield ("norm_gemv + silu" if silu else "norm_gemv", T._norm_gemv_kernel, NORM_GEMV_SIGNATURE,
+        yield ("norm_gemv + silu" if silu else "norm_gemv", gemv._norm_gemv_kernel, NORM_GEMV_SIGNATURE,
                dict(HAS_RES=True, HAS_NW=False, SILU_MUL=silu, EVEN=True, PDL=True, BLOCK_N=block_n,
                     BLOCK_K=block_k),
                warps, stages, f"(BLOCK_N, BLOCK_K, warps, stages) {config}")
     for k in (4096, 9216):  # 4B out_proj / o_proj, down_proj
-        k1, k2 = T.whole_row_spans(k)
-        rows, warps = T.GEMV_WHOLE_ROWS
-        yield ("whole-rows gemv", T._gemv_whole_rows_kernel, WHOLE_ROWS_GEMV_SIGNATURE,
-               dict(ROWS=rows, K1=k1, K2=k2, PDL=True), warps, 1, f"{T.GEMV_WHOLE_ROWS}, K {k}")
-    k1, k2 = T.whole_row_spans(2560)  # the 4B hidden size
-    for silu, config in ((False, T.NORM_GEMV_WHOLE_ROWS), (True, T.NORM_GEMV_SILU_WHOLE_ROWS)):
-        yield ("whole-rows norm_gemv + silu" if silu else "whole-rows norm_gemv", T._norm_gemv_whole_rows_kernel,
+        k1, k2 = gemv.whole_row_spans(k)
+        rows, warps = DEFAULT.gemv_whole_rows
+        yield ("whole-rows gemv", gemv._gemv_whole_rows_kernel, WHOLE_ROWS_GEMV_SIGNATURE,
+               dict(ROWS=rows, K1=k1, K2=k2, PDL=True), warps, 1, f"{DEFAULT.gemv_whole_rows}, K {k}")
+    k1, k2 = gemv.whole_row_spans(2560)  # the 4B hidden size
+    for silu, config in ((False, DEFAULT.norm_gemv_whole_rows), (True, DEFAULT.norm_gemv_silu_whole_rows)):
+        yield ("whole-rows norm_gemv + silu" if silu else "whole-rows norm_gemv", gemv._norm_gemv_whole_rows_kernel,
                WHOLE_ROWS_NORM_GEMV_SIGNATURE, dict(HAS_RES=True, HAS_NW=False, SILU_MUL=silu, ROWS=config.rows,
                                                     K1=k1, K2=k2, PDL=True), config.warps, 1, f"{config}, K 2560")
-    defaults = inspect.signature(T.gdn_decode).parameters
+    defaults = inspect.signature(gdn.gdn_decode).parameters
     block_v, warps = defaults["block_v"].default, defaults["num_warps"].default
-    yield ("gdn_decode", T._gdn_decode_kernel, GDN_DECODE_SIGNATURE,
+    yield ("gdn_decode", gdn._gdn_decode_kernel, GDN_DECODE_SIGNATURE,
            dict(DK=128, DV=128, KEY_DIM=2048, BLOCK_K=128, BLOCK_V=block_v, PDL=True), warps, 1,
            f"(BLOCK_V, warps) {(block_v, warps)}")
 
