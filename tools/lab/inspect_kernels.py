@@ -4,7 +4,7 @@
 
 Triton compiles for a named target with the `ptxas` it ships, so this runs on the development machine. For each
 kernel and tile it prints the registers a thread uses, how many programs an SM therefore holds at once (these
-kernels are bound by the loads in flight, so this moved their times: runs P6 and Q1, docs/benchmarks/decode.md)
+kernels are bound by the loads in flight, so this moved their times: runs P6 and Q1, docs/benchmarks/log/decode.md)
 and, per loop of the SASS, the global loads and the `BAR.SYNC`s in it. A barrier in a GEMV's loop made each
 iteration wait for its input's load before it asked for its weights (run P3). Pointers and the integer sizes are
 declared 16-divisible, as the launcher specialises them at run time.
