@@ -19,21 +19,25 @@ import random
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 
 from deltaserve.devices.commands import PrefillCommand, PromoteSlot, RetireSlot, RowSampling, StepCommand, StepResult
 from deltaserve.devices.replica import Replica, ReplicaSpec
 from deltaserve.devices.worker import ReplicaPoisoned
 from deltaserve.model.config import load_model_config
 from deltaserve.model.synthetic import demo_checkpoint
+from deltaserve.model.weights import check_checkpoint
 
 from .args import EngineArgs
 from .metrics import EngineMetrics
 from .params import SamplingParams
 from .scheduler import CapacityError, Scheduler, default_buckets
-from .text import IncrementalDetokenizer, StopMatcher, TextTokenizer
+from .text import IncrementalDetokenizer, PromptTooLong, StopMatcher, TextTokenizer
 
 log = logging.getLogger(__name__)
+
+_INLINE_TOKENIZE_CHARS = 16_384  # shorter texts tokenise in well under a millisecond: not worth a thread hop
 
 
 class EngineDeadError(RuntimeError):
@@ -132,9 +136,13 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._closing = False
+        self._draining = False
         self._dead: str | None = None
+        self.died = asyncio.Event()  # set when the replica is poisoned (the cause is logged once, by `_poison`)
+        self._stats_task: asyncio.Task | None = None
         self._ids = itertools.count()
         self._rng = random.Random(args.seed)
+        self._text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltaserve-text")
 
     # Lifecycle ------------------------------------------------------------------------------------------------------
     async def __aenter__(self) -> "AsyncEngine":
@@ -150,12 +158,16 @@ class AsyncEngine:
             args.model = demo_checkpoint()
         self.cfg = load_model_config(args.model)
         self.tokenizer = TextTokenizer(args.model)
+        if args.load_format == "safetensors":
+            check_checkpoint(args.model)  # a bad file named here, not from inside a rank
         if self.tokenizer.vocab_size > self.cfg.vocab_size:
             raise ValueError(
                 f"the tokenizer has {self.tokenizer.vocab_size} ids but the model only {self.cfg.vocab_size}"
             )
-        limit = min(self.cfg.max_position_embeddings, 32768)
-        self.max_model_len = min(args.max_model_len or limit, self.cfg.max_position_embeddings)
+        if args.max_model_len is not None and args.max_model_len > self.cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {args.max_model_len} exceeds the checkpoint's max_position_embeddings "
+                             f"({self.cfg.max_position_embeddings})")
+        self.max_model_len = args.max_model_len or min(self.cfg.max_position_embeddings, 32768)
         self.model_name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         buckets = sorted(args.buckets) if args.buckets else default_buckets(args.max_batch)
         spec = ReplicaSpec(
@@ -179,12 +191,29 @@ class AsyncEngine:
             max_model_len=self.max_model_len, buckets=self.replica.buckets,
         )
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="deltaserve-step-loop")
+        if args.stats_interval_s > 0:
+            self._stats_task = asyncio.get_running_loop().create_task(self._log_stats(args.stats_interval_s))
         log.info("engine ready: model %s on %s (tp=%d, %s), max_batch %d, max_model_len %d",
                  self.model_name, args.device, args.tp, args.dtype, plan.max_batch, self.max_model_len)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting requests (new ones get EngineDeadError), let the live ones run for up to `timeout_s`, then
+        abort the rest: each stream's last output has finish_reason "abort"."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.requests and time.monotonic() < deadline and self._dead is None:
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        if self.requests:
+            log.info("aborting %d requests still running after %.1f s", len(self.requests), timeout_s)
+        for req in list(self.requests.values()):
+            self._finish(req, "abort")
 
     async def close(self) -> None:
         self._closing = True
         self._wakeup.set()
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            self._stats_task = None
         if self._loop_task is not None:
             await asyncio.wait([self._loop_task], timeout=self.args.step_timeout_s)
             self._loop_task = None
@@ -193,31 +222,58 @@ class AsyncEngine:
         if self.replica is not None:
             await self.replica.close()
             self.replica = None
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._closing or self._draining
 
     @property
     def healthy(self) -> bool:
-        return self._dead is None and self._loop_task is not None and not self._closing
+        return self._dead is None and self._loop_task is not None and not self._closing and not self._draining
 
     # Requests -------------------------------------------------------------------------------------------------------
     def resolve_params(self, prompt_len: int, params: SamplingParams | None) -> SamplingParams:
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # again: its fields may have been set after it was made
+        params.check_model(self.cfg.vocab_size)
         if prompt_len >= self.max_model_len:
             raise ValueError(f"prompt is {prompt_len} tokens; the context length is {self.max_model_len}")
-        return params.with_defaults(self.cfg.generation, self.max_model_len - prompt_len)
+        params = params.with_defaults(self.cfg.generation, self.max_model_len - prompt_len)
+        if params.top_k >= self.cfg.vocab_size:  # keeps every token: the same as off, and bounded on the ranks
+            params = replace(params, top_k=0)
+        return params
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids, checked against the vocabulary and the context (PromptTooLong: a ValueError)."""
+        limit = self.max_model_len - 1  # at least one token must be left to generate
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, limit)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+            if len(ids) > limit:
+                raise PromptTooLong(len(ids), limit)
         else:
             raise ValueError("prompt must be a string or a list of token ids")
         if not ids:
             raise ValueError("prompt is empty")
         return ids
+
+    async def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """`encode_prompt` without stalling the event loop: long texts are tokenised on a worker thread."""
+        if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
+            return await self.run_text_work(self.encode_prompt, prompt)
+        return self.encode_prompt(prompt)
+
+    async def run_text_work(self, fn, *args):
+        """`fn(*args)` on the engine's text threads: work on large inputs (parsing, templates, tokenising) that
+        would stall the event loop. Two threads: more would only contend for the GIL with the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._text_pool, fn, *args)
 
     def generate(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -244,8 +300,9 @@ class AsyncEngine:
         return self.tokenizer.render_chat(messages, add_generation_prompt=True, **(chat_template_kwargs or {}))
 
     def _add(self, prompt, params: SamplingParams | None, request_id: str | None) -> _Request:
-        if self._dead is not None or self._closing or self.scheduler is None:
-            raise EngineDeadError(self._dead or "the engine is not running")
+        if self._dead is not None or self._closing or self._draining or self.scheduler is None:
+            raise EngineDeadError(self._dead or ("the engine is shutting down" if self._closing or self._draining
+                                                 else "the engine is not running"))
         prompt_ids = self.encode_prompt(prompt)
         params = self.resolve_params(len(prompt_ids), params)
         if len(self.scheduler.waiting) >= self.args.max_waiting:
@@ -308,8 +365,7 @@ class AsyncEngine:
             self._poison("the engine's step loop was cancelled")
             raise
         except Exception as exc:
-            log.exception("step failed")
-            self.replica.group.poison(exc)
+            self.replica.group.poison(exc)  # logs it, with its traceback
             self._poison(f"step failed: {exc!r}")
 
     async def _run_steps(self) -> None:
@@ -376,8 +432,8 @@ class AsyncEngine:
         sched = self.scheduler
         sched.on_prefill_done(plan.prefill)
         sched.on_decode_done(plan.decode_ids)
-        self.metrics.prompt_tokens.inc(sum(w.length for w in plan.prefill))
-        self.metrics.generation_tokens.inc(len(plan.decode_ids) + sum(1 for s in result.prefill if s is not None))
+        self.metrics.count_tokens(sum(w.length for w in plan.prefill),
+                                  len(plan.decode_ids) + sum(1 for s in result.prefill if s is not None))
         now = time.perf_counter()
         later = []
         for w, sampled in zip(plan.prefill, result.prefill):
@@ -435,9 +491,28 @@ class AsyncEngine:
     def _poison(self, message: str) -> None:
         self._dead = message
         self.metrics.healthy.set(0)
-        log.error("engine poisoned: %s; failing %d live requests", message, len(self.requests))
+        log.error("the engine stopped serving (the cause is logged above); failing %d live requests",
+                  len(self.requests))
         for req in list(self.requests.values()):
             self._finish(req, "error", error=message)
+        self.died.set()
+
+    async def _log_stats(self, interval_s: float) -> None:
+        """vLLM's periodic line: throughput since the last line, queue depth, KV and slot usage (while busy)."""
+        m = self.metrics
+        last = (time.monotonic(), m.prompt_token_count, m.generation_token_count)
+        while True:
+            await asyncio.sleep(interval_s)
+            now, prompt, generated = time.monotonic(), m.prompt_token_count, m.generation_token_count
+            seconds = now - last[0]
+            busy = prompt > last[1] or generated > last[2] or self.requests
+            if busy and self.scheduler is not None:
+                s = self.scheduler
+                log.info("prompt %.1f tok/s, generation %.1f tok/s; running %d, waiting %d; KV pages %.1f%%, "
+                         "decode slots %.1f%%", (prompt - last[1]) / seconds, (generated - last[2]) / seconds,
+                         s.num_running, len(s.waiting), 100 * (1 - len(s.free_pages) / s.num_pages),
+                         100 * len(s.decode_slots) / s.max_batch)
+            last = (now, prompt, generated)
 
     def _update_gauges(self) -> None:
         s = self.scheduler

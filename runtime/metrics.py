@@ -28,6 +28,14 @@ class EngineMetrics:
                                       buckets=_LATENCY_BUCKETS)
         self.healthy = Gauge("deltaserve_healthy", "1 while the engine serves, 0 once poisoned", registry=r)
         self.healthy.set(1)
+        self.prompt_token_count = 0  # the two counters' values, for the engine's periodic stats line
+        self.generation_token_count = 0
+
+    def count_tokens(self, prompt: int, generated: int) -> None:
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(generated)
+        self.prompt_token_count += prompt
+        self.generation_token_count += generated
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

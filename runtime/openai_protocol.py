@@ -14,11 +14,14 @@ from .params import MAX_LOGPROBS, SamplingParams
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None) -> None:
+                 type_: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                              413: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+        self.headers = headers
+        if type_ is None:
+            type_ = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}.get(
+                status, "invalid_request_error" if status < 500 else "server_error")
+        self.type = type_
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -54,7 +57,7 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
-    model: str
+    model: str | None
     chat_template_kwargs: dict = field(default_factory=dict)
     messages: list | None = None
 
@@ -70,12 +73,12 @@ def _typed(body: dict, name: str, types, what: str):
     return value
 
 
-def _common(body: dict, max_tokens_field: str) -> tuple[dict, bool, bool, str]:
+def _common(body: dict, max_tokens_field: str) -> tuple[dict, bool, bool, str | None]:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("'model' is required and must be a string", "model")
+    model = body.get("model")  # optional: this server serves one model
+    if model is not None and (not isinstance(model, str) or not model):
+        raise _bad("'model' must be a non-empty string", "model")
     for name in _UNSUPPORTED & body.keys():
         if body[name] not in (None, {}, [], ""):
             raise _bad(f"'{name}' is not supported by this server", name)

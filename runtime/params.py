@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
 from deltaserve.model.config import GenerationDefaults
 
 MAX_LOGPROBS = 20
+MAX_STOP_CHARS = 1024  # the stream holds back this much text while a stop string may still complete
+INT32_MAX = 2**31 - 1  # counts and token ids travel to the ranks as int32/int64 tensors: bounded before they go
 
 
 @dataclass
@@ -17,7 +20,7 @@ class SamplingParams:
     min_tokens: int = 0
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = None  # 0 or -1 (vLLM's spelling): off
     min_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -43,16 +46,18 @@ class SamplingParams:
             kinds = (int,) if integer else (int, float)
             if isinstance(value, bool) or not isinstance(value, kinds):
                 raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+            if not integer and not math.isfinite(value):  # NaN passes every comparison below
+                raise ValueError(f"{name} must be a finite number, got {value}")
             if lo is not None and (value <= lo if lo_open else value < lo):
                 raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
             if hi is not None and value > hi:
                 raise ValueError(f"{name} must be <= {hi}, got {value}")
 
-        number("max_tokens", 1, integer=True)
-        number("min_tokens", 0, integer=True)
+        number("max_tokens", 1, INT32_MAX, integer=True)
+        number("min_tokens", 0, INT32_MAX, integer=True)
         number("temperature", 0.0, 100.0)
         number("top_p", 0.0, 1.0, lo_open=True)
-        number("top_k", 0, integer=True)
+        number("top_k", -1, INT32_MAX, integer=True)
         number("min_p", 0.0, 1.0)
         number("seed", 0, 2**63 - 1, integer=True)
         number("logprobs", 0, MAX_LOGPROBS, integer=True)
@@ -65,13 +70,23 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if len(self.stop) > 16:
             raise ValueError("stop takes at most 16 strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in self.stop_token_ids
         ):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")
+
+    def check_model(self, vocab_size: int) -> None:
+        """What only the model can tell: every token id inside its vocabulary (they index the logits on the rank)."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise ValueError(f"logprobs must be <= the vocabulary size {vocab_size}, got {self.logprobs}")
 
     def with_defaults(self, defaults: GenerationDefaults, max_tokens_left: int) -> "SamplingParams":
         """Fill unset fields from the checkpoint; max_tokens defaults to what the context leaves."""
@@ -82,7 +97,8 @@ class SamplingParams:
             if values[name] is None:
                 value = getattr(defaults, name)
                 values[name] = last_resort if value is None else value
+        if values["top_k"] == -1:
+            values["top_k"] = 0
         if values["max_tokens"] is None:
             values["max_tokens"] = max_tokens_left
-        resolved = replace(self, **values)
-        return resolved
+        return replace(self, **values)

@@ -1,19 +1,26 @@
 """OpenAI-compatible HTTP server (aiohttp): completions, chat completions, SSE streaming, models, health, metrics.
 
-Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}. A client that disconnects cancels
-its handler (aiohttp handler cancellation), which aborts the request and frees its slot and pages.
+Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}, whatever the body or headers held: a
+request is parsed strictly (no NaN or infinity, no number a float cannot hold, no invalid Unicode, bounded
+nesting) and any other failure of a handler is a logged 500 with no internals in the body. A client that
+disconnects cancels its handler (aiohttp handler cancellation), which aborts the request and frees its slot and
+pages. `shutdown` ends live streams with finish_reason "abort".
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
+import math
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from .engine import AsyncEngine, CapacityError, EngineDeadError, QueueFullError, RequestOutput
+from .connection import USAGE_KEY, AccessLogger, AppRunner
 from .openai_protocol import (
     ApiError,
     ParsedRequest,
@@ -25,17 +32,38 @@ from .openai_protocol import (
     parse_completion,
     usage,
 )
-from .text import ReasoningSplitter, TemplateError, prompt_opens_reasoning
+from .text import PromptTooLong, ReasoningSplitter, prompt_opens_reasoning
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20
+MAX_JSON_DEPTH = 32  # the deepest a valid request goes is about 5 (messages[i].content[j].text)
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client
+_LARGE_BODY_BYTES = 256 << 10
+
+
+@dataclass
+class ServerOptions:
+    api_key: str | None = None
+    header_timeout_s: float = 10.0  # from a request's first byte to the end of its headers
+    body_timeout_s: float = 30.0  # reading a request's body
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    access_log: bool = True
+
+
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
-API_KEY = web.AppKey("api_key", object)
+OPTIONS_KEY = web.AppKey("options", ServerOptions)
+
+
+def _unavailable(engine: AsyncEngine) -> ApiError:
+    """503 for a request the engine cannot serve; a failure's cause stays in the server's log."""
+    if engine.shutting_down:
+        return ApiError(503, "the server is shutting down", code="unavailable")
+    return ApiError(503, "the engine failed; the cause is in the server log", code="engine_failed")
 
 
 def _json_error(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status)
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
 
 
 @web.middleware
@@ -50,9 +78,13 @@ async def _errors(request: web.Request, handler):
         if exc.status < 400:
             raise
         return _json_error(ApiError(exc.status, exc.reason or "error", type_="invalid_request_error"))
-    except (EngineDeadError, QueueFullError) as exc:
-        return _json_error(ApiError(503, str(exc), code="unavailable"))
+    except QueueFullError as exc:
+        return _json_error(ApiError(503, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}))
+    except EngineDeadError:
+        return _json_error(_unavailable(request.app[ENGINE_KEY]))
     except asyncio.CancelledError:
+        raise
+    except ConnectionResetError:  # the client left mid-write: the connection layer drops it quietly
         raise
     except Exception:
         log.exception("unhandled error serving %s", request.path)
@@ -61,51 +93,106 @@ async def _errors(request: web.Request, handler):
 
 @web.middleware
 async def _auth(request: web.Request, handler):
-    key = request.app[API_KEY]
+    key = request.app[OPTIONS_KEY].api_key
     if key and request.path.startswith("/v1/"):
-        sent = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
+        scheme, _, sent = request.headers.get("Authorization", "").partition(" ")
+        # Header text that was not UTF-8 arrives with surrogate escapes: turned back into its bytes, it just
+        # fails to match.
+        sent_bytes = sent.strip().encode("utf-8", "surrogateescape")
+        if not (hmac.compare_digest(sent_bytes, key.encode()) and scheme.lower() == "bearer"):
             raise ApiError(401, "missing or invalid API key", code="invalid_api_key")
     return await handler(request)
 
 
-async def _body(request: web.Request) -> dict:
-    raw = await request.read()  # over MAX_BODY_BYTES raises HTTPRequestEntityTooLarge: 413 in _errors
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:32]} does not fit a 64-bit float")
+    return value
+
+
+def _check_json_values(body) -> None:
+    """Bounded nesting, and every string (keys too) valid Unicode: JSON's \\ud800 escapes make lone surrogates,
+    which no tokenizer or encoder takes."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, dict):
+            stack.extend((k, depth) for k in value)
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(400, "the request body holds a string that is not valid Unicode (a lone "
+                               "surrogate)") from None
+
+
+async def _body(request: web.Request) -> tuple[dict, bool]:
+    """The request's JSON object, and whether it is large: a large body's parsing (and its template rendering) run
+    on a worker thread, so many of them arriving together do not hold up the loop one after another."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        raw = await asyncio.wait_for(request.read(), request.app[OPTIONS_KEY].body_timeout_s)
+    except web.HTTPException:
+        raise  # over MAX_BODY_BYTES: 413 in _errors
+    except asyncio.TimeoutError:
+        raise ApiError(408, "the request body did not arrive in time", code="timeout") from None
+    except Exception as exc:  # a body that fails its Content-Encoding or its chunked framing
+        raise ApiError(400, f"the request body could not be read: {exc}") from None
+    large = len(raw) > _LARGE_BODY_BYTES
+    if large:
+        return await request.app[ENGINE_KEY].run_text_work(_parse_json, raw), large
+    return _parse_json(raw), large
+
+
+def _parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # JSONDecodeError, undecodable bytes, a number no type can hold
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _check_json_values(body)
     return body
 
 
-def _check_model(engine: AsyncEngine, name: str) -> None:
-    if name != engine.model_name:
+def _check_model(engine: AsyncEngine, name: str | None) -> None:
+    if name is not None and name != engine.model_name:
         raise ApiError(404, f"model {name!r} does not exist; this server serves {engine.model_name!r}", "model",
                        "model_not_found")
 
 
-def _check_prompt(engine: AsyncEngine, prompt, parsed: ParsedRequest) -> list[int]:
+async def _check_prompt(engine: AsyncEngine, prompt, parsed: ParsedRequest) -> list[int]:
     """Encode and size-check one prompt: 400 before anything is queued or any byte is sent."""
+    field = "messages" if parsed.messages else "prompt"
     try:
-        ids = engine.encode_prompt(prompt)
-        if len(ids) >= engine.max_model_len:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context is {engine.max_model_len}",
-                           "messages" if parsed.messages else "prompt", "context_length_exceeded")
-        params = parsed.params
-        if params.max_tokens is not None and len(ids) + params.max_tokens > engine.max_model_len:
-            raise ApiError(
-                400, f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"length {engine.max_model_len}", "max_tokens", "context_length_exceeded")
+        ids = await engine.tokenize(prompt)
+    except PromptTooLong as exc:
+        raise ApiError(400, f"the prompt is {'' if exc.exact else 'at least '}{exc.tokens} tokens; this model's "
+                       f"context is {engine.max_model_len}", field, "context_length_exceeded") from None
     except ValueError as exc:
-        raise ApiError(400, str(exc), "prompt") from None
+        raise ApiError(400, str(exc), field) from None
+    params = parsed.params
+    if params.max_tokens is not None and len(ids) + params.max_tokens > engine.max_model_len:
+        raise ApiError(
+            400, f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+            f"length {engine.max_model_len}", "max_tokens", "context_length_exceeded")
     return ids
 
 
-def _start_all(engine: AsyncEngine, prompts: list, parsed: ParsedRequest) -> list:
+async def _start_all(engine: AsyncEngine, prompts: list, parsed: ParsedRequest) -> list:
     """Enqueue every prompt, or none: a refusal aborts the ones already queued."""
-    checked = [_check_prompt(engine, p, parsed) for p in prompts]
+    checked = [await _check_prompt(engine, p, parsed) for p in prompts]
     streams = []
     try:
         for ids in checked:
@@ -113,6 +200,10 @@ def _start_all(engine: AsyncEngine, prompts: list, parsed: ParsedRequest) -> lis
     except CapacityError as exc:
         _abort(engine, streams)
         raise ApiError(400, str(exc), "max_tokens", "context_length_exceeded") from None
+    except ValueError as exc:  # a field only the model can judge (a token id outside its vocabulary)
+        _abort(engine, streams)
+        message = str(exc)
+        raise ApiError(400, message, message.split(":", 1)[0].split(" ", 1)[0]) from None
     except BaseException:
         _abort(engine, streams)
         raise
@@ -143,9 +234,10 @@ class _Sse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
-    parsed = parse_completion(await _body(request))
+    body, _ = await _body(request)
+    parsed = parse_completion(body)
     _check_model(engine, parsed.model)
-    gens = _start_all(engine, parsed.prompts, parsed)
+    gens = await _start_all(engine, parsed.prompts, parsed)
     rid, created = new_id("cmpl"), now()
     try:
         firsts = [await _first(g) for g in gens]
@@ -164,6 +256,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason})
         prompt_tokens += len(out.prompt_token_ids)
         completion_tokens += len(out.token_ids)
+    request[USAGE_KEY] = (prompt_tokens, completion_tokens)
     return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
                               "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
 
@@ -211,7 +304,7 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
     totals = [[0, 0] for _ in gens]
     async for i, out in _merged(gens, firsts):
         if out.error:
-            await sse.send({"error": ApiError(503, out.error).body()["error"]})
+            await sse.send(_unavailable(engine).body())
             break
         choice = {"index": i, "text": out.delta_text, "logprobs": None, "finish_reason": out.finish_reason}
         if out.logprobs is not None and out.delta_token_ids:
@@ -222,9 +315,10 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
         if out.delta_text or out.finished or choice["logprobs"]:
             await sse.send({"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
                             "choices": [choice]})
+    request[USAGE_KEY] = (sum(t[0] for t in totals), sum(t[1] for t in totals))
     if parsed.include_usage:
         await sse.send({"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
-                        "choices": [], "usage": usage(sum(t[0] for t in totals), sum(t[1] for t in totals))})
+                        "choices": [], "usage": usage(*request[USAGE_KEY])})
     await sse.send("[DONE]")
     await sse.response.write_eof()
     return sse.response
@@ -232,13 +326,15 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
-    parsed = parse_chat(await _body(request))
+    body, large = await _body(request)
+    parsed = parse_chat(body)
     _check_model(engine, parsed.model)
     try:
-        prompt = engine.render_chat(parsed.messages, parsed.chat_template_kwargs)
-    except (TemplateError, TypeError) as exc:
+        render = functools.partial(engine.render_chat, parsed.messages, parsed.chat_template_kwargs)
+        prompt = await engine.run_text_work(render) if large else render()
+    except Exception as exc:  # the template is the checkpoint's code run on the client's data: any failure is theirs
         raise ApiError(400, f"cannot render the chat template: {exc}", "messages") from None
-    (gen,) = _start_all(engine, [prompt], parsed)
+    (gen,) = await _start_all(engine, [prompt], parsed)
     rid, created = new_id("chatcmpl"), now()
     splitter = ReasoningSplitter(prompt_opens_reasoning(prompt))
     try:
@@ -254,6 +350,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if reasoning or splitter.in_reasoning:
         message["reasoning_content"] = reasoning
     logprobs = chat_logprobs(out.logprobs, engine.tokenizer.token_text) if out.logprobs is not None else None
+    request[USAGE_KEY] = (len(out.prompt_token_ids), len(out.token_ids))
     return web.json_response({
         "id": rid, "object": "chat.completion", "created": created, "model": engine.model_name,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason}],
@@ -273,7 +370,7 @@ async def _stream_chat(request, engine, parsed, gen, first, splitter, rid, creat
     out = first
     while True:
         if out.error:
-            await sse.send({"error": ApiError(503, out.error).body()["error"]})
+            await sse.send(_unavailable(engine).body())
             break
         reasoning, content = splitter.feed(out.delta_text, final=out.finished)
         logprobs = None
@@ -291,9 +388,10 @@ async def _stream_chat(request, engine, parsed, gen, first, splitter, rid, creat
             await sse.send(chunk({}, out.finish_reason))
             break
         out = await gen.__anext__()
+    request[USAGE_KEY] = (len(out.prompt_token_ids), len(out.token_ids))
     if parsed.include_usage:
         await sse.send({"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
-                        "choices": [], "usage": usage(len(out.prompt_token_ids), len(out.token_ids))})
+                        "choices": [], "usage": usage(*request[USAGE_KEY])})
     await sse.send("[DONE]")
     await sse.response.write_eof()
     return sse.response
@@ -311,7 +409,7 @@ async def health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     if engine.healthy:
         return web.json_response({"status": "ok"})
-    return web.json_response({"status": "unhealthy", "reason": engine._dead or "not running"}, status=503)
+    return web.json_response({"status": "unhealthy"}, status=503)  # the cause is in the server's log
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -319,10 +417,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def build_app(engine: AsyncEngine, api_key: str | None = None) -> web.Application:
+def build_app(engine: AsyncEngine, options: ServerOptions | None = None) -> web.Application:
     app = web.Application(middlewares=[_errors, _auth], client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
-    app[API_KEY] = api_key
+    app[OPTIONS_KEY] = options or ServerOptions()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -331,11 +429,33 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> web.Applicatio
     return app
 
 
-async def serve(engine: AsyncEngine, host: str, port: int, api_key: str | None = None) -> web.AppRunner:
-    """Start serving on host:port (the engine must be started); returns the runner to clean up."""
-    runner = web.AppRunner(build_app(engine, api_key), handler_cancellation=True, access_log=None)
+async def serve(engine: AsyncEngine, host: str, port: int, options: ServerOptions | None = None) -> web.AppRunner:
+    """Start serving on host:port (the engine must be started); returns the runner for `shutdown`."""
+    options = options or ServerOptions()
+    runner = AppRunner(
+        build_app(engine, options), header_timeout_s=options.header_timeout_s, handler_cancellation=True,
+        keepalive_timeout=options.keep_alive_timeout_s, shutdown_timeout=2.0,
+        access_log=logging.getLogger("deltaserve.access") if options.access_log else None,
+        access_log_class=AccessLogger,
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
     log.info("serving %s on http://%s:%d", engine.model_name, host, port)
     return runner
+
+
+async def shutdown(runner: web.AppRunner, engine: AsyncEngine, grace_s: float) -> None:
+    """Stop listening, let live requests run for most of `grace_s`, abort the rest (each stream ends with a chunk
+    whose finish_reason is "abort", then [DONE]), and close the connections; the engine is left to close."""
+    for site in list(runner.sites):
+        await site.stop()
+    await engine.drain(max(0.0, grace_s - _FLUSH_S))
+    await runner.cleanup()  # waits (up to its shutdown_timeout) for the handlers to write their last chunks
+
+
+_FLUSH_S = 1.0  # of the grace period, kept for aborted streams to send their last chunks

@@ -14,12 +14,27 @@ class TemplateError(ValueError):
     pass
 
 
+class PromptTooLong(ValueError):
+    """A prompt over the token limit. `tokens` is its length, or a lower bound (`exact` False) when its character
+    count alone proved it too long, so it was never tokenised."""
+
+    def __init__(self, tokens: int, limit: int, exact: bool = True) -> None:
+        self.tokens, self.limit, self.exact = tokens, limit, exact
+        super().__init__(f"the prompt is {'' if exact else 'at least '}{tokens} tokens; at most {limit} fit the context")
+
+
+# NFC (Qwen's normaliser) composes at most 4 code points into one, so normalised text is at least a quarter as long.
+_NORMALISED_SHRINK = 4
+
+
 class TextTokenizer:
     def __init__(self, checkpoint_dir: str) -> None:
         path = os.path.join(checkpoint_dir, "tokenizer.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no tokenizer.json in {checkpoint_dir}")
         self.tok = Tokenizer.from_file(path)
+        # No token spans more characters than its vocabulary string has (byte-level strings have one per byte).
+        self.max_token_chars = max(map(len, self.tok.get_vocab(with_added_tokens=True)))
         self._single: dict[tuple[int, bool], str] = {}  # at most 2 x vocabulary entries
         self.chat_template = self._load_template(checkpoint_dir)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
@@ -44,8 +59,22 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """The text's token ids; over `limit` tokens raises PromptTooLong. `encode_batch` lets go of the GIL while
+        it tokenises and the ids list (which holds it) is made only for a prompt that fits, so a large prompt
+        tokenised on a worker thread does not stall the event loop."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a string, got {type(text).__name__}")
+        if limit is not None and len(text) > (limit + 1) * self.max_token_chars * _NORMALISED_SHRINK:
+            raise PromptTooLong(len(text) // (self.max_token_chars * _NORMALISED_SHRINK), limit, exact=False)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the text is not valid Unicode (a lone surrogate at character {exc.start})") from None
+        (encoding,) = self.tok.encode_batch([text], add_special_tokens=False)
+        if limit is not None and len(encoding) > limit:
+            raise PromptTooLong(len(encoding), limit)
+        return encoding.ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if len(ids) == 1:  # the common case on the streaming path: served from a cache

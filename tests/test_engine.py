@@ -237,13 +237,37 @@ def test_unset_fields_take_the_checkpoint_defaults(tiny_ckpt):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2.0), ("max_tokens", 0),
+    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0), ("max_tokens", 0),
     ("logprobs", 99), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("seed", -5), ("stop", [""]),
     ("stop_token_ids", [-1]), ("min_tokens", -1), ("temperature", "hot"), ("ignore_eos", 1),
+    # NaN passes every range comparison; integers beyond what the ranks' tensors hold
+    ("temperature", float("nan")), ("top_p", float("nan")), ("min_p", float("nan")),
+    ("presence_penalty", float("nan")), ("frequency_penalty", float("-inf")), ("repetition_penalty", float("inf")),
+    ("top_k", 2**31), ("max_tokens", 2**40), ("min_tokens", 2**63), ("stop_token_ids", [2**31]),
+    ("seed", 2**64), ("stop", ["x" * 2000]),
 ])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_model_bounds_are_checked_and_top_k_off_has_two_spellings(tiny_ckpt):
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+            vocab = engine.cfg.vocab_size
+            for bad in (SamplingParams(stop_token_ids=[vocab]), SamplingParams(logprobs=20) if vocab < 20 else None):
+                if bad is not None:
+                    with pytest.raises(ValueError, match="stop_token_ids|logprobs"):
+                        engine.generate([1, 2], bad)
+            late = SamplingParams()
+            late.temperature = float("nan")  # set after construction: checked again on admission
+            with pytest.raises(ValueError, match="temperature"):
+                engine.generate([1, 2], late)
+            resolved = [engine.resolve_params(2, SamplingParams(top_k=k)).top_k for k in (-1, 0, 5, vocab, 2**31 - 1)]
+            assert resolved == [0, 0, 5, 0, 0]
+            assert engine.resources_free()
+
+    run(main())
 
 
 def test_bad_prompts_raise_before_queueing(tiny_ckpt):

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from deltaserve.runtime import AsyncEngine, EngineArgs
-from deltaserve.runtime.server import serve
+from deltaserve.runtime.server import ServerOptions, serve
 
 
 def free_port() -> int:
@@ -25,7 +25,7 @@ def with_server(ckpt, body, api_key=None, **engine_kw):
         args.update(engine_kw)
         async with AsyncEngine(EngineArgs(**args)) as engine:
             port = free_port()
-            runner = await serve(engine, "127.0.0.1", port, api_key)
+            runner = await serve(engine, "127.0.0.1", port, ServerOptions(api_key=api_key))
             try:
                 return await body(engine, f"http://127.0.0.1:{port}")
             finally:
@@ -101,7 +101,7 @@ BAD = [
     # (path, raw body or JSON object, status, param)
     ("/v1/completions", "{not json", 400, None),
     ("/v1/completions", "[1, 2]", 400, None),
-    ("/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("/v1/completions", {"model": 5, "prompt": "hi"}, 400, "model"),
     ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": 5}, 400, "prompt"),
@@ -243,9 +243,11 @@ def test_a_failed_device_turns_health_and_new_requests_into_503(tiny_ckpt):
         async with aiohttp.ClientSession() as session:
             async with session.post(url + "/v1/completions", json={
                     "model": "tiny", "prompt": "hi", "max_tokens": 5, "ignore_eos": True}) as r:
-                assert r.status == 503 and "device fell over" in (await r.json())["error"]["message"]
+                err = (await r.json())["error"]
+                assert r.status == 503 and err["code"] == "engine_failed"
+                assert "fell over" not in err["message"]  # the cause is the server log's, not the client's
             async with session.get(url + "/health") as r:
-                assert r.status == 503 and (await r.json())["status"] == "unhealthy"
+                assert r.status == 503 and await r.json() == {"status": "unhealthy"}
             async with session.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"}) as r:
                 assert r.status == 503 and (await r.json())["error"]["type"] == "service_unavailable"
         return True
@@ -370,7 +372,7 @@ def test_a_device_failure_mid_stream_sends_an_error_event_then_done(tiny_ckpt, p
                 events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         payloads = [json.loads(e) for e in events[:-1]]
-        assert "error" in payloads[-1] and "fell over" in payloads[-1]["error"]["message"]
+        assert "error" in payloads[-1] and payloads[-1]["error"]["code"] == "engine_failed"
         assert set(payloads[-1]["error"]) == {"message", "type", "param", "code"}
         assert not any(c.get("finish_reason") for p in payloads[:-1] for c in p.get("choices", []))
         assert len(payloads) >= 4  # tokens were streamed before the failure

@@ -1,0 +1,109 @@
+"""aiohttp's connection layer, adapted: OpenAI error bodies for what its HTTP parser refuses, a timeout on reading
+request headers, and the access log (one line per request with its token counts).
+
+aiohttp answers malformed HTTP (a bad request line, oversized headers, a broken chunked body) from the connection
+handler, before any middleware runs, with a plain-text body; `_Connection.handle_error` gives those answers the
+same JSON body as every other error. aiohttp has keep-alive and no header timeout: a client trickling header bytes
+would hold a connection for ever, so `_Connection` closes one whose headers are not complete in time.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+
+from .openai_protocol import ApiError
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("deltaserve.access")
+
+# request[USAGE_KEY] = (prompt tokens, completion tokens), for the access log (RequestKey: aiohttp >= 3.13)
+USAGE_KEY = web.RequestKey("usage", tuple) if hasattr(web, "RequestKey") else "deltaserve_usage"
+
+
+class _Connection(RequestHandler):
+    header_timeout_s: float = 10.0  # set per server by `_Server`
+
+    _header_timer = None
+
+    def data_received(self, data: bytes) -> None:
+        waiting_for_headers = not self._request_in_progress and not self._messages
+        if waiting_for_headers and self._header_timer is None and self.header_timeout_s > 0:
+            self._header_timer = self._loop.call_later(self.header_timeout_s, self._headers_timed_out)
+        super().data_received(data)
+        if self._messages and self._header_timer is not None:  # a request's headers are complete
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_timed_out(self) -> None:
+        self._header_timer = None
+        if not self._request_in_progress and not self._messages:
+            log.debug("closing a connection whose request headers took over %.1f s", self.header_timeout_s)
+            self.force_close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)
+
+    def log_exception(self, *args, **kwargs) -> None:
+        # A body that failed its Content-Encoding or framing was answered 400 already; aiohttp meets the same error
+        # again while it drains the rest of the body, and would log it as unhandled.
+        if isinstance(kwargs.get("exc_info"), RequestPayloadError):
+            log.debug("dropped the rest of a request body that could not be read")
+            return
+        super().log_exception(*args, **kwargs)
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # the response has started (a client that left mid-stream): nothing
+            raise ConnectionError("the response was already started")  # can be said; aiohttp drops it quietly
+        if status >= 500:
+            log.error("error handling %s %s", request.method, request.path, exc_info=exc)
+        else:
+            log.debug("refused a malformed request: %s", message or exc)
+        if status >= 500:
+            message = "internal server error"
+        elif not message:
+            message = HTTPStatus(status).phrase
+        response = web.json_response(ApiError(status, message).body(), status=status)
+        response.force_close()
+        return response
+
+
+class _Server(web.Server):
+    header_timeout_s = 10.0
+
+    def __call__(self) -> RequestHandler:
+        connection = _Connection(self, loop=self._loop, **self._kwargs)
+        connection.header_timeout_s = self.header_timeout_s
+        return connection
+
+
+class AppRunner(web.AppRunner):
+    """web.AppRunner whose connections are `_Connection`s."""
+
+    def __init__(self, app: web.Application, *, header_timeout_s: float, **kwargs) -> None:
+        super().__init__(app, **kwargs)
+        self.header_timeout_s = header_timeout_s
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server  # aiohttp builds the Server itself; this adds only the connection factory
+        server.header_timeout_s = self.header_timeout_s
+        return server
+
+
+class AccessLogger(AbstractAccessLogger):
+    """`127.0.0.1 "POST /v1/completions" 200 0.412s prompt=12 completion=64`"""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        usage = request.get(USAGE_KEY)
+        tokens = f" prompt={usage[0]} completion={usage[1]}" if usage else ""
+        self.logger.info('%s "%s %s" %d %.3fs%s', request.remote, request.method, request.path, response.status,
+                         time, tokens)
