@@ -149,7 +149,7 @@ class WorkerGroup:
     def poison(self, error: BaseException) -> None:
         if self.poisoned is None:
             self.poisoned = error
-            log.error("replica poisoned: %r", error)
+            log.error("replica poisoned: %r", error, exc_info=error)  # the one record of the cause
             if self._on_abort is not None:
                 self._on_abort()
 

@@ -100,7 +100,11 @@ def _locate(files: list[str]) -> dict[str, tuple[str, str]]:
     """canonical name -> (file, stored name) for every text tensor in the checkpoint."""
     found: dict[str, tuple[str, str]] = {}
     for path in files:
-        with safe_open(path, framework="pt") as f:
+        try:
+            f = safe_open(path, framework="pt")
+        except Exception as exc:  # safetensors' own error type is not exported under one stable name
+            raise WeightError(f"{path} is not a readable safetensors file: {exc}") from None
+        with f:
             for stored in f.keys():
                 name = canonical_name(stored)
                 if name is None:
@@ -109,6 +113,11 @@ def _locate(files: list[str]) -> dict[str, tuple[str, str]]:
                     raise WeightError(f"tensor {name!r} is stored twice ({found[name][1]} and {stored})")
                 found[name] = (path, stored)
     return found
+
+
+def check_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
+    """Fail early, on the caller's thread, with the file named: every safetensors file readable, none stored twice."""
+    _locate(checkpoint_files(checkpoint_dir))
 
 
 def _read(handle, stored: str, plan) -> torch.Tensor:

@@ -1,81 +1,248 @@
 """`deltaserve serve ...` (also `python -m deltaserve.runtime.serve ...`): start an engine and the OpenAI HTTP
-server."""
+server.
+
+The flags are vLLM's where vLLM has one (`--tensor-parallel-size/-tp`, `--max-num-seqs`, ...), with our older
+spellings kept as aliases. A mistake in the flags or the checkpoint, or a port that cannot be bound, ends the
+process with one line naming it and exit status 2. The first SIGTERM/SIGINT drains (live streams end within
+`--shutdown-timeout`, aborted ones with finish_reason "abort"), then exits 0; a second exits at once. A poisoned
+engine ends the process with status 1, so a supervisor restarts it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
+import re
 import signal
 import sys
 
+from deltaserve import __version__
+
 from .args import EngineArgs
+
+log = logging.getLogger("deltaserve")
+
+EXIT_STARTUP_FAILED = 2
+EXIT_ENGINE_FAILED = 1
+
+
+class StartupError(Exception):
+    """A start-up failure the user can fix; its message is the one line they see."""
+
+
+def _int_in(lo: int, hi: int | None = None, what: str = "an integer"):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"{value} is out of range [{lo}, {hi if hi is not None else 'inf'}]")
+        return value
+
+    return parse
+
+
+def _float_in(lo: float, hi: float | None = None, lo_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (value > lo if lo_open else value >= lo) or (hi is not None and value > hi) or value != value:
+            bound = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
+            raise argparse.ArgumentTypeError(f"{value} is out of range {bound}")
+        return value
+
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(EXIT_STARTUP_FAILED, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown where they say something: not for switches, unset values, or help that names its own."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.nargs == 0 or action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: a tiny demo checkpoint)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-batch", type=int, default=32)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (no CUDA graphs)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-level", default="INFO")
+    defaults = EngineArgs()
+    parser.formatter_class = _HelpFormatter
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="checkpoint folder (the same as --model)")
+    parser.add_argument("--model", default=None,
+                        help="checkpoint folder (config.json, *.safetensors, tokenizer.json); by default a tiny "
+                             "demo checkpoint")
+    parser.add_argument("--load-format", default=defaults.load_format, choices=["safetensors", "random"],
+                        help="'random': random weights of the checkpoint's shapes, made on the device (benchmarks "
+                             "at real sizes; the folder needs only config.json and the tokenizer)")
+    parser.add_argument("--device", default=defaults.device, choices=["cpu", "cuda"], help="where the model runs")
+    parser.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=_int_in(1, 64), metavar="N",
+                        default=defaults.tp, help="tensor-parallel ranks (one GPU each)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and activations; auto: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--max-model-len", type=_int_in(2), default=None,
+                        help="context length (prompt + output); default: the checkpoint's limit, at most 32768")
+    parser.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=_int_in(1, 4096), metavar="N",
+                        default=defaults.max_batch, help="requests decoding at once (lowered if memory is short)")
+    parser.add_argument("--max-num-batched-tokens", dest="prefill_token_budget", type=_int_in(1), metavar="N",
+                        default=defaults.prefill_token_budget, help="prompt tokens prefilled per step")
+    parser.add_argument("--max-waiting", type=_int_in(1), default=defaults.max_waiting,
+                        help="requests queued before new ones get 503 with Retry-After")
+    parser.add_argument("--gpu-memory-utilization", dest="memory_fraction", metavar="FRACTION",
+                        type=_float_in(0.0, 1.0, lo_open=True),
+                        default=defaults.memory_fraction,
+                        help="fraction of the GPU's free memory (after weights) for state and KV pages")
+    parser.add_argument("--enforce-eager", "--no-cuda-graph", dest="enforce_eager", action="store_true",
+                        help="decode eagerly, without CUDA graphs")
+    parser.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=defaults.seed,
+                        help="seed of the step randomness for requests without their own seed")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=_int_in(1, 65535, "a port number"), default=8000, help="TCP port")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send and see (default: the checkpoint folder's name)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $DELTASERVE_API_KEY)")
+    parser.add_argument("--shutdown-timeout", type=_float_in(0.0), default=5.0,
+                        help="seconds a SIGTERM/SIGINT gives live requests before they are aborted")
+    parser.add_argument("--header-timeout", type=_float_in(0.0, lo_open=True), default=10.0,
+                        help="seconds a client has to send a request's headers")
+    parser.add_argument("--body-timeout", type=_float_in(0.0, lo_open=True), default=30.0,
+                        help="seconds a client has to send a request's body")
+    parser.add_argument("--keep-alive-timeout", type=_float_in(0.0), default=5.0,
+                        help="seconds an idle keep-alive connection stays open")
+    parser.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="access_log",
+                        action="store_false", help="no log line per request")
+    parser.add_argument("--stats-interval", type=_float_in(0.0), default=defaults.stats_interval_s,
+                        help="seconds between throughput/usage log lines while busy (0: none)")
+    parser.add_argument("--keep-running-on-engine-error", action="store_true",
+                        help="stay up answering 503 after the engine fails, instead of exiting 1 (debugging)")
+    parser.add_argument("--log-level", default="info", type=str.lower,
+                        choices=["debug", "info", "warning", "error"], help="log verbosity")
+    parser.add_argument("--version", action="version", version=f"deltaserve {__version__}")
     return parser
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def checkpoint_folder(ns: argparse.Namespace) -> str | None:
+    """The checkpoint folder the flags name, checked for what loading needs; StartupError names what is missing."""
+    if ns.model_tag and ns.model and ns.model_tag != ns.model:
+        raise StartupError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
+    model = ns.model or ns.model_tag
+    if model is None:
+        return None
+    if not os.path.isdir(model):
+        if _HUB_ID.match(model) and not os.path.exists(model):
+            raise StartupError(f"{model!r} looks like a model hub id; models are loaded from a local folder "
+                               f"(download it first, e.g. `huggingface-cli download {model} --local-dir DIR`)")
+        raise StartupError(f"model folder {model!r} does not exist")
+    need = ["config.json", "tokenizer.json"]
+    missing = [name for name in need if not os.path.isfile(os.path.join(model, name))]
+    if missing:
+        raise StartupError(f"{model} has no {missing[0]}")
+    if ns.load_format == "safetensors" and not any(f.endswith(".safetensors") for f in os.listdir(model)):
+        raise StartupError(f"{model} has no *.safetensors weights (--load-format random serves random weights)")
+    return model
+
+
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(model=ns.model, device=ns.device, tp=ns.tp, dtype=ns.dtype, max_batch=ns.max_batch,
-                      max_model_len=ns.max_model_len, cuda_graph=not ns.no_cuda_graph,
-                      served_model_name=ns.served_model_name, seed=ns.seed)
+    return EngineArgs(
+        model=checkpoint_folder(ns), device=ns.device, tp=ns.tp, dtype=None if ns.dtype == "auto" else ns.dtype,
+        max_batch=ns.max_batch, max_model_len=ns.max_model_len, cuda_graph=not ns.enforce_eager,
+        served_model_name=ns.served_model_name, seed=ns.seed, prefill_token_budget=ns.prefill_token_budget,
+        max_waiting=ns.max_waiting, memory_fraction=ns.memory_fraction, load_format=ns.load_format,
+        stats_interval_s=ns.stats_interval,
+    )
 
 
-async def run_server(ns: argparse.Namespace) -> None:
+def server_options(ns: argparse.Namespace):
+    from .server import ServerOptions
+
+    api_key = ns.api_key or os.environ.get("DELTASERVE_API_KEY") or None
+    return ServerOptions(api_key=api_key, header_timeout_s=ns.header_timeout, body_timeout_s=ns.body_timeout,
+                         keep_alive_timeout_s=ns.keep_alive_timeout, access_log=ns.access_log)
+
+
+async def run_server(ns: argparse.Namespace) -> int:
+    """Serve until a signal (exit 0) or the engine's failure (exit 1); a start-up failure raises StartupError."""
     from .engine import AsyncEngine
-    from .server import serve
+    from .server import serve, shutdown
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("second %s: exiting now", sig.name)
+            os._exit(128 + sig)
+        log.info("%s: draining (live requests get %.1f s), then exiting", sig.name, ns.shutdown_timeout)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    engine = None
+    try:
         try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
-    async with AsyncEngine(engine_args(ns)) as engine:
-        runner = await serve(engine, ns.host, ns.port, ns.api_key)
+            engine = AsyncEngine(engine_args(ns))
+            await engine.start()
+        except StartupError:
+            raise
+        except OSError as exc:
+            raise StartupError(f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc)) from exc
+        except Exception as exc:  # a bad value, or a checkpoint file its library cannot parse
+            raise StartupError(str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}") from exc
         try:
-            await stop.wait()
-        finally:
-            logging.getLogger(__name__).info("shutting down")
-            await runner.cleanup()
+            runner = await serve(engine, ns.host, ns.port, server_options(ns))
+        except OSError as exc:  # the port is taken, the host does not resolve
+            raise StartupError(f"cannot listen on {ns.host}:{ns.port}: {exc.strerror or exc}") from exc
+        stopped = asyncio.ensure_future(stop.wait())
+        died = asyncio.ensure_future(engine.died.wait())
+        await asyncio.wait([stopped, died], return_when=asyncio.FIRST_COMPLETED)
+        if died.done() and not ns.keep_running_on_engine_error:
+            stopped.cancel()
+            log.error("exiting: the engine failed (the cause is logged above)")
+            await shutdown(runner, engine, 0.0)
+            return EXIT_ENGINE_FAILED
+        await stopped
+        died.cancel()
+        await shutdown(runner, engine, ns.shutdown_timeout)
+        return 0
+    finally:
+        if engine is not None:
+            await engine.close()
 
 
-def run(coro) -> None:
+def run(coro):
     try:
         import uvloop
-
-        uvloop.run(coro)
     except ImportError:
-        asyncio.run(coro)
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="deltaserve", description="Qwen3.5 serving runtime")
+    parser = _Parser(prog="deltaserve", description="Qwen3.5 serving runtime")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve_parser(sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API"))
-    ns = parser.parse_args(argv)
+    serve_parser(sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                                description="Serve a Qwen3.5 checkpoint over the OpenAI HTTP API."))
+    ns = parser.parse_args(argv)  # a bad flag: argparse prints one line and exits 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        run(run_server(ns))
-    except ValueError as exc:  # bad arguments or an unsupported configuration: say which, exit non-zero
-        logging.getLogger("deltaserve").error("%s", exc)
-        return 2
-    return 0
+        return run(run_server(ns))
+    except StartupError as exc:
+        log.debug("start-up failed", exc_info=exc.__cause__ or exc)
+        log.error("cannot start: %s", exc)
+        return EXIT_STARTUP_FAILED
 
 
 if __name__ == "__main__":

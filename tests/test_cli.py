@@ -1,0 +1,262 @@
+"""`deltaserve serve` as an operator meets it: vLLM's flag names, one-line start-up errors (exit 2), a drain on
+SIGTERM that ends live streams with finish_reason "abort" within the grace period (exit 0), a second signal that
+exits at once, a failed engine that ends the process (exit 1), and the access and stats log lines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from deltaserve import __version__
+from deltaserve.runtime import cli
+from deltaserve.runtime.engine import AsyncEngine
+from deltaserve.runtime.server import ServerOptions, serve
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_failure(caplog, argv: list[str]) -> str:
+    """Run the CLI expecting a start-up failure: exit 2 and exactly one error line, without a traceback."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert cli.main(["serve", *argv]) == cli.EXIT_STARTUP_FAILED
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is None, [r.getMessage() for r in errors]
+    message = errors[0].getMessage()
+    assert "\n" not in message
+    return message
+
+
+def test_start_up_mistakes_end_in_one_line_naming_them(tiny_ckpt, tmp_path, caplog):
+    assert "local folder" in start_failure(caplog, ["Qwen/Qwen3.5-4B"])
+    assert "does not exist" in start_failure(caplog, [str(tmp_path / "nowhere")])
+
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(tiny_ckpt, no_weights)
+    for f in no_weights.glob("*.safetensors"):
+        f.unlink()
+    assert "safetensors" in start_failure(caplog, [str(no_weights)])
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_ckpt, truncated)
+    weights = next(truncated.glob("*.safetensors"))
+    os.truncate(weights, weights.stat().st_size - 100)
+    assert str(weights) in start_failure(caplog, [str(truncated)])
+
+    no_tokenizer = tmp_path / "no_tokenizer"
+    shutil.copytree(tiny_ckpt, no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    assert "tokenizer.json" in start_failure(caplog, [str(no_tokenizer)])
+
+    bad_config = tmp_path / "bad_config"
+    shutil.copytree(tiny_ckpt, bad_config)
+    (bad_config / "config.json").write_text("{oops")
+    assert "config.json" in start_failure(caplog, [str(bad_config)])
+
+    assert "max_position_embeddings" in start_failure(caplog, [tiny_ckpt, "--max-model-len", "100000000"])
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert "cannot listen" in start_failure(caplog, [tiny_ckpt, "--port", str(port)])
+    assert "cannot listen on nosuch.invalid" in start_failure(caplog, [tiny_ckpt, "--host", "nosuch.invalid"])
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--port", "80000"], "80000 is out of range"), (["--port", "x"], "not a port number"),
+    (["--max-model-len", "1"], "out of range"), (["--gpu-memory-utilization", "1.5"], "out of range"),
+    (["--tensor-parallel-size", "0"], "out of range"), (["--shutdown-timeout", "nan"], "out of range"),
+    (["--no-such-flag"], "unrecognized arguments"),
+])
+def test_bad_flags_are_one_line_and_exit_2(capsys, argv, words):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and words in err and err.count("\n") == 1, err
+
+
+def test_help_version_and_vllm_names(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"deltaserve {__version__}"
+
+    parser = cli.serve_parser(cli._Parser(prog="deltaserve serve"))
+    assert all(a.help for a in parser._actions), [a.dest for a in parser._actions if not a.help]
+    text = parser.format_help()
+    for shown in ("(default: 8000)", "(default: 5.0)", "--tensor-parallel-size", "-tp", "--max-num-seqs",
+                  "--gpu-memory-utilization", "--enforce-eager", "--served-model-name", "--api-key"):
+        assert shown in text, shown
+
+    ns = parser.parse_args(["-tp", "2", "--max-num-seqs", "12", "--gpu-memory-utilization", "0.5", "--enforce-eager",
+                            "--max-model-len", "128", "--served-model-name", "m", "--max-num-batched-tokens", "512",
+                            "--dtype", "bfloat16", "--load-format", "random"])
+    args = cli.engine_args(ns)
+    assert (args.tp, args.max_batch, args.memory_fraction, args.cuda_graph, args.max_model_len) == (
+        2, 12, 0.5, False, 128)
+    assert (args.served_model_name, args.prefill_token_budget, args.dtype, args.load_format) == (
+        "m", 512, "bfloat16", "random")
+    old = parser.parse_args(["--tp", "2", "--max-batch", "3", "--no-cuda-graph"])
+    assert (old.tp, old.max_batch, old.enforce_eager) == (2, 3, True)
+
+
+# Signals, as an operator sends them ---------------------------------------------------------------------------------
+def launch(ckpt: str, port: int, *flags: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "deltaserve.runtime.serve", ckpt, "--port", str(port), "--max-model-len", "4096",
+           "--served-model-name", "tiny", "--stats-interval", "0", *flags]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+async def wait_healthy(session, url: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            async with session.get(url + "/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError("the server never became healthy")
+
+
+async def open_streams(session, url: str, n: int) -> list:
+    streams = []
+    for _ in range(n):
+        r = await session.post(url + "/v1/completions", json={
+            "prompt": "once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True})
+        assert r.status == 200
+        await r.content.readline()  # the first event: the stream is live
+        streams.append(r)
+    return streams
+
+
+async def events(response) -> list[str]:
+    return [line[6:] for line in (await response.text()).splitlines() if line.startswith("data: ")]
+
+
+def test_sigterm_drains_live_streams_with_abort_and_exits_0(tiny_ckpt):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = launch(tiny_ckpt, port, "--shutdown-timeout", "2")
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            await wait_healthy(session, url, proc)
+            streams = await open_streams(session, url, 8)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            tails = await asyncio.gather(*[events(r) for r in streams])
+            rc = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
+            return tails, rc, time.monotonic() - signalled
+
+    try:
+        tails, rc, took = asyncio.run(main())
+    finally:
+        proc.kill()
+    assert rc == 0, proc.stderr.read()
+    assert took < 2.0 + 1.5, f"shutdown took {took:.1f} s with a 2 s grace period"
+    for tail in tails:
+        assert tail[-1] == "[DONE]"
+        finish = [c["finish_reason"] for e in tail[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
+        assert finish == ["abort"], tail[-3:]
+
+
+def test_a_second_signal_exits_at_once(tiny_ckpt):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = launch(tiny_ckpt, port, "--shutdown-timeout", "60")
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            await wait_healthy(session, url, proc)
+            streams = await open_streams(session, url, 2)
+            proc.send_signal(signal.SIGINT)
+            await asyncio.sleep(0.3)
+            assert proc.poll() is None  # draining: the streams have 60 s
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            rc = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
+            for r in streams:
+                r.close()
+            return rc, time.monotonic() - signalled
+
+    try:
+        rc, took = asyncio.run(main())
+    finally:
+        proc.kill()
+    assert rc != 0 and took < 2.0, (rc, took)
+
+
+def test_a_failed_engine_ends_the_process_with_status_1(tiny_ckpt, monkeypatch, caplog):
+    async def broken_steps(self):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(AsyncEngine, "_run_steps", broken_steps)
+    ns = cli.serve_parser(cli._Parser()).parse_args([tiny_ckpt, "--port", str(free_port()), "--stats-interval", "0"])
+    with caplog.at_level(logging.INFO):
+        assert cli.run(cli.run_server(ns)) == cli.EXIT_ENGINE_FAILED
+    causes = [r for r in caplog.records if "fell over" in r.getMessage()]
+    assert len(causes) == 1, [r.getMessage() for r in causes]  # the cause, logged once
+
+    port = free_port()
+    ns = cli.serve_parser(cli._Parser()).parse_args(
+        [tiny_ckpt, "--port", str(port), "--stats-interval", "0", "--keep-running-on-engine-error"])
+
+    async def stays_up():
+        server = asyncio.create_task(cli.run_server(ns))
+        async with aiohttp.ClientSession() as session:
+            for _ in range(600):
+                try:
+                    async with session.get(f"http://127.0.0.1:{port}/health") as r:
+                        assert r.status == 503 and await r.json() == {"status": "unhealthy"}
+                        break
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.05)
+        assert not server.done()
+        os.kill(os.getpid(), signal.SIGINT)  # the handler run_server installed: a drain, then exit 0
+        return await server
+
+    assert cli.run(stays_up()) == 0
+
+
+def test_access_log_and_stats_lines(tiny_ckpt, caplog):
+    async def main():
+        args = cli.EngineArgs(model=tiny_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=32 << 20,
+                              stats_interval_s=0.05)
+        async with AsyncEngine(args) as engine:
+            runner = await serve(engine, "127.0.0.1", 0, ServerOptions())
+            port = runner.addresses[0][1]
+            try:
+                async with aiohttp.ClientSession() as session:
+                    async with session.post(f"http://127.0.0.1:{port}/v1/completions", json={
+                            "prompt": "hello", "max_tokens": 40, "ignore_eos": True}) as r:
+                        usage = (await r.json())["usage"]
+                    await asyncio.sleep(0.1)
+            finally:
+                await runner.cleanup()
+        return usage
+
+    with caplog.at_level(logging.INFO):
+        usage = asyncio.run(main())
+    access = [r.getMessage() for r in caplog.records if r.name == "deltaserve.access"]
+    assert any('"POST /v1/completions" 200' in line and f"prompt={usage['prompt_tokens']} completion=40" in line
+               for line in access), access
+    stats = [r.getMessage() for r in caplog.records if "generation" in r.getMessage() and "tok/s" in r.getMessage()]
+    assert stats and "KV pages" in stats[0], stats
