@@ -56,7 +56,7 @@ class ParsedRequest:
     prompts: list  # strings or token-id lists (completions); one rendered string (chat)
     params: SamplingParams
     stream: bool
-    include_usage: bool
+    usage: tuple[bool, bool]  # stream_options: (include_usage, continuous_usage_stats)
     model: str | None
     chat_template_kwargs: dict = field(default_factory=dict)
     messages: list | None = None
@@ -73,7 +73,7 @@ def _typed(body: dict, name: str, types, what: str):
     return value
 
 
-def _common(body: dict, max_tokens_field: str) -> tuple[dict, bool, bool, str | None]:
+def _common(body: dict, max_tokens_field: str) -> tuple[dict, bool, tuple[bool, bool], str | None]:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     model = body.get("model")  # optional: this server serves one model
@@ -112,8 +112,13 @@ def _common(body: dict, max_tokens_field: str) -> tuple[dict, bool, bool, str | 
         raise _bad("'stream_options' must be an object", "stream_options")
     if options and not stream:
         raise _bad("'stream_options' is only allowed with stream=true", "stream_options")
-    include_usage = bool((options or {}).get("include_usage", False))
-    return kwargs, stream, include_usage, model
+    options = options or {}
+    for name in ("include_usage", "continuous_usage_stats"):
+        if not isinstance(options.get(name, False), bool):
+            raise _bad(f"'stream_options.{name}' must be a boolean", "stream_options")
+    # continuous_usage_stats (vLLM's): every chunk carries the usage so far, so a client counts tokens exactly even
+    # when a token's text is held back as an incomplete UTF-8 sequence.
+    return kwargs, stream, (options.get("include_usage", False), options.get("continuous_usage_stats", False)), model
 
 
 def _params(kwargs: dict) -> SamplingParams:
@@ -125,7 +130,7 @@ def _params(kwargs: dict) -> SamplingParams:
 
 
 def parse_completion(body: dict) -> ParsedRequest:
-    kwargs, stream, include_usage, model = _common(body, "max_tokens")
+    kwargs, stream, usage_options, model = _common(body, "max_tokens")
     kwargs.setdefault("max_tokens", 16)  # the OpenAI default for completions
     logprobs = _typed(body, "logprobs", (int,), "an integer")
     if logprobs is not None:
@@ -151,7 +156,7 @@ def parse_completion(body: dict) -> ParsedRequest:
         raise _bad("'prompt' must not be empty", "prompt")
     if len(prompts) > 64:
         raise _bad("at most 64 prompts per request", "prompt")
-    return ParsedRequest(prompts, _params(kwargs), stream, include_usage, model)
+    return ParsedRequest(prompts, _params(kwargs), stream, usage_options, model)
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -174,7 +179,7 @@ def _message_text(content, i: int) -> str:
 
 
 def parse_chat(body: dict) -> ParsedRequest:
-    kwargs, stream, include_usage, model = _common(body, "max_completion_tokens")
+    kwargs, stream, usage_options, model = _common(body, "max_completion_tokens")
     want_logprobs = _typed(body, "logprobs", (bool,), "a boolean") or False
     top = _typed(body, "top_logprobs", (int,), "an integer")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
@@ -198,7 +203,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    return ParsedRequest([], _params(kwargs), stream, include_usage, model, dict(template_kwargs), clean)
+    return ParsedRequest([], _params(kwargs), stream, usage_options, model, dict(template_kwargs), clean)
 
 
 # Responses -----------------------------------------------------------------------------------------------------------

@@ -302,6 +302,7 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
     await sse.open()
     offsets = [0] * len(gens)
     totals = [[0, 0] for _ in gens]
+    include_usage, continuous_usage = parsed.usage
     async for i, out in _merged(gens, firsts):
         if out.error:
             await sse.send(_unavailable(engine).body())
@@ -313,10 +314,13 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
         offsets[i] += len(out.delta_text)
         totals[i] = [len(out.prompt_token_ids), len(out.token_ids)]
         if out.delta_text or out.finished or choice["logprobs"]:
-            await sse.send({"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
-                            "choices": [choice]})
+            chunk = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
+                     "choices": [choice]}
+            if continuous_usage:
+                chunk["usage"] = usage(*totals[i])
+            await sse.send(chunk)
     request[USAGE_KEY] = (sum(t[0] for t in totals), sum(t[1] for t in totals))
-    if parsed.include_usage:
+    if include_usage:
         await sse.send({"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
                         "choices": [], "usage": usage(*request[USAGE_KEY])})
     await sse.send("[DONE]")
@@ -362,12 +366,17 @@ async def _stream_chat(request, engine, parsed, gen, first, splitter, rid, creat
     sse = _Sse(request)
     await sse.open()
 
-    def chunk(delta: dict, finish=None, logprobs=None) -> dict:
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+    include_usage, continuous_usage = parsed.usage
 
-    await sse.send(chunk({"role": "assistant", "content": ""}))
+    def chunk(delta: dict, finish=None, logprobs=None) -> dict:
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if continuous_usage:
+            body["usage"] = usage(len(out.prompt_token_ids), len(out.token_ids))
+        return body
+
     out = first
+    await sse.send(chunk({"role": "assistant", "content": ""}))
     while True:
         if out.error:
             await sse.send(_unavailable(engine).body())
@@ -389,7 +398,7 @@ async def _stream_chat(request, engine, parsed, gen, first, splitter, rid, creat
             break
         out = await gen.__anext__()
     request[USAGE_KEY] = (len(out.prompt_token_ids), len(out.token_ids))
-    if parsed.include_usage:
+    if include_usage:
         await sse.send({"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
                         "choices": [], "usage": usage(*request[USAGE_KEY])})
     await sse.send("[DONE]")
@@ -401,7 +410,7 @@ async def models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     return web.json_response({"object": "list", "data": [{
         "id": engine.model_name, "object": "model", "created": now(), "owned_by": "deltaserve",
-        "max_model_len": engine.max_model_len,
+        "max_model_len": engine.max_model_len, "vocab_size": engine.tokenizer.vocab_size,
     }]})
 
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 import socket
 
 import aiohttp
@@ -188,7 +189,7 @@ def test_api_key_is_required_when_set(tiny_ckpt):
     assert with_server(tiny_ckpt, body, api_key="sesame")
 
 
-def test_disconnect_mid_stream_aborts_and_metrics_report(tiny_ckpt):
+def test_disconnect_mid_stream_aborts_and_metrics_report(tiny_ckpt, caplog):
     async def body(engine, url):
         async with aiohttp.ClientSession() as session:
             resp = await session.post(url + "/v1/completions", json={
@@ -205,6 +206,7 @@ def test_disconnect_mid_stream_aborts_and_metrics_report(tiny_ckpt):
             async with session.get(url + "/metrics") as r:
                 text = await r.text()
         assert 'deltaserve_requests_finished_total{finish_reason="abort"} 1.0' in text
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # a client leaving is not an error
         for name in ("deltaserve_time_to_first_token_seconds", "deltaserve_inter_token_latency_seconds",
                      "deltaserve_e2e_request_latency_seconds", "deltaserve_prompt_tokens_total",
                      "deltaserve_generation_tokens_total", "deltaserve_kv_pages_usage_ratio",

@@ -1,0 +1,96 @@
+"""The serving benchmark against the CPU demo server: exact token counts (also when a chunk is held back for an
+incomplete UTF-8 sequence), vLLM's metric names, Poisson arrivals, refusals counted as failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from deltaserve import cli as top_cli
+from deltaserve.runtime import AsyncEngine, EngineArgs
+from deltaserve.runtime.server import serve
+from deltaserve.tools import bench_serve
+
+
+def bench(ckpt, argv: list[str], **engine_kw) -> dict:
+    async def main():
+        args = dict(model=ckpt, max_model_len=256, max_batch=8, cpu_memory_bytes=32 << 20, served_model_name="tiny")
+        args.update(engine_kw)
+        async with AsyncEngine(EngineArgs(**args)) as engine:
+            runner = await serve(engine, "127.0.0.1", 0)
+            port = runner.addresses[0][1]
+            try:
+                ns = bench_serve.parser().parse_args(["--base-url", f"http://127.0.0.1:{port}", "--disable-tqdm",
+                                                      *argv])
+                return await bench_serve.run(ns)
+            finally:
+                await runner.cleanup()
+
+    return asyncio.run(main())
+
+
+def test_counts_are_exact_and_metrics_have_vllms_names(tiny_ckpt):
+    result = bench(tiny_ckpt, ["--num-prompts", "6", "--max-concurrency", "3", "--random-input-len", "20",
+                               "--random-output-len", "24", "--ignore-eos", "--model", "tiny"])
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["total_input_tokens"] == 6 * 20 and result["input_lens"] == [20] * 6
+    assert result["total_output_tokens"] == 6 * 24 and result["output_lens"] == [24] * 6
+    assert result["tokens_counted_by_usage"]
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p90", "p99"):
+            assert f"{stat}_{name}_ms" in result
+        assert result[f"mean_{name}_ms"] > 0
+    assert result["p99_e2el_ms"] >= result["median_e2el_ms"] >= result["median_ttft_ms"]
+    duration = result["duration"]
+    assert abs(result["output_throughput"] - 144 / duration) < 1e-6
+    assert abs(result["total_token_throughput"] - (120 + 144) / duration) < 1e-6
+    # The random-weight demo model draws byte tokens, whose text waits for the next one: fewer chunks than tokens
+    # would make a chunk counter undercount; the per-chunk usage does not.
+    assert sum(len(itl) + 1 for itl in result["itls"]) <= 6 * 24
+    assert "Output token throughput (tok/s):" in bench_serve.report(result)
+
+
+def test_poisson_arrivals_ranges_and_refusals(tiny_ckpt):
+    result = bench(tiny_ckpt, ["--num-prompts", "8", "--request-rate", "50", "--random-input-len", "30",
+                               "--random-output-len", "10", "--random-range-ratio", "0.5", "--ignore-eos"])
+    assert result["completed"] == 8
+    assert all(15 <= n <= 45 for n in result["input_lens"]) and len(set(result["input_lens"])) > 1
+    assert all(5 <= n <= 15 for n in result["output_lens"])
+    assert result["total_output_tokens"] == sum(result["output_lens"])
+
+    # Prompts longer than the context: every request is refused, and counted as failed with its reason.
+    refused = bench(tiny_ckpt, ["--num-prompts", "2", "--random-input-len", "300", "--random-output-len", "4"])
+    assert refused["completed"] == 0 and refused["failed"] == 2
+    assert all("context" in e for e in refused["errors"])
+
+
+def test_continuous_usage_stats_on_chat_and_the_command_line(tiny_ckpt, tmp_path, capsys):
+    async def main():
+        async with AsyncEngine(EngineArgs(model=tiny_ckpt, max_model_len=256, max_batch=4,
+                                          cpu_memory_bytes=32 << 20)) as engine:
+            runner = await serve(engine, "127.0.0.1", 0)
+            port = runner.addresses[0][1]
+            try:
+                import aiohttp
+
+                async with aiohttp.ClientSession() as session:
+                    async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={
+                            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "ignore_eos": True,
+                            "stream": True, "stream_options": {"include_usage": True,
+                                                               "continuous_usage_stats": True}}) as r:
+                        lines = [ln[6:] for ln in (await r.text()).splitlines() if ln.startswith("data: ")]
+                out = tmp_path / "result.json"
+                argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2",
+                        "--random-input-len", "8", "--random-output-len", "5", "--ignore-eos", "--disable-tqdm",
+                        "--result-file", str(out)]
+                code = await asyncio.to_thread(top_cli.main, argv)
+                return lines, code, json.loads(out.read_text())
+            finally:
+                await runner.cleanup()
+
+    lines, code, saved = asyncio.run(main())
+    chunks = [json.loads(x) for x in lines[:-1]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c.get("choices")]
+    assert counts == sorted(counts) and counts[-1] == 9 and chunks[-1]["usage"]["completion_tokens"] == 9
+    assert code == 0 and saved["completed"] == 2 and saved["total_output_tokens"] == 10
+    assert "Serving Benchmark Result" in capsys.readouterr().out

@@ -1,0 +1,297 @@
+"""`deltaserve bench serve` (also `python -m deltaserve.tools.bench_serve`): a serving benchmark for any
+OpenAI-compatible server, with `vllm bench serve`'s flags and metric names.
+
+    deltaserve bench serve --base-url http://127.0.0.1:8000 --num-prompts 64 --max-concurrency 8 \\
+        --random-input-len 512 --random-output-len 256 --ignore-eos --result-file result.json
+
+Prompts are random token ids (so their lengths are exact on any server that takes token-id prompts), sent to
+`/v1/completions` streaming. Tokens are counted from `usage` on every chunk (`stream_options.
+continuous_usage_stats`, as vLLM serves it), so a chunk held back for an incomplete UTF-8 sequence, or one that
+carries two tokens, still counts right; a server without it is counted by chunks, and the result says so.
+
+Metrics (vLLM's names): request, output and total token throughput; TTFT (arrival to first token), TPOT ((E2EL -
+TTFT) / (output tokens - 1) per request), ITL (between chunks that carry tokens) and E2EL, each as mean, median,
+std, p90 and p99 in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    success: bool = False
+    error: str = ""
+    ttft: float = 0.0  # seconds
+    latency: float = 0.0  # E2EL, seconds
+    itl: list[float] = field(default_factory=list)  # seconds between token-carrying chunks
+    output_tokens: int = 0
+    counted_by_usage: bool = False
+    text: str = ""
+
+
+def random_requests(n: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                    seed: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_tokens) per request; lengths uniform in [len * (1 - ratio), len * (1 + ratio)]."""
+    rng = random.Random(seed)
+
+    def length(mean: int) -> int:
+        return max(1, rng.randint(math.floor(mean * (1 - range_ratio)), math.ceil(mean * (1 + range_ratio))))
+
+    out = []
+    for _ in range(n):
+        prompt_len, max_tokens = length(input_len), length(output_len)
+        out.append(([rng.randrange(vocab_size) for _ in range(prompt_len)], max_tokens))
+    return out
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, model: str | None, prompt: list[int],
+                     max_tokens: int, ignore_eos: bool, headers: dict) -> RequestResult:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if model:
+        body["model"] = model
+    if ignore_eos:
+        body["ignore_eos"] = True
+    result = RequestResult(prompt_len=len(prompt))
+    started = last = time.perf_counter()
+    counted = 0  # tokens seen so far (usage when the server sends it, else one per chunk with text)
+    pieces = []
+    try:
+        async with session.post(url, json=body, headers=headers) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return result
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"].get("message", chunk["error"]))
+                    return result
+                now = time.perf_counter()
+                text = "".join(c.get("text") or "" for c in chunk.get("choices", []))
+                pieces.append(text)
+                usage = chunk.get("usage")
+                if usage and usage.get("completion_tokens") is not None:
+                    result.counted_by_usage = True
+                    total = usage["completion_tokens"]
+                elif chunk.get("choices") and text:
+                    total = counted + 1
+                else:
+                    total = counted
+                if total > counted:
+                    if counted == 0:
+                        result.ttft = now - started
+                    else:
+                        result.itl.append(now - last)
+                    last, counted = now, total
+        result.latency = time.perf_counter() - started
+        result.output_tokens, result.text, result.success = counted, "".join(pieces), counted > 0
+        if not result.success:
+            result.error = "no tokens came back"
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def _summary(values_s: list[float]) -> dict[str, float]:
+    ms = sorted(v * 1000 for v in values_s)
+    if not ms:
+        return {"mean": 0.0, "median": 0.0, "std": 0.0, "p90": 0.0, "p99": 0.0}
+
+    def pct(p: float) -> float:  # linear interpolation, as numpy.percentile
+        k = (len(ms) - 1) * p / 100
+        lo, hi = math.floor(k), math.ceil(k)
+        return ms[lo] + (ms[hi] - ms[lo]) * (k - lo)
+
+    return {"mean": statistics.fmean(ms), "median": statistics.median(ms),
+            "std": statistics.pstdev(ms) if len(ms) > 1 else 0.0, "p90": pct(90), "p99": pct(99)}
+
+
+def metrics(results: list[RequestResult], duration: float) -> dict:
+    done = [r for r in results if r.success]
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.prompt_len for r in done)
+    summary = {
+        "duration": duration, "completed": len(done), "failed": len(results) - len(done),
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "tokens_counted_by_usage": all(r.counted_by_usage for r in done),
+    }
+    series = {
+        "ttft": [r.ttft for r in done],
+        "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1],
+        "itl": [x for r in done for x in r.itl],
+        "e2el": [r.latency for r in done],
+    }
+    for name, values in series.items():
+        for stat, value in _summary(values).items():
+            summary[f"{stat}_{name}_ms"] = value
+    return summary
+
+
+async def run(args: argparse.Namespace) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base = args.base_url.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=args.request_timeout)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        vocab = args.vocab_size or await _served_vocab_size(session, base, headers)
+        requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                                   args.random_range_ratio, vocab, args.seed)
+        url = base + args.endpoint
+        gate = asyncio.Semaphore(args.max_concurrency or len(requests))
+        rng = random.Random(args.seed + 1)
+        bar = _progress(len(requests), args.disable_tqdm)
+
+        async def limited(prompt, max_tokens):
+            async with gate:
+                result = await stream_one(session, url, args.model, prompt, max_tokens, args.ignore_eos, headers)
+            bar.update(1)
+            return result
+
+        for prompt, max_tokens in requests[: args.num_warmups]:
+            await stream_one(session, url, args.model, prompt, max_tokens, args.ignore_eos, headers)
+        started = time.perf_counter()
+        tasks = []
+        for prompt, max_tokens in requests:
+            tasks.append(asyncio.create_task(limited(prompt, max_tokens)))
+            if math.isfinite(args.request_rate):
+                await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - started
+        bar.close()
+    summary = metrics(results, duration)
+    summary.update({
+        "base_url": args.base_url, "model": args.model, "num_prompts": args.num_prompts,
+        "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
+        "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
+        "random_range_ratio": args.random_range_ratio, "ignore_eos": args.ignore_eos,
+        "errors": [r.error for r in results if not r.success],
+        "input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
+        "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
+    })
+    return summary
+
+
+async def _served_vocab_size(session, base: str, headers: dict) -> int:
+    """Our server lists `vocab_size` with its model; for another engine pass --vocab-size."""
+    async with session.get(base + "/v1/models", headers=headers) as r:
+        listing = await r.json()
+    sizes = [m.get("vocab_size") for m in listing.get("data", []) if isinstance(m, dict)]
+    if not sizes or not isinstance(sizes[0], int):
+        raise SystemExit("the server does not report its vocabulary size: pass --vocab-size")
+    return sizes[0]
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, disabled: bool):
+    if disabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")
+
+
+def report(summary: dict) -> str:
+    lines = ["============ Serving Benchmark Result ============"]
+
+    def row(label: str, value) -> None:
+        lines.append(f"{label:<40}{value:<10.2f}" if isinstance(value, float) else f"{label:<40}{value:<10}")
+
+    row("Successful requests:", summary["completed"])
+    row("Failed requests:", summary["failed"])
+    row("Maximum request concurrency:", summary["max_concurrency"] or "inf")
+    row("Benchmark duration (s):", summary["duration"])
+    row("Total input tokens:", summary["total_input_tokens"])
+    row("Total generated tokens:", summary["total_output_tokens"])
+    row("Request throughput (req/s):", summary["request_throughput"])
+    row("Output token throughput (tok/s):", summary["output_throughput"])
+    row("Total token throughput (tok/s):", summary["total_token_throughput"])
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        lines.append(f"{title:-^50}")
+        for stat in ("mean", "median", "std", "p90", "p99"):
+            row(f"{stat.capitalize() if stat in ('mean', 'median') else stat.upper()} {name.upper()} (ms):",
+                summary[f"{stat}_{name}_ms"])
+    if not summary["tokens_counted_by_usage"]:
+        lines.append("note: the server sent no per-chunk usage; tokens were counted one per chunk")
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="deltaserve bench serve", description=__doc__.split("\n\n")[0])
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
+    p.add_argument("--endpoint", default="/v1/completions", help="the completions route")
+    p.add_argument("--model", default=None, help="model name sent with each request (none: the server's)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key (env OPENAI_API_KEY)")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (none: all)")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (inf: all at once)")
+    p.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--random-output-len", type=int, default=128, help="max_tokens per request")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths drawn uniformly within this fraction of the means")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="token ids are drawn below this (none: the vocab_size our server lists)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens whatever the model says")
+    p.add_argument("--num-warmups", type=int, default=0, help="requests sent one by one before timing")
+    p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a stream may stay silent")
+    p.add_argument("--result-file", default=None, help="write the metrics and per-request data here (JSON)")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    for name in ("num_prompts", "random_input_len", "random_output_len"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.random_range_ratio < 1:
+        raise SystemExit("--random-range-ratio must be in [0, 1)")
+    if not args.request_rate > 0:
+        raise SystemExit("--request-rate must be positive")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise SystemExit("--max-concurrency must be at least 1")
+    summary = asyncio.run(run(args))
+    print(report(summary))
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0 if summary["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
