@@ -103,6 +103,8 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="fraction of the GPU's free memory (after weights) for state and KV pages")
     parser.add_argument("--enforce-eager", "--no-cuda-graph", dest="enforce_eager", action="store_true",
                         help="decode eagerly, without CUDA graphs")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
+                        help="skip the start-up warm-up requests that compile every kernel (cuda) before serving")
     parser.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=defaults.seed,
                         help="seed of the step randomness for requests without their own seed")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -161,7 +163,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         max_batch=ns.max_batch, max_model_len=ns.max_model_len, cuda_graph=not ns.enforce_eager,
         served_model_name=ns.served_model_name, seed=ns.seed, prefill_token_budget=ns.prefill_token_budget,
         max_waiting=ns.max_waiting, memory_fraction=ns.memory_fraction, load_format=ns.load_format,
-        stats_interval_s=ns.stats_interval,
+        stats_interval_s=ns.stats_interval, warmup=ns.warmup,
     )
 
 

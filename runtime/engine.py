@@ -37,6 +37,12 @@ from .text import IncrementalDetokenizer, PromptTooLong, StopMatcher, TextTokeni
 
 log = logging.getLogger(__name__)
 
+def _progress(total: int, what: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=what, unit="req", leave=False)
+
+
 _INLINE_TOKENIZE_CHARS = 16_384  # shorter texts tokenise in well under a millisecond: not worth a thread hop
 
 
@@ -191,10 +197,45 @@ class AsyncEngine:
             max_model_len=self.max_model_len, buckets=self.replica.buckets,
         )
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="deltaserve-step-loop")
+        if args.warmup if args.warmup is not None else args.device == "cuda":
+            await self._warm_up()
         if args.stats_interval_s > 0:
             self._stats_task = asyncio.get_running_loop().create_task(self._log_stats(args.stats_interval_s))
         log.info("engine ready: model %s on %s (tp=%d, %s), max_batch %d, max_model_len %d",
                  self.model_name, args.device, args.tp, args.dtype, plan.max_batch, self.max_model_len)
+
+    async def _warm_up(self) -> None:
+        """Serve requests that reach every shape class and sampler path the server will meet, so each Triton
+        kernel is compiled (or loaded from Triton's cache, ~/.triton/cache or $TRITON_CACHE_DIR) before the first
+        client waits on it. Token counts: 1, a multiple of 16, others (Triton specialises on both), prompts packed
+        into one step, a prompt chunked across steps; decode at several batch sizes; greedy, top-k, top-p alone,
+        penalties, min_tokens, log-probs."""
+        started = time.perf_counter()
+        longest = self.max_model_len - 4
+        chunked = min(self.args.prefill_token_budget + 19, longest)
+        sampled = SamplingParams(temperature=1.0, top_k=20, top_p=0.8, max_tokens=3, ignore_eos=True)
+        nucleus = SamplingParams(temperature=0.7, top_k=0, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3,
+                                 repetition_penalty=1.1, min_tokens=2, logprobs=5, max_tokens=3, ignore_eos=True)
+        greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        waves = [
+            [([1], greedy)], [([1] * 16, sampled)], [([1] * 37, nucleus)], [([1] * chunked, greedy)],
+            [([1] * n, greedy) for n in (5, 16, 29, 64)],  # prompts packed into one prefill step
+            [([1] * 3, sampled if i % 2 else nucleus) for i in range(min(8, self.replica.plan.max_batch))],
+        ]
+        bar = _progress(sum(map(len, waves)), "warm-up requests")
+        for wave in waves:
+            async def one(ids, params):
+                async for _ in self.generate([min(t, self.cfg.vocab_size - 1) for t in ids], params):
+                    pass
+                bar.update(1)
+
+            await asyncio.gather(*[one(ids, params) for ids, params in wave if len(ids) <= longest])
+        bar.close()
+        if self._dead is not None:
+            raise RuntimeError(f"the warm-up requests failed: {self._dead}")
+        self.metrics = EngineMetrics()  # what /metrics reports starts with the first real request
+        log.info("warm-up: %d requests in %.1f s (Triton kernels compiled or loaded from the cache)",
+                 sum(map(len, waves)), time.perf_counter() - started)
 
     async def drain(self, timeout_s: float) -> None:
         """Stop admitting requests (new ones get EngineDeadError), let the live ones run for up to `timeout_s`, then

@@ -1,6 +1,7 @@
 """The asyncio engine end to end on the CPU device with a tiny checkpoint."""
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -268,6 +269,19 @@ def test_model_bounds_are_checked_and_top_k_off_has_two_spellings(tiny_ckpt):
             assert engine.resources_free()
 
     run(main())
+
+
+def test_warm_up_serves_every_path_then_leaves_nothing_behind(tiny_ckpt, caplog):
+    async def main():
+        with caplog.at_level(logging.INFO):
+            async with AsyncEngine(engine_args(tiny_ckpt, warmup=True, prefill_token_budget=64)) as engine:
+                assert engine.resources_free() and engine.healthy
+                assert b"deltaserve_requests_finished_total{" not in engine.metrics.render()  # counts start at 0
+                out = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_tokens=2))][-1]
+                assert out.finish_reason in ("stop", "length")
+
+    run(main())
+    assert any("warm-up: 16 requests" in r.getMessage() for r in caplog.records)
 
 
 def test_bad_prompts_raise_before_queueing(tiny_ckpt):
