@@ -313,7 +313,9 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
             choice["logprobs"] = completion_logprobs(fresh, engine.tokenizer.token_text, offsets[i])
         offsets[i] += len(out.delta_text)
         totals[i] = [len(out.prompt_token_ids), len(out.token_ids)]
-        if out.delta_text or out.finished or choice["logprobs"]:
+        # With per-chunk usage the client is counting tokens: a chunk for every token, its text empty while an
+        # incomplete UTF-8 sequence waits (as vLLM streams), so its timing is the token's, not the text's.
+        if out.delta_text or out.finished or choice["logprobs"] or (continuous_usage and out.delta_token_ids):
             chunk = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
                      "choices": [choice]}
             if continuous_usage:
@@ -391,7 +393,7 @@ async def _stream_chat(request, engine, parsed, gen, first, splitter, rid, creat
             delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
-        if delta or logprobs:
+        if delta or logprobs or (continuous_usage and out.delta_token_ids and not out.finished):
             await sse.send(chunk(delta, logprobs=logprobs))
         if out.finished:
             await sse.send(chunk({}, out.finish_reason))
