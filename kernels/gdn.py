@@ -114,12 +114,19 @@ class GdnChunks:
     spans: torch.Tensor
     first: torch.Tensor
 
-    @classmethod
-    def build(cls, cu_seqlens: list[int], device) -> "GdnChunks":
+    @staticmethod
+    def layout(cu_seqlens: list[int]) -> tuple[list[int], list[int]]:
+        """(spans flattened as start, end, start, end, ...; first) on the host."""
         spans, first = [], [0]
         for s0, e in zip(cu_seqlens, cu_seqlens[1:]):
-            spans.extend((s, min(s + GDN_CHUNK, e)) for s in range(s0, e, GDN_CHUNK))
-            first.append(len(spans))
+            for s in range(s0, e, GDN_CHUNK):
+                spans += (s, min(s + GDN_CHUNK, e))
+            first.append(len(spans) // 2)
+        return spans, first
+
+    @classmethod
+    def build(cls, cu_seqlens: list[int], device) -> "GdnChunks":
+        spans, first = cls.layout(cu_seqlens)
         return cls(torch.tensor(spans, dtype=torch.int32, device=device).reshape(-1, 2),
                    torch.tensor(first, dtype=torch.int32, device=device))
 

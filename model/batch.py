@@ -13,6 +13,22 @@ import torch
 from deltaserve.kernels.gdn import GdnChunks
 
 
+def upload(arrays: dict[str, list[int]], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """The lists as 1-D tensors on `device`, views of one buffer sent in one copy. To a GPU it goes from pinned
+    memory without blocking: a copy from pageable memory would first wait for everything queued on the stream (in
+    a mixed step, the decode graph just launched), and the prefill's launches with it."""
+    flat = torch.tensor([v for values in arrays.values() for v in values], dtype=dtype)
+    if torch.device(device).type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    out, at = {}, 0
+    for name, values in arrays.items():
+        out[name] = flat[at : at + len(values)]
+        at += len(values)
+    return out
+
+
 @dataclass
 class PrefillChunk:
     """One request's slice of prompt: tokens at positions start .. start+len, state in `slot`, KV in `pages`."""
@@ -55,20 +71,15 @@ class PrefillBatch:
             last.append(cu[-1] - 1)
             table.append(c.pages + [trash_page] * (width - len(c.pages)))
 
-        def t(values, dtype=torch.long):
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        spans, first = GdnChunks.layout(cu)
+        longs = upload({"input_ids": ids, "positions": positions, "slots": [c.slot for c in chunks],
+                        "context_lens": [c.start for c in chunks], "slot_mapping": slot_mapping, "last_token": last,
+                        "fresh_slots": [c.slot for c in chunks if c.start == 0]}, torch.long, device)
+        ints = upload({"cu_seqlens": cu, "page_table": [p for row in table for p in row], "spans": spans,
+                       "first": first}, torch.int32, device)
         return cls(
-            input_ids=t(ids),
-            positions=t(positions),
-            cu_seqlens=t(cu, torch.int32),
-            slots=t([c.slot for c in chunks]),
-            context_lens=t([c.start for c in chunks]),
-            page_table=t(table, torch.int32),
-            slot_mapping=t(slot_mapping),
-            last_token=t(last),
-            fresh_slots=t([c.slot for c in chunks if c.start == 0]),
-            gdn_chunks=GdnChunks.build(cu, device),
+            **longs, cu_seqlens=ints["cu_seqlens"], page_table=ints["page_table"].view(len(chunks), width),
+            gdn_chunks=GdnChunks(ints["spans"].view(-1, 2), ints["first"]),
         )
 
 

@@ -1,0 +1,88 @@
+"""What a prefill step costs beyond its math: kernels launched, GPU busy time and wall time per prompt length.
+
+    python -m deltaserve.tools.lab.profile_prefill --size 4b [--layers N] [--tokens 16,512,2048,8192]
+
+Random bf16 weights on a CUDA device, tp = 1, one request at a time through `engine.generate` (max_tokens 1), so
+its time to first token is one prefill step plus the sampler. Per prompt length: the median TTFT (no profiler),
+then under torch.profiler the kernels per request, their summed GPU time, and the kernels launched most. When
+the GPU time is far below the TTFT and the kernel count is high, the step is launch-bound (host time per launch);
+when they are close, it is the math.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from deltaserve.model.synthetic import write_checkpoint
+from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+
+
+async def first_token_s(engine: AsyncEngine, n: int, seed: int) -> float:
+    ids = [(seed * 7919 + i * 104729) % (engine.cfg.vocab_size - 1) for i in range(n)]
+    started = time.perf_counter()
+    async for _ in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)):
+        return time.perf_counter() - started
+    raise RuntimeError("no output")
+
+
+async def run(ns) -> list[dict]:
+    lengths = [int(t) for t in ns.tokens.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="profile_prefill_") as folder:
+        write_checkpoint(folder, ns.size, layers=ns.layers, weights=False)
+        args = EngineArgs(model=folder, device="cuda", load_format="random", max_batch=1, buckets=[1],
+                          max_model_len=max(lengths) + 8, prefill_slots=1, prefill_token_budget=max(lengths),
+                          warmup=False, stats_interval_s=0)
+        async with AsyncEngine(args) as engine:
+            for n in lengths:
+                for i in range(2):  # compiles
+                    await first_token_s(engine, n, i)
+                ttft = statistics.median([await first_token_s(engine, n, 10 + i) for i in range(ns.repeats)])
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for i in range(3):
+                        await first_token_s(engine, n, 20 + i)
+                kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+                names = collections.Counter(e.name for e in kernels)
+                rows.append({
+                    "tokens": n, "ttft_ms": ttft * 1e3, "kernels": len(kernels) / 3,
+                    "gpu_ms": sum(e.time_range.elapsed_us() for e in kernels) / 3 / 1e3,
+                    "top": [(name[:60], count // 3) for name, count in names.most_common(ns.top)],
+                })
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="4b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--tokens", default="16,512,2048,8192")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--top", type=int, default=12, help="kernel names to list, by launches")
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if not torch.cuda.is_available():
+        print("profile_prefill needs a CUDA device")
+        return 2
+    rows = asyncio.run(run(ns))
+    print("| prompt tokens | TTFT ms (engine) | kernels per request | GPU busy ms | GPU / TTFT |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['tokens']} | {r['ttft_ms']:.2f} | {r['kernels']:.0f} | {r['gpu_ms']:.2f} | "
+              f"{r['gpu_ms'] / r['ttft_ms']:.2f} |")
+    for r in rows:
+        print(f"\n{r['tokens']} tokens, most launched: " + ", ".join(f"{n} x{c}" for n, c in r["top"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
