@@ -6,7 +6,8 @@ Random bf16 weights on a CUDA device, tp = 1, one request at a time through `eng
 its time to first token is one prefill step plus the sampler. Per prompt length: the median TTFT (no profiler),
 then under torch.profiler the kernels per request, their summed GPU time, and the kernels launched most. When
 the GPU time is far below the TTFT and the kernel count is high, the step is launch-bound (host time per launch);
-when they are close, it is the math.
+when they are close, it is the math. `--host-profile N` then prints where rank 0's thread spends a prefill of N
+tokens (cProfile, by own time).
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import cProfile
+import io
 import logging
+import pstats
 import statistics
 import sys
 import tempfile
@@ -58,7 +62,34 @@ async def run(ns) -> list[dict]:
                     "gpu_ms": sum(e.time_range.elapsed_us() for e in kernels) / 3 / 1e3,
                     "top": [(name[:60], count // 3) for name, count in names.most_common(ns.top)],
                 })
+            if ns.host_profile:
+                print(await host_profile(engine, ns.host_profile))
     return rows
+
+
+async def host_profile(engine: AsyncEngine, n: int) -> str:
+    """cProfile of rank 0's `model.prefill` (its thread only) over three prefills of n tokens."""
+    model = engine.replica.ranks[0].runtime.model
+    prefill, profiler = model.prefill, cProfile.Profile()
+
+    def profiled(*args, **kwargs):
+        profiler.enable()
+        try:
+            out = prefill(*args, **kwargs)
+            torch.cuda.current_stream().synchronize()
+            return out
+        finally:
+            profiler.disable()
+
+    model.prefill = profiled
+    try:
+        for i in range(3):
+            await first_token_s(engine, n, 30 + i)
+    finally:
+        model.prefill = prefill
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()
 
 
 def main(argv=None) -> int:
@@ -68,6 +99,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="16,512,2048,8192")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=12, help="kernel names to list, by launches")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="also profile rank 0's host time in a prefill of N tokens")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if not torch.cuda.is_available():
