@@ -74,6 +74,11 @@ class DeviceBackend(Protocol):
     def open_rank(self, rank: int, collective: Collective | None) -> RankBackend: ...
 
 
+def default_device() -> str:
+    """What device="auto" means: "cuda" when a CUDA device is visible, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def device_backend(device: str, *, cpu_memory_bytes: int, kernel_config: KernelConfig) -> DeviceBackend:
     """The backend of `device` ("cpu" or "cuda"); the CUDA module is imported only when asked for."""
     if device == "cuda":

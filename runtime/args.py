@@ -12,7 +12,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 @dataclass
 class EngineArgs:
     model: str | None = None  # checkpoint folder; None serves the demo checkpoint (made on first use)
-    device: str = "cpu"  # "cpu" | "cuda"
+    device: str = "cpu"  # "cpu" | "cuda" | "auto" (cuda when one is visible)
     tp: int = 1
     dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
     max_batch: int = 32  # decode rows (lowered at start-up if memory is short)
@@ -35,8 +35,12 @@ class EngineArgs:
     stats_interval_s: float = 10.0  # a throughput and usage log line this often while busy (0: never)
 
     def __post_init__(self) -> None:
+        if self.device == "auto":
+            from deltaserve.devices.backend import default_device  # imports torch: only when asked to look
+
+            self.device = default_device()
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
         if self.dtype is None:
             self.dtype = "bfloat16" if self.device == "cuda" else "float32"
         if self.dtype not in _DTYPES:

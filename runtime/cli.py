@@ -84,7 +84,8 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--load-format", default=defaults.load_format, choices=["safetensors", "random"],
                         help="'random': random weights of the checkpoint's shapes, made on the device (benchmarks "
                              "at real sizes; the folder needs only config.json and the tokenizer)")
-    parser.add_argument("--device", default=defaults.device, choices=["cpu", "cuda"], help="where the model runs")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="where the model runs; auto: cuda when a GPU is visible, else cpu")
     parser.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=_int_in(1, 64), metavar="N",
                         default=defaults.tp, help="tensor-parallel ranks (one GPU each)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

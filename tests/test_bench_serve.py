@@ -30,8 +30,9 @@ def bench(ckpt, argv: list[str], **engine_kw) -> dict:
 
 
 def test_counts_are_exact_and_metrics_have_vllms_names(tiny_ckpt):
-    result = bench(tiny_ckpt, ["--num-prompts", "6", "--max-concurrency", "3", "--random-input-len", "20",
-                               "--random-output-len", "24", "--ignore-eos", "--model", "tiny"])
+    result = bench(tiny_ckpt, ["--backend", "vllm", "--dataset-name", "random", "--num-prompts", "6",
+                               "--max-concurrency", "3", "--random-input-len", "20", "--random-output-len", "24",
+                               "--ignore-eos", "--model", "tiny", "--tokenizer", tiny_ckpt])
     assert result["completed"] == 6 and result["failed"] == 0
     assert result["total_input_tokens"] == 6 * 20 and result["input_lens"] == [20] * 6
     assert result["total_output_tokens"] == 6 * 24 and result["output_lens"] == [24] * 6

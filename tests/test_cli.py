@@ -115,6 +115,18 @@ def test_help_version_and_vllm_names(capsys):
     assert (old.tp, old.max_batch, old.enforce_eager) == (2, 3, True)
 
 
+def test_device_auto_picks_a_visible_gpu(monkeypatch):
+    from deltaserve.devices import backend
+
+    ns = cli.serve_parser(cli._Parser()).parse_args([])
+    assert ns.device == "auto"
+    monkeypatch.setattr(backend, "default_device", lambda: "cuda")
+    args = cli.engine_args(ns)
+    assert (args.device, args.dtype) == ("cuda", "bfloat16")
+    monkeypatch.setattr(backend, "default_device", lambda: "cpu")
+    assert (cli.engine_args(ns).device, cli.engine_args(ns).dtype) == ("cpu", "float32")
+
+
 # Signals, as an operator sends them ---------------------------------------------------------------------------------
 def launch(ckpt: str, port: int, *flags: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "deltaserve.runtime.serve", ckpt, "--port", str(port), "--max-model-len", "4096",

@@ -157,7 +157,8 @@ async def run(args: argparse.Namespace) -> dict:
     base = args.base_url.rstrip("/")
     timeout = aiohttp.ClientTimeout(total=None, sock_read=args.request_timeout)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        vocab = args.vocab_size or await _served_vocab_size(session, base, headers)
+        vocab = args.vocab_size or _tokenizer_vocab_size(args.tokenizer) or await _served_vocab_size(
+            session, base, headers)
         requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                    args.random_range_ratio, vocab, args.seed)
         url = base + args.endpoint
@@ -193,6 +194,14 @@ async def run(args: argparse.Namespace) -> dict:
         "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
     })
     return summary
+
+
+def _tokenizer_vocab_size(folder: str | None) -> int | None:
+    if folder is None:
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(folder, "tokenizer.json")).get_vocab_size()
 
 
 async def _served_vocab_size(session, base: str, headers: dict) -> int:
@@ -252,6 +261,9 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = p or argparse.ArgumentParser(prog="deltaserve bench serve", description=__doc__.split("\n\n")[0])
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
+    p.add_argument("--backend", default="openai", choices=["openai", "vllm", "sglang", "deltaserve"],
+                   help="accepted for vllm bench serve's command lines: every backend is spoken to as OpenAI")
+    p.add_argument("--dataset-name", default="random", choices=["random"], help="only random token-id prompts")
     p.add_argument("--endpoint", default="/v1/completions", help="the completions route")
     p.add_argument("--model", default=None, help="model name sent with each request (none: the server's)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key (env OPENAI_API_KEY)")
@@ -264,7 +276,8 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly within this fraction of the means")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="token ids are drawn below this (none: the vocab_size our server lists)")
+                   help="token ids are drawn below this (none: --tokenizer's, else the vocab_size our server lists)")
+    p.add_argument("--tokenizer", default=None, help="a folder with tokenizer.json: its vocabulary bounds the ids")
     p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens whatever the model says")
     p.add_argument("--num-warmups", type=int, default=0, help="requests sent one by one before timing")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
