@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk
@@ -106,3 +108,12 @@ def top8_logprob_gaps(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+async def wait_free(engine, timeout=10.0) -> bool:
+    """Retirement happens at the next step: wait for it, then report whether all resources are back."""
+    for _ in range(int(timeout / 0.01)):
+        if engine.resources_free():
+            return True
+        await asyncio.sleep(0.01)
+    return engine.resources_free()

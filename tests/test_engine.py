@@ -5,7 +5,7 @@ import logging
 import time
 
 import pytest
-from helpers import CpuRunner
+from helpers import CpuRunner, wait_free
 
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 
@@ -31,15 +31,6 @@ async def collect(stream):
 
 async def collect_all(stream):
     return [out async for out in stream]
-
-
-async def wait_free(engine, timeout=10.0):
-    """Retirement happens at the next step: wait for it, then report whether all resources are back."""
-    for _ in range(int(timeout / 0.01)):
-        if engine.resources_free():
-            return True
-        await asyncio.sleep(0.01)
-    return engine.resources_free()
 
 
 def test_greedy_through_the_engine_equals_the_model(tiny_ckpt):

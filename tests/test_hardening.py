@@ -17,6 +17,7 @@ import zlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from helpers import wait_free
 from hypothesis import strategies as st
 
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
@@ -269,12 +270,7 @@ def test_no_malformed_request_gets_a_500_or_takes_the_server_down(tiny_ckpt):
         # Still serving, healthy, and nothing left allocated.
         status, _, reply = await raw_request(port, post(COMPLETIONS, {"prompt": "ok", "max_tokens": 3}))
         assert status == 200 and json.loads(reply)["usage"]["completion_tokens"] <= 3  # "model" may be left out
-        assert engine.healthy
-        for _ in range(100):
-            if engine.resources_free():
-                break
-            await asyncio.sleep(0.01)
-        assert engine.resources_free()
+        assert engine.healthy and await wait_free(engine)
         return True
 
     assert with_server(tiny_ckpt, body)
@@ -469,11 +465,4 @@ def test_fuzzed_sampling_params_and_prompts_never_hurt_the_engine(fuzz_engine):
     example()
     assert len(served) >= 20, f"only {len(served)} fuzzed requests were valid: the strategy tests little"
 
-    async def settled():
-        for _ in range(200):
-            if engine.resources_free():
-                return True
-            await asyncio.sleep(0.01)
-        return False
-
-    assert fuzz_engine.run(settled())
+    assert fuzz_engine.run(wait_free(engine))

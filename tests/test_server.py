@@ -8,6 +8,7 @@ import socket
 import aiohttp
 import openai
 import pytest
+from helpers import wait_free
 
 from deltaserve.runtime import AsyncEngine, EngineArgs
 from deltaserve.runtime.server import ServerOptions, serve
@@ -165,11 +166,7 @@ def test_bad_input_gets_the_right_status_and_error_body(tiny_ckpt):
             # Still serving, and nothing leaked.
             async with session.post(url + "/v1/completions", json={"model": "tiny", "prompt": "ok", "max_tokens": 3}) as r:
                 assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] <= 3
-        for _ in range(100):
-            if engine.resources_free():
-                break
-            await asyncio.sleep(0.01)
-        assert engine.resources_free()
+        assert await wait_free(engine)
         return True
 
     assert with_server(tiny_ckpt, body)
@@ -197,11 +194,7 @@ def test_disconnect_mid_stream_aborts_and_metrics_report(tiny_ckpt, caplog):
             await resp.content.readline()  # the first event arrived
             assert engine.scheduler.requests
             resp.close()  # drop the connection mid-stream
-        for _ in range(500):
-            if engine.resources_free():
-                break
-            await asyncio.sleep(0.01)
-        assert engine.resources_free(), "the disconnected request still holds its slot"
+        assert await wait_free(engine), "the disconnected request still holds its slot"
         async with aiohttp.ClientSession() as session:
             async with session.get(url + "/metrics") as r:
                 text = await r.text()
