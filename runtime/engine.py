@@ -37,12 +37,6 @@ from .text import IncrementalDetokenizer, PromptTooLong, StopMatcher, TextTokeni
 
 log = logging.getLogger(__name__)
 
-def _progress(total: int, what: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=what, unit="req", leave=False)
-
-
 _INLINE_TOKENIZE_CHARS = 16_384  # shorter texts tokenise in well under a millisecond: not worth a thread hop
 
 
@@ -222,13 +216,16 @@ class AsyncEngine:
             [([1] * n, greedy) for n in (5, 16, 29, 64)],  # prompts packed into one prefill step
             [([1] * 3, sampled if i % 2 else nucleus) for i in range(min(8, self.replica.plan.max_batch))],
         ]
-        bar = _progress(sum(map(len, waves)), "warm-up requests")
-        for wave in waves:
-            async def one(ids, params):
-                async for _ in self.generate([min(t, self.cfg.vocab_size - 1) for t in ids], params):
-                    pass
-                bar.update(1)
+        from tqdm import tqdm
 
+        bar = tqdm(total=sum(map(len, waves)), desc="warm-up requests", unit="req", leave=False)
+
+        async def one(ids, params):
+            async for _ in self.generate(ids, params):
+                pass
+            bar.update(1)
+
+        for wave in waves:
             await asyncio.gather(*[one(ids, params) for ids, params in wave if len(ids) <= longest])
         bar.close()
         if self._dead is not None:
