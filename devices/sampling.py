@@ -25,22 +25,24 @@ class SlotSampling:
 
     # Slots ----------------------------------------------------------------------------------------------------------
     def start(self, slot: int, setup: RowSampling | None, prompt_ids: list[int]) -> None:
-        """A prompt chunk enters `slot`: the request's setup arrives with its first chunk (None later)."""
+        """A prompt chunk enters `slot`: the request's setup arrives with its first chunk (None later). Counts are
+        kept only for requests with a penalty: the others never read them."""
         if setup is not None:
             self.settings[slot] = setup
-            if setup.needs_counts and self.output_counts is None:
-                n = len(self.settings)
-                self.output_counts = torch.zeros(n, self.vocab, dtype=torch.int32, device=self.device)
-                self.prompt_mask = torch.zeros(n, self.vocab, dtype=torch.bool, device=self.device)
-            if self.output_counts is not None:
+            if setup.needs_counts:
+                if self.output_counts is None:
+                    n = len(self.settings)
+                    self.output_counts = torch.zeros(n, self.vocab, dtype=torch.int32, device=self.device)
+                    self.prompt_mask = torch.zeros(n, self.vocab, dtype=torch.bool, device=self.device)
                 self.output_counts[slot] = 0
                 self.prompt_mask[slot] = False
-        if self.output_counts is not None:
+        current = self.settings[slot]
+        if current is not None and current.needs_counts:
             self.prompt_mask[slot, torch.tensor(prompt_ids, device=self.device)] = True
 
     def move(self, src: int, dst: int) -> None:
         self.settings[dst], self.settings[src] = self.settings[src], None
-        if self.output_counts is not None:
+        if self.settings[dst] is not None and self.settings[dst].needs_counts:
             self.output_counts[dst].copy_(self.output_counts[src])
             self.prompt_mask[dst].copy_(self.prompt_mask[src])
 
@@ -70,7 +72,7 @@ class SlotSampling:
             temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
             frequency_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0], seeds=ints[1], steps=ints[2],
         )
-        if self.output_counts is not None:
+        if any(r.needs_counts for r in rows):  # penalties cost a pass over [N, V] and a scatter: only when asked
             params.output_counts = self.output_counts[ints[3]]
             params.prompt_mask = self.prompt_mask[ints[3]]
         return rows, params, token_index, ints[3]
@@ -89,7 +91,7 @@ class SlotSampling:
             top_p_alone=any(top_p_alone(r.temperature, r.top_p, r.top_k, self.vocab) for r in rows),
             pdl=self.pdl,
         )
-        if self.output_counts is not None:
+        if params.output_counts is not None:
             self.output_counts.index_put_((slot_index, tokens), torch.ones_like(tokens, dtype=torch.int32),
                                           accumulate=True)
         tokens, chosen = tokens.tolist(), chosen.tolist()

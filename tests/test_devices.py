@@ -208,3 +208,31 @@ def test_live_decode_batch_leaves_the_state_as_it_found_it(tiny_ckpt):
 
     for stepped, rows, restored in asyncio.run(main()):
         assert stepped and rows == (3, 3) and restored
+
+
+def test_penalty_counts_are_paid_for_only_by_steps_with_a_penalised_row():
+    """One penalised request once made every later step gather [N, V] counts and scatter into them; now a step
+    pays only while a row with a penalty is in it, and that row's counts stay exact."""
+    from deltaserve.devices.sampling import SlotSampling
+
+    vocab = 32
+    sampling = SlotSampling(4, vocab, torch.device("cpu"))
+    sampling.start(0, RowSampling(temperature=0.0, presence_penalty=1.0), [3, 4])
+    sampling.start(1, RowSampling(temperature=0.0), [5])
+    logits = torch.zeros(1, vocab)
+    logits[0, 7] = 1.0
+
+    plain = sampling.prepare([1], [0], step_seed=1)
+    assert plain[1].output_counts is None
+    assert sampling.sample(logits.clone(), plain)[0].token == 7
+
+    mixed = sampling.prepare([0, 1], [0, 1], step_seed=2)
+    assert mixed[1].output_counts is not None and bool(mixed[1].prompt_mask[0, 3])
+    tokens = [t.token for t in sampling.sample(logits.repeat(2, 1), mixed)]
+    assert tokens == [7, 7] and int(sampling.output_counts[0, 7]) == 1
+    # The presence penalty (1.0) now outweighs the lead of token 7 for the penalised row only.
+    again = sampling.prepare([0, 1], [1, 2], step_seed=3)
+    assert [t.token for t in sampling.sample(logits.repeat(2, 1), again)] == [0, 7]
+
+    sampling.move(0, 2)  # a compaction: the counts go with the request
+    assert int(sampling.output_counts[2, 7]) == 1

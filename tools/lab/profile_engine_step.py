@@ -10,13 +10,17 @@ graph's launch, sampling, the read-back); `sample`, the part of it from the samp
 queued. The gap is split in two: from a step's end to the next step's hand-off (the event loop routes the
 results and plans the step) and from the hand-off to rank 0's start (its thread waking and taking the GIL).
 All are means over the window in which every request decodes, so `execute` and the gap add up to the engine's
-step.
+step. `--host-profile` then runs the first batch size again with cProfile on rank 0's thread (inside `execute`)
+and prints its functions by own time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -98,11 +102,38 @@ async def run(ns) -> None:
             print(f"| {rows} | {step * 1e3:.3f} | {s['execute_s'] * 1e3:.3f} | {s['sample_s'] * 1e3:.3f} | "
                   f"{s['gap_s'] * 1e3:.3f} | {s['to_handoff_s'] * 1e3:.3f} | {s['handoff_to_start_s'] * 1e3:.3f} |",
                   flush=True)
+        if ns.host_profile:
+            print(await host_profile(engine, batches[0], ns.context, top=28))
+
+
+async def host_profile(engine, rows: int, context: int, top: int) -> str:
+    """cProfile of rank 0's `execute` calls (its thread) over one engine_step_time (Python 3.12 allows one
+    profiler at a time, so the loop's thread is not profiled with it)."""
+    execute, on_rank = RankRuntime.execute, cProfile.Profile()
+
+    def profiled(runtime, cmd, *args):
+        if runtime.rank != 0:
+            return execute(runtime, cmd, *args)
+        on_rank.enable()
+        try:
+            return execute(runtime, cmd, *args)
+        finally:
+            on_rank.disable()
+
+    RankRuntime.execute = profiled
+    try:
+        await engine_step_time(engine, rows, context)
+    finally:
+        RankRuntime.execute = execute
+    text = io.StringIO()
+    pstats.Stats(on_rank, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser, batches="1,64")
+    parser.add_argument("--host-profile", action="store_true", help="also cProfile rank 0's thread at the first batch")
     ns = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_engine_step needs a CUDA device")
