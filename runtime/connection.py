@@ -30,18 +30,22 @@ class _Connection(RequestHandler):
 
     _header_timer = None
 
+    def _waiting_for_headers(self) -> bool:
+        # aiohttp's own state (3.9 to 3.14): no request being handled and none parsed yet. Read with defaults, so
+        # a later aiohttp that renames them loses the timeout, not the server.
+        return not getattr(self, "_request_in_progress", True) and not getattr(self, "_messages", True)
+
     def data_received(self, data: bytes) -> None:
-        waiting_for_headers = not self._request_in_progress and not self._messages
-        if waiting_for_headers and self._header_timer is None and self.header_timeout_s > 0:
+        if self._waiting_for_headers() and self._header_timer is None and self.header_timeout_s > 0:
             self._header_timer = self._loop.call_later(self.header_timeout_s, self._headers_timed_out)
         super().data_received(data)
-        if self._messages and self._header_timer is not None:  # a request's headers are complete
+        if self._header_timer is not None and not self._waiting_for_headers():  # the headers are complete
             self._header_timer.cancel()
             self._header_timer = None
 
     def _headers_timed_out(self) -> None:
         self._header_timer = None
-        if not self._request_in_progress and not self._messages:
+        if self._waiting_for_headers():
             log.debug("closing a connection whose request headers took over %.1f s", self.header_timeout_s)
             self.force_close()
 
