@@ -51,6 +51,15 @@ def test_counts_are_exact_and_metrics_have_vllms_names(tiny_ckpt):
     assert "Output token throughput (tok/s):" in bench_serve.report(result)
 
 
+def test_vllm_percentile_flags(tiny_ckpt):
+    result = bench(tiny_ckpt, ["--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "6",
+                               "--ignore-eos", "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,95,99.9"])
+    assert {"p50_ttft_ms", "p95_itl_ms", "p99.9_itl_ms", "std_ttft_ms"} <= result.keys()
+    assert "mean_tpot_ms" not in result and "p90_ttft_ms" not in result
+    assert abs(result["p50_ttft_ms"] - result["median_ttft_ms"]) < 1e-9
+    assert "P99.9 ITL (ms):" in bench_serve.report(result)
+
+
 def test_poisson_arrivals_ranges_and_refusals(tiny_ckpt):
     result = bench(tiny_ckpt, ["--num-prompts", "8", "--request-rate", "50", "--random-input-len", "30",
                                "--random-output-len", "10", "--random-range-ratio", "0.5", "--ignore-eos"])
@@ -83,7 +92,7 @@ def test_continuous_usage_stats_on_chat_and_the_command_line(tiny_ckpt, tmp_path
                 out = tmp_path / "result.json"
                 argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2",
                         "--random-input-len", "8", "--random-output-len", "5", "--ignore-eos", "--disable-tqdm",
-                        "--result-file", str(out)]
+                        "--save-result", "--result-dir", str(tmp_path), "--result-filename", out.name]
                 code = await asyncio.to_thread(top_cli.main, argv)
                 return lines, code, json.loads(out.read_text())
             finally:

@@ -11,7 +11,7 @@ carries two tokens, still counts right; a server without it is counted by chunks
 
 Metrics (vLLM's names): request, output and total token throughput; TTFT (arrival to first token), TPOT ((E2EL -
 TTFT) / (output tokens - 1) per request), ITL (between chunks that carry tokens) and E2EL, each as mean, median,
-std, p90 and p99 in ms.
+std and the `--metric-percentiles` (default p90, p99) in ms.
 """
 
 from __future__ import annotations
@@ -115,21 +115,29 @@ async def stream_one(session: aiohttp.ClientSession, url: str, model: str | None
     return result
 
 
-def _summary(values_s: list[float]) -> dict[str, float]:
+def _pct_name(p: float) -> str:
+    return f"p{int(p) if p == int(p) else p}"
+
+
+def _summary(values_s: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
     ms = sorted(v * 1000 for v in values_s)
-    if not ms:
-        return {"mean": 0.0, "median": 0.0, "std": 0.0, "p90": 0.0, "p99": 0.0}
 
     def pct(p: float) -> float:  # linear interpolation, as numpy.percentile
         k = (len(ms) - 1) * p / 100
         lo, hi = math.floor(k), math.ceil(k)
         return ms[lo] + (ms[hi] - ms[lo]) * (k - lo)
 
+    if not ms:
+        return {"mean": 0.0, "median": 0.0, "std": 0.0, **{_pct_name(p): 0.0 for p in percentiles}}
     return {"mean": statistics.fmean(ms), "median": statistics.median(ms),
-            "std": statistics.pstdev(ms) if len(ms) > 1 else 0.0, "p90": pct(90), "p99": pct(99)}
+            "std": statistics.pstdev(ms) if len(ms) > 1 else 0.0, **{_pct_name(p): pct(p) for p in percentiles}}
 
 
-def metrics(results: list[RequestResult], duration: float) -> dict:
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def metrics(results: list[RequestResult], duration: float, percentiles: tuple[float, ...] = (90, 99),
+            names: tuple[str, ...] = METRICS) -> dict:
     done = [r for r in results if r.success]
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_len for r in done)
@@ -139,6 +147,7 @@ def metrics(results: list[RequestResult], duration: float) -> dict:
         "request_throughput": len(done) / duration, "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "tokens_counted_by_usage": all(r.counted_by_usage for r in done),
+        "percentiles": list(percentiles), "percentile_metrics": list(names),
     }
     series = {
         "ttft": [r.ttft for r in done],
@@ -146,8 +155,8 @@ def metrics(results: list[RequestResult], duration: float) -> dict:
         "itl": [x for r in done for x in r.itl],
         "e2el": [r.latency for r in done],
     }
-    for name, values in series.items():
-        for stat, value in _summary(values).items():
+    for name in names:
+        for stat, value in _summary(series[name], percentiles).items():
             summary[f"{stat}_{name}_ms"] = value
     return summary
 
@@ -183,7 +192,8 @@ async def run(args: argparse.Namespace) -> dict:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - started
         bar.close()
-    summary = metrics(results, duration)
+    summary = metrics(results, duration, tuple(float(p) for p in args.metric_percentiles.split(",")),
+                      tuple(args.percentile_metrics.split(",")))
     summary.update({
         "base_url": args.base_url, "model": args.model, "num_prompts": args.num_prompts,
         "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
@@ -245,10 +255,11 @@ def report(summary: dict) -> str:
     row("Request throughput (req/s):", summary["request_throughput"])
     row("Output token throughput (tok/s):", summary["output_throughput"])
     row("Total token throughput (tok/s):", summary["total_token_throughput"])
-    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
-        lines.append(f"{title:-^50}")
-        for stat in ("mean", "median", "std", "p90", "p99"):
+    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    for name in summary["percentile_metrics"]:
+        lines.append(f"{titles[name]:-^50}")
+        for stat in ("mean", "median", "std", *map(_pct_name, summary["percentiles"])):
             row(f"{stat.capitalize() if stat in ('mean', 'median') else stat.upper()} {name.upper()} (ms):",
                 summary[f"{stat}_{name}_ms"])
     if not summary["tokens_counted_by_usage"]:
@@ -282,7 +293,15 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p.add_argument("--num-warmups", type=int, default=0, help="requests sent one by one before timing")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a stream may stay silent")
+    p.add_argument("--percentile-metrics", default=",".join(METRICS),
+                   help="which of ttft,tpot,itl,e2el get percentiles")
+    p.add_argument("--metric-percentiles", default="90,99", help="the percentiles, comma-separated")
     p.add_argument("--result-file", default=None, help="write the metrics and per-request data here (JSON)")
+    p.add_argument("--save-result", action="store_true",
+                   help="vllm's spelling: write them to --result-dir/--result-filename")
+    p.add_argument("--result-dir", default=".", help="with --save-result")
+    p.add_argument("--result-filename", default=None,
+                   help="with --save-result (default: deltaserve-bench-<time>.json)")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     return p
 
@@ -298,6 +317,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--request-rate must be positive")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise SystemExit("--max-concurrency must be at least 1")
+    unknown = set(args.percentile_metrics.split(",")) - set(METRICS)
+    if unknown:
+        raise SystemExit(f"--percentile-metrics: unknown {sorted(unknown)}; choose from {','.join(METRICS)}")
+    try:
+        if not all(0 < float(p) < 100 for p in args.metric_percentiles.split(",")):
+            raise ValueError
+    except ValueError:
+        raise SystemExit("--metric-percentiles must be numbers in (0, 100), comma-separated") from None
+    if args.save_result and args.result_file is None:
+        name = args.result_filename or f"deltaserve-bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        args.result_file = os.path.join(args.result_dir, name)
     summary = asyncio.run(run(args))
     print(report(summary))
     if args.result_file:
