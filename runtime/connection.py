@@ -31,7 +31,7 @@ class _Connection(RequestHandler):
     _header_timer = None
 
     def _waiting_for_headers(self) -> bool:
-        # aiohttp's own state (3.9 to 3.14): no request being handled and none parsed yet. Read with defaults, so
+        # aiohttp's own state (as of 3.14): no request being handled and none parsed yet. Read with defaults, so
         # a later aiohttp that renames them loses the timeout, not the server.
         return not getattr(self, "_request_in_progress", True) and not getattr(self, "_messages", True)
 

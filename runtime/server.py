@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from .engine import AsyncEngine, CapacityError, EngineDeadError, QueueFullError, RequestOutput
-from .connection import USAGE_KEY, AccessLogger, AppRunner
+from .connection import USAGE_KEY, AccessLogger, AppRunner, access_log
 from .openai_protocol import (
     ApiError,
     ParsedRequest,
@@ -446,7 +446,7 @@ async def serve(engine: AsyncEngine, host: str, port: int, options: ServerOption
     runner = AppRunner(
         build_app(engine, options), header_timeout_s=options.header_timeout_s, handler_cancellation=True,
         keepalive_timeout=options.keep_alive_timeout_s, shutdown_timeout=2.0,
-        access_log=logging.getLogger("deltaserve.access") if options.access_log else None,
+        access_log=access_log if options.access_log else None,
         access_log_class=AccessLogger,
     )
     await runner.setup()
