@@ -57,12 +57,17 @@ class PrefillCommand:
     sampling: RowSampling | None = None  # sent with a request's first chunk
 
 
+UNKNOWN_TOKEN = -1
+
+
 @dataclass
 class StepCommand:
     compactions: list[RetireSlot] = field(default_factory=list)
     released_prefill_slots: list[int] = field(default_factory=list)
     promotions: list[PromoteSlot] = field(default_factory=list)
-    decode_tokens: list[int] = field(default_factory=list)  # input token of decode slot i
+    # Input token of decode slot i; UNKNOWN_TOKEN where the host plans the step before the last one's tokens are
+    # back (overlap scheduling): rank 0 then uses the token it drew last for that slot.
+    decode_tokens: list[int] = field(default_factory=list)
     decode_positions: list[int] = field(default_factory=list)
     decode_token_index: list[int] = field(default_factory=list)  # index of the token each row samples
     bucket: int = 0

@@ -18,7 +18,7 @@ from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.state import ModelState
 
 from .backend import DecodeGraphs, DecodeProgram
-from .commands import SampledToken, SlotProtocolError, StepCommand, StepResult
+from .commands import UNKNOWN_TOKEN, SampledToken, SlotProtocolError, StepCommand, StepResult
 from .sampling import SlotSampling
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class RankRuntime:
         kernels = model.ops.config
         self.sampling = SlotSampling(state.num_slots + 1, self.vocab, device, pdl=kernels is None or kernels.pdl) \
             if rank == 0 else None
+        self.last_token: dict[int, int] = {}  # rank 0: state slot -> the token it drew last (overlap scheduling)
 
     def decode_programs(self, buckets: list[int]) -> dict[int, DecodeProgram]:
         """For each bucket, its decode step over the fixed inputs and the state: what a graph captures. The inputs
@@ -112,7 +113,15 @@ class RankRuntime:
         self.inputs.table_host[dst] = self.inputs.table_host[src]
         if self.sampling:
             self.sampling.move(src, dst)
+        self._move_last_token(src, dst)
         self.occupied[src], self.occupied[dst] = False, True
+
+    def _move_last_token(self, src: int, dst: int) -> None:
+        token = self.last_token.pop(src, None)
+        if token is None:
+            self.last_token.pop(dst, None)
+        else:
+            self.last_token[dst] = token
 
     def _apply_slot_changes(self, cmd: StepCommand) -> None:
         for slot in cmd.released_prefill_slots:
@@ -137,6 +146,7 @@ class RankRuntime:
             row[: len(p.pages)] = p.pages
             if self.sampling:
                 self.sampling.move(p.from_slot, p.to_slot)
+            self._move_last_token(p.from_slot, p.to_slot)
             self.occupied[p.to_slot] = True
         live = sum(self.occupied)
         if live != len(cmd.decode_tokens) or not all(self.occupied[: len(cmd.decode_tokens)]):
@@ -161,7 +171,12 @@ class RankRuntime:
         decode_logits = decode_setup = None
         n = len(cmd.decode_tokens)
         if n:
-            self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
+            tokens = cmd.decode_tokens
+            if UNKNOWN_TOKEN in tokens:
+                if self.rank != 0:
+                    raise SlotProtocolError(f"rank {self.rank} does not draw tokens: it needs every input token")
+                tokens = [self.last_token[i] if t == UNKNOWN_TOKEN else t for i, t in enumerate(tokens)]
+            self.inputs.fill(tokens, cmd.decode_positions, cmd.bucket)
             batch = self.inputs.batch(cmd.bucket)
             if replay:
                 decode_logits = self.graphs(cmd.bucket)
@@ -181,6 +196,8 @@ class RankRuntime:
         if not self.sampling:
             return None
         decode = self.sampling.sample(decode_logits, decode_setup) if n else []
+        for slot, s in enumerate(decode):
+            self.last_token[slot] = s.token
         prefill: list[SampledToken | None] = [None] * len(cmd.prefill)
         last = [i for i, p in enumerate(cmd.prefill) if p.last]
         if last:
@@ -189,4 +206,5 @@ class RankRuntime:
             sampled = self.sampling.sample(prefill_logits[last], setup)
             for i, s in zip(last, sampled):
                 prefill[i] = s
+                self.last_token[cmd.prefill[i].slot] = s.token
         return StepResult(decode, prefill)

@@ -173,14 +173,15 @@ class Replica:
             r.runtime.graphs = r.backend.capture_decode(r.runtime.decode_programs(self.buckets), progress=rank == 0)
 
     # Steps ----------------------------------------------------------------------------------------------------------
-    def start_step(self, cmd: StepCommand) -> Awaitable[StepResult]:
+    def start_step(self, cmd: StepCommand, wait_for_launch: bool = True) -> Awaitable[StepResult]:
         """Hand `cmd` to every rank now, and return once each has launched its decode step (at most
         LAUNCH_WAIT_S later); await the result (rank 0's). The caller's work after the hand-off (the last step's
         outputs, in Python) would otherwise hold the GIL while the ranks need it to launch, and the GPU would wait
-        for it: a thread waiting for the GIL gets it only after the switch interval."""
+        for it: a thread waiting for the GIL gets it only after the switch interval. With overlap scheduling the
+        ranks are still busy with the step before, so there is no launch to wait for (`wait_for_launch=False`)."""
         launched = [threading.Event() for _ in self.ranks]
         futures = self.group.submit(lambda rank: self._execute(rank, cmd, launched[rank].set))
-        deadline = time.monotonic() + LAUNCH_WAIT_S
+        deadline = time.monotonic() + (LAUNCH_WAIT_S if wait_for_launch else 0.0)
         for event in launched:  # releases the GIL while it waits
             event.wait(max(0.0, deadline - time.monotonic()))
         return self._result(futures)

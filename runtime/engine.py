@@ -22,7 +22,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from deltaserve.devices.commands import PrefillCommand, PromoteSlot, RetireSlot, RowSampling, StepCommand, StepResult
+from deltaserve.devices.commands import (UNKNOWN_TOKEN, PrefillCommand, PromoteSlot, RetireSlot, RowSampling, StepCommand,
+                                         StepResult)
 from deltaserve.devices.replica import Replica, ReplicaSpec
 from deltaserve.devices.worker import ReplicaPoisoned
 from deltaserve.model.config import load_model_config
@@ -164,6 +165,8 @@ class AsyncEngine:
             raise ValueError(
                 f"the tokenizer has {self.tokenizer.vocab_size} ids but the model only {self.cfg.vocab_size}"
             )
+        if args.async_scheduling and args.tp > 1:
+            raise ValueError("async_scheduling needs tp=1 for now: the other ranks would need rank 0's tokens")
         if args.max_model_len is not None and args.max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {args.max_model_len} exceeds the checkpoint's max_position_embeddings "
                              f"({self.cfg.max_position_embeddings})")
@@ -395,7 +398,7 @@ class AsyncEngine:
         applying a step, a cancellation) poisons the replica and ends every live request with an error: no
         request is left waiting on a loop that is gone."""
         try:
-            await self._run_steps()
+            await (self._run_steps_overlapped() if self.args.async_scheduling else self._run_steps())
         except ReplicaPoisoned as exc:
             self._poison(str(exc))
         except asyncio.CancelledError:  # the ranks may be anywhere in a step
@@ -437,8 +440,44 @@ class AsyncEngine:
                 self._emit(outputs)  # the tokens drawn before the failure still reach their streams
                 raise
             self.metrics.step_seconds.observe(time.perf_counter() - started)
+            self._count(plan)
             outputs = self._apply(plan, result)
         self._emit(outputs)  # closing: the last step's outputs come before `close` ends the requests
+
+    async def _run_steps_overlapped(self) -> None:
+        """`_run_steps` one step ahead: step k+1 is planned and handed over as soon as step k is, before k's
+        tokens reach the host (rank 0 fills them in), so the devices never wait for the loop's routing, stop
+        checks and outputs. A request that a token or stop string ends at step k has a row in step k+1 too: that
+        one extra token is drawn and dropped. max_tokens needs no tokens: the scheduler retires at it."""
+        sched = self.scheduler
+        previous = in_flight = None  # (plan, step, handed over at)
+        last_done = 0.0  # a step handed over early starts only once the one before it is done
+        try:
+            while not self._closing:
+                plan = sched.schedule() if sched.has_work else None
+                if (plan is None or plan.empty) and in_flight is None:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                previous, in_flight = in_flight, None
+                if plan is not None and not plan.empty:
+                    in_flight = (plan, self.replica.start_step(self._command(plan), wait_for_launch=False),
+                                 time.perf_counter())
+                    self._count(plan)
+                if previous is not None:
+                    done_plan, done_step, handed = previous
+                    result = await done_step
+                    now = time.perf_counter()
+                    self.metrics.step_seconds.observe(now - max(handed, last_done))
+                    last_done = now
+                    self._emit(self._apply(done_plan, result))
+            if in_flight is not None:  # closing: the last step's tokens come before `close` ends the requests
+                self._emit(self._apply(in_flight[0], await in_flight[1]))
+                in_flight = None
+        finally:  # after a failure, a step handed over may never be awaited (closing a finished one does nothing)
+            for step in (previous, in_flight):
+                if step is not None:
+                    step[1].close()
 
     def _command(self, plan) -> StepCommand:
         reqs = self.requests
@@ -448,11 +487,13 @@ class AsyncEngine:
             promotions=[PromoteSlot(p.from_slot, p.to_slot, p.pages) for p in plan.promotions],
             bucket=plan.bucket, step_seed=self._rng.getrandbits(62),
         )
-        # Requests that finished before this plan were retired by it, so every row here is live.
+        # Requests that finished before this plan were retired by it, so every row here is live. The scheduler
+        # counts a step's tokens when the step is handed over; with overlap the last of them may still be on its
+        # way, and rank 0 fills it in.
+        counts = self.scheduler.requests
         for rid in plan.decode_ids:
-            req = reqs[rid]
-            n = len(req.output_ids)
-            cmd.decode_tokens.append(req.output_ids[-1])
+            req, n = reqs[rid], counts[rid].generated
+            cmd.decode_tokens.append(req.output_ids[-1] if len(req.output_ids) == n else UNKNOWN_TOKEN)
             cmd.decode_positions.append(len(req.prompt_ids) + n - 1)
             cmd.decode_token_index.append(n)
         for w in plan.prefill:
@@ -463,15 +504,17 @@ class AsyncEngine:
             ))
         return cmd
 
-    def _apply(self, plan, result: StepResult) -> list:
-        """What the next step's plan depends on: the scheduler's bookkeeping, each token appended, and every
-        request that ends here finished (stop token, stop string, length). Returns (request, token, seconds since
-        its last token or None) for the tokens whose outputs `_emit` makes later."""
-        sched = self.scheduler
-        sched.on_prefill_done(plan.prefill)
-        sched.on_decode_done(plan.decode_ids)
+    def _count(self, plan) -> None:
+        """The scheduler's bookkeeping of a step: what the next plan depends on, none of it the tokens."""
+        self.scheduler.on_prefill_done(plan.prefill)
+        self.scheduler.on_decode_done(plan.decode_ids)
         self.metrics.count_tokens(sum(w.length for w in plan.prefill),
-                                  len(plan.decode_ids) + sum(1 for s in result.prefill if s is not None))
+                                  len(plan.decode_ids) + sum(1 for w in plan.prefill if w.last))
+
+    def _apply(self, plan, result: StepResult) -> list:
+        """Each token appended, and every request that ends here finished (stop token, stop string, length).
+        Returns (request, token, seconds since its last token or None) for the tokens whose outputs `_emit` makes
+        later. A token for a request that has gone (it stopped a step earlier, with overlap) is dropped."""
         now = time.perf_counter()
         later = []
         for w, sampled in zip(plan.prefill, result.prefill):

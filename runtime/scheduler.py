@@ -179,18 +179,27 @@ class Scheduler:
         self.to_retire.append(request_id)
 
     def on_prefill_done(self, work: list[PrefillWork]) -> None:
+        """The chunks ran (or, with overlap, are on their way: the counts do not need the tokens)."""
         for w in work:
             req = self.requests[w.request_id]
             req.prefilled = w.start + w.length
             if w.last:
                 req.generated += 1  # the first token comes from the prefill's logits
+                self._finish_at_max_tokens(req)
                 if w.request_id not in self.to_retire:
                     self.prefilling.remove(w.request_id)
                     self.ready_for_decode.append(w.request_id)
 
     def on_decode_done(self, decode_ids: list[str]) -> None:
         for rid in decode_ids:
-            self.requests[rid].generated += 1
+            req = self.requests[rid]
+            req.generated += 1
+            self._finish_at_max_tokens(req)
+
+    def _finish_at_max_tokens(self, req: SchedRequest) -> None:
+        # Its last token is drawn: no step after this one needs a row for it, whatever the token turns out to be.
+        if req.generated >= req.max_tokens:
+            self.finish(req.request_id)
 
     # Planning -------------------------------------------------------------------------------------------------------
     def _retire(self) -> tuple[list[Compaction], list[int]]:

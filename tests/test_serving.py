@@ -20,8 +20,9 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import CpuRunner, hf_model
+from helpers import CpuRunner, hf_model, wait_free
 
+from deltaserve.devices.commands import UNKNOWN_TOKEN
 from deltaserve.devices.rank import RankRuntime
 from deltaserve.kernels.sampling import counter_uniform
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
@@ -50,9 +51,9 @@ def record_commands(engine) -> list:
     """Every StepCommand the engine hands to the ranks, in order."""
     commands, start_step = [], engine.replica.start_step
 
-    def recording(cmd):
+    def recording(cmd, **kw):
         commands.append(cmd)
-        return start_step(cmd)
+        return start_step(cmd, **kw)
 
     engine.replica.start_step = recording
     return commands
@@ -87,14 +88,15 @@ def hf(tiny_ckpt):
     return hf_model(tiny_ckpt)
 
 
-def test_prompts_of_several_chunks_alone_and_packed_match_the_model_and_hf(tiny_ckpt, hf):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_prompts_of_several_chunks_alone_and_packed_match_the_model_and_hf(tiny_ckpt, hf, overlap):
     """A 24-token prefill budget cuts every long prompt into chunks, and packs the chunks of several prompts
     into one step; the log-probs of every generated token equal a one-piece forward's and transformers'."""
     prompts = [prompt_of(n, seed) for seed, n in enumerate((70, 49, 5, 131))]
     params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=5, ignore_eos=True)
 
     async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt, prefill_token_budget=24)) as engine:
+        async with AsyncEngine(engine_args(tiny_ckpt, prefill_token_budget=24, async_scheduling=overlap)) as engine:
             commands = record_commands(engine)
             alone, _ = await collect(engine.generate(prompts[0], params))
             alone_commands = list(commands)
@@ -123,6 +125,43 @@ def test_prompts_of_several_chunks_alone_and_packed_match_the_model_and_hf(tiny_
         assert out.finish_reason == "length" and len(out.token_ids) == 10
         assert_logprobs_match(out, teacher_forced_logprobs(ours, prompt, out.token_ids), LOGPROB_ATOL_OURS)
         assert_logprobs_match(out, teacher_forced_logprobs(theirs, prompt, out.token_ids), LOGPROB_ATOL_HF)
+
+
+def test_overlap_scheduling_changes_no_output(tiny_ckpt):
+    """The same requests, arriving at the same moments, with overlap scheduling off and on: the same tokens, text,
+    finish reasons and log-probs (greedy and seeded sampling; stop strings, stop ids, EOS, max_tokens)."""
+    cases = [(prompt_of(4 + 9 * i, 300 + i), SamplingParams(
+        max_tokens=5 + 3 * i, temperature=0.0 if i % 2 else 0.8, seed=50 + i, top_k=8, logprobs=2,
+        stop=["e"] if i % 3 == 0 else [], stop_token_ids=[11 + i] if i % 4 == 1 else [], ignore_eos=i % 5 == 4))
+        for i in range(10)]
+
+    async def serve_all(overlap):
+        async with AsyncEngine(engine_args(tiny_ckpt, max_batch=4, prefill_slots=2, prefill_token_budget=32,
+                                           async_scheduling=overlap)) as engine:
+            async def late(i):
+                await asyncio.sleep(0.003 * i)
+                return (await collect(engine.generate(*cases[i])))[0]
+
+            outs = await asyncio.gather(*[late(i) for i in range(len(cases))])
+            assert await wait_free(engine)
+            return outs
+
+    sync, overlapped = run(serve_all(False)), run(serve_all(True))
+    for a, b in zip(sync, overlapped):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        for x, y in zip(a.logprobs, b.logprobs):  # the batches differ (a stopped row draws once more)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < LOGPROB_ATOL_OURS
+    assert {o.finish_reason for o in sync} == {"stop", "length"}
+
+
+def test_overlap_scheduling_needs_tp_1(tiny_tp_ckpt):
+    async def main():
+        with pytest.raises(ValueError, match="async_scheduling needs tp=1"):
+            async with AsyncEngine(engine_args(tiny_tp_ckpt, tp=2, async_scheduling=True)):
+                pass
+
+    run(main())
 
 
 # A row-by-row reference sampler ---------------------------------------------------------------------------------------
@@ -167,10 +206,12 @@ def reference_generate(runner: CpuRunner, prompt: list[int], p: SamplingParams, 
     return out
 
 
-def test_penalties_min_tokens_and_seeds_follow_requests_through_slot_moves(tiny_ckpt):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_penalties_min_tokens_and_seeds_follow_requests_through_slot_moves(tiny_ckpt, overlap):
     """Twelve requests on four decode slots, arriving and finishing at different times, each with its own
     penalties, seed, min_tokens and stop ids: every one equals the row-by-row reference, though its slot was
-    promoted into and compacted under it."""
+    promoted into and compacted under it. With overlap scheduling too, where most input tokens are filled in by
+    rank 0 and a stopped request draws one token more that is dropped."""
     cases = []
     for i in range(12):
         prompt = prompt_of(3 + (i * 7) % 19, 100 + i)
@@ -182,7 +223,8 @@ def test_penalties_min_tokens_and_seeds_follow_requests_through_slot_moves(tiny_
         cases.append((prompt, params))
 
     async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt, max_batch=4, prefill_slots=2)) as engine:
+        async with AsyncEngine(engine_args(tiny_ckpt, max_batch=4, prefill_slots=2,
+                                           async_scheduling=overlap)) as engine:
             commands = record_commands(engine)
 
             async def late(i):
@@ -190,9 +232,12 @@ def test_penalties_min_tokens_and_seeds_follow_requests_through_slot_moves(tiny_
                 return await collect(engine.generate(*cases[i]))
 
             outs = await asyncio.gather(*[late(i) for i in range(len(cases))])
+            assert await wait_free(engine)
             return [o for o, _ in outs], commands
 
     outs, commands = run(main())
+    unknown = sum(t == UNKNOWN_TOKEN for cmd in commands for t in cmd.decode_tokens)
+    assert (unknown > 0) == overlap, unknown
     moved = [c for cmd in commands for c in cmd.compactions if c.moved_from is not None]
     assert moved, "no request changed slot under another: the test lost its point"
     assert any(p.to_slot > 0 for cmd in commands for p in cmd.promotions)
@@ -241,11 +286,12 @@ def greedy(max_tokens, **kw):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
-def test_eos_from_the_generation_config_stops_unless_ignored(tiny_ckpt, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_eos_from_the_generation_config_stops_unless_ignored(tiny_ckpt, tmp_path, overlap):
     prompt = prompt_of(9, 3)
 
     async def base_run():
-        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+        async with AsyncEngine(engine_args(tiny_ckpt, async_scheduling=overlap)) as engine:
             return (await collect(engine.generate(prompt, greedy(30, ignore_eos=True))))[0]
 
     base = run(base_run())
@@ -254,7 +300,7 @@ def test_eos_from_the_generation_config_stops_unless_ignored(tiny_ckpt, tmp_path
     ckpt = with_generation_config(tiny_ckpt, tmp_path, eos_token_id=[eos, 1])
 
     async def main():
-        async with AsyncEngine(engine_args(ckpt)) as engine:
+        async with AsyncEngine(engine_args(ckpt, async_scheduling=overlap)) as engine:
             stopped, stopped_stream = await collect(engine.generate(prompt, greedy(30)))
             ignored, _ = await collect(engine.generate(prompt, greedy(30, ignore_eos=True)))
             late, _ = await collect(engine.generate(prompt, greedy(30, min_tokens=k + 1)))
@@ -270,13 +316,14 @@ def test_eos_from_the_generation_config_stops_unless_ignored(tiny_ckpt, tmp_path
     assert eos not in late.token_ids[: k + 1]
 
 
-def test_min_tokens_holds_every_stop_back_until_exactly_then(tiny_ckpt):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_min_tokens_holds_every_stop_back_until_exactly_then(tiny_ckpt, overlap):
     """Every id but one is a stop id: the first min_tokens tokens can only be that id, and the request stops
     right after them (the next argmax is almost surely a stop id; the test checks that it is)."""
     prompt = prompt_of(6, 11)
 
     async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+        async with AsyncEngine(engine_args(tiny_ckpt, async_scheduling=overlap)) as engine:
             vocab = engine.cfg.vocab_size
             free_run, _ = await collect(engine.generate(prompt, greedy(1, ignore_eos=True)))
             keep = (free_run.token_ids[0] + 1) % vocab  # not the free argmax, so the mask is what decides
@@ -292,11 +339,12 @@ def test_min_tokens_holds_every_stop_back_until_exactly_then(tiny_ckpt):
     assert five.token_ids == [keep] * 5 and five.finish_reason == "stop"
 
 
-def test_stop_strings_across_token_boundaries(tiny_ckpt):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_stop_strings_across_token_boundaries(tiny_ckpt, overlap):
     prompt = prompt_of(8, 5)
 
     async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+        async with AsyncEngine(engine_args(tiny_ckpt, async_scheduling=overlap)) as engine:
             base, _ = await collect(engine.generate(prompt, greedy(40, ignore_eos=True)))
             pieces = [engine.tokenizer.decode([t]) for t in base.token_ids]
             # A stop string made of the end of one token's text and the start of the next one's.
@@ -317,9 +365,10 @@ def test_stop_strings_across_token_boundaries(tiny_ckpt):
     assert kept.finish_reason == "stop" and kept.text == before + stop
 
 
-def test_every_finish_reason(tiny_ckpt):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_every_finish_reason(tiny_ckpt, overlap):
     async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+        async with AsyncEngine(engine_args(tiny_ckpt, async_scheduling=overlap)) as engine:
             length, _ = await collect(engine.generate([5, 6, 7], greedy(4, ignore_eos=True)))
             by_id, _ = await collect(engine.generate([5, 6, 7], greedy(20, ignore_eos=True,
                                                                        stop_token_ids=[length.token_ids[2]])))
@@ -359,8 +408,9 @@ async def ends_once_dead(engine, streams) -> list:
     return [end for end, _ in ends]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_failing_step_poisons_the_engine_and_ends_every_request_with_an_error(tiny_tp_ckpt, monkeypatch, tp):
+@pytest.mark.parametrize("tp,overlap", [(1, False), (2, False), (1, True)])
+def test_a_failing_step_poisons_the_engine_and_ends_every_request_with_an_error(tiny_tp_ckpt, monkeypatch, tp,
+                                                                                 overlap):
     execute, calls = RankRuntime.execute, []
 
     def failing(runtime, cmd, *args):
@@ -370,7 +420,7 @@ def test_a_failing_step_poisons_the_engine_and_ends_every_request_with_an_error(
         return execute(runtime, cmd, *args)
 
     async def main():
-        async with AsyncEngine(engine_args(tiny_tp_ckpt, tp=tp)) as engine:
+        async with AsyncEngine(engine_args(tiny_tp_ckpt, tp=tp, async_scheduling=overlap)) as engine:
             streams, _ = await live_streams(engine, 3)
             monkeypatch.setattr(RankRuntime, "execute", failing)
             return await ends_once_dead(engine, streams)
@@ -379,7 +429,8 @@ def test_a_failing_step_poisons_the_engine_and_ends_every_request_with_an_error(
     assert all(e.finished and e.finish_reason == "error" and "fell over" in e.error for e in ends)
 
 
-def test_a_step_past_the_watchdog_poisons_the_engine(tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_step_past_the_watchdog_poisons_the_engine(tiny_ckpt, monkeypatch, overlap):
     execute, calls = RankRuntime.execute, []
 
     def stalls(runtime, cmd, *args):
@@ -391,7 +442,7 @@ def test_a_step_past_the_watchdog_poisons_the_engine(tiny_ckpt, monkeypatch):
     monkeypatch.setattr(RankRuntime, "execute", stalls)
 
     async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt, step_timeout_s=0.3)) as engine:
+        async with AsyncEngine(engine_args(tiny_ckpt, step_timeout_s=0.3, async_scheduling=overlap)) as engine:
             streams, _ = await live_streams(engine, 2)
             return await ends_once_dead(engine, streams)
 
@@ -399,7 +450,8 @@ def test_a_step_past_the_watchdog_poisons_the_engine(tiny_ckpt, monkeypatch):
     assert all(e.finish_reason == "error" and "did not finish" in e.error for e in ends)
 
 
-def test_a_cancelled_step_loop_ends_every_request_with_an_error(tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_cancelled_step_loop_ends_every_request_with_an_error(tiny_ckpt, monkeypatch, overlap):
     execute, in_step = RankRuntime.execute, []
 
     def slow(runtime, cmd, *args):
@@ -410,7 +462,7 @@ def test_a_cancelled_step_loop_ends_every_request_with_an_error(tiny_ckpt, monke
     monkeypatch.setattr(RankRuntime, "execute", slow)
 
     async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+        async with AsyncEngine(engine_args(tiny_ckpt, async_scheduling=overlap)) as engine:
             streams, _ = await live_streams(engine, 3)
             n = len(in_step)
             while len(in_step) == n:  # a step is with the ranks now
