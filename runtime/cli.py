@@ -102,6 +102,8 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         type=_float_in(0.0, 1.0, lo_open=True),
                         default=defaults.memory_fraction,
                         help="fraction of the GPU's free memory (after weights) for state and KV pages")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="plan each step before the last one's tokens are back (overlap; tp=1 for now)")
     parser.add_argument("--enforce-eager", "--no-cuda-graph", dest="enforce_eager", action="store_true",
                         help="decode eagerly, without CUDA graphs")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
@@ -164,7 +166,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         max_batch=ns.max_batch, max_model_len=ns.max_model_len, cuda_graph=not ns.enforce_eager,
         served_model_name=ns.served_model_name, seed=ns.seed, prefill_token_budget=ns.prefill_token_budget,
         max_waiting=ns.max_waiting, memory_fraction=ns.memory_fraction, load_format=ns.load_format,
-        stats_interval_s=ns.stats_interval, warmup=ns.warmup,
+        stats_interval_s=ns.stats_interval, warmup=ns.warmup, async_scheduling=ns.async_scheduling,
     )
 
 

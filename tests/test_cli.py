@@ -105,12 +105,13 @@ def test_help_version_and_vllm_names(capsys):
 
     ns = parser.parse_args(["-tp", "2", "--max-num-seqs", "12", "--gpu-memory-utilization", "0.5", "--enforce-eager",
                             "--max-model-len", "128", "--served-model-name", "m", "--max-num-batched-tokens", "512",
-                            "--dtype", "bfloat16", "--load-format", "random"])
+                            "--dtype", "bfloat16", "--load-format", "random", "--async-scheduling"])
     args = cli.engine_args(ns)
     assert (args.tp, args.max_batch, args.memory_fraction, args.cuda_graph, args.max_model_len) == (
         2, 12, 0.5, False, 128)
     assert (args.served_model_name, args.prefill_token_budget, args.dtype, args.load_format) == (
         "m", 512, "bfloat16", "random")
+    assert args.async_scheduling and not cli.engine_args(parser.parse_args([])).async_scheduling
     old = parser.parse_args(["--tp", "2", "--max-batch", "3", "--no-cuda-graph"])
     assert (old.tp, old.max_batch, old.enforce_eager) == (2, 3, True)
 

@@ -58,13 +58,14 @@ def step_bytes(cfg, weights, tp: int, dtype, rows: int, context: int) -> int:
 
 @contextlib.asynccontextmanager
 async def open_engine(size: str, layers: int | None, batches: list[int], context: int, tp: int,
-                      kernel_config: KernelConfig | None = None):
+                      kernel_config: KernelConfig | None = None, async_scheduling: bool = False):
     """An engine on random bf16 weights of a `size`-shaped config, with a graph bucket for each batch size."""
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as folder:
         write_checkpoint(folder, size, layers=layers, weights=False)
         args = EngineArgs(model=folder, device="cuda", tp=tp, load_format="random", max_batch=max(batches),
                           max_model_len=context * 2, buckets=sorted(set(batches)), prefill_slots=1,
-                          prefill_token_budget=512, kernel_config=kernel_config)
+                          prefill_token_budget=512, kernel_config=kernel_config,
+                          async_scheduling=async_scheduling)
         async with AsyncEngine(args) as engine:
             yield engine
 
@@ -72,7 +73,8 @@ async def open_engine(size: str, layers: int | None, batches: list[int], context
 async def run(ns) -> list[dict]:
     batches = [int(b) for b in ns.batches.split(",")]
     results = []
-    async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns)) as engine:
+    async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns),
+                           ns.async_scheduling) as engine:
         replica = engine.replica
         bw = await replica.group.call(lambda rank: copy_bandwidth(replica.ranks[rank].backend.device))
         engine_steps = {rows: (await engine_step_time(engine, rows, ns.context))[0] for rows in batches}
@@ -185,6 +187,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser, batches="1,8,32,64")
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
+    parser.add_argument("--async-scheduling", action="store_true", help="the engine column with overlap scheduling")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
