@@ -8,6 +8,7 @@ bucket, so a captured CUDA graph reads each step's inputs from the same addresse
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -71,6 +72,39 @@ class DecodeInputs:
         self.page_table[:bucket].copy_(table, non_blocking=True)
 
 
+class TokenRelay:
+    """Rank 0's last token per state slot, after each step, for the other ranks of a replica (threads of one
+    process): with overlap scheduling a step reaches them before its input tokens reach the host."""
+
+    KEEP = 4  # steps kept: a rank asks only for the step before its own
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._by_step: dict[int, dict[int, int]] = {}
+        self._changed = threading.Condition()
+        self._aborted = False
+
+    def publish(self, seq: int, last_token: dict[int, int]) -> None:
+        with self._changed:
+            self._by_step[seq] = dict(last_token)
+            for old in [s for s in self._by_step if s <= seq - self.KEEP]:
+                del self._by_step[old]
+            self._changed.notify_all()
+
+    def wait(self, seq: int) -> dict[int, int]:
+        with self._changed:
+            if not self._changed.wait_for(lambda: seq in self._by_step or self._aborted, self.timeout_s):
+                raise TimeoutError(f"rank 0's tokens of step {seq} did not come within {self.timeout_s:.0f} s")
+            if self._aborted:
+                raise RuntimeError("the replica failed while a rank waited for rank 0's tokens")
+            return dict(self._by_step[seq])
+
+    def abort(self) -> None:
+        with self._changed:
+            self._aborted = True
+            self._changed.notify_all()
+
+
 class RankRuntime:
     def __init__(
         self,
@@ -92,7 +126,8 @@ class RankRuntime:
         kernels = model.ops.config
         self.sampling = SlotSampling(state.num_slots + 1, self.vocab, device, pdl=kernels is None or kernels.pdl) \
             if rank == 0 else None
-        self.last_token: dict[int, int] = {}  # rank 0: state slot -> the token it drew last (overlap scheduling)
+        self.last_token: dict[int, int] = {}  # state slot -> the token rank 0 drew last (overlap scheduling)
+        self.relay: TokenRelay | None = None  # set by the replica when it has more than one rank
 
     def decode_programs(self, buckets: list[int]) -> dict[int, DecodeProgram]:
         """For each bucket, its decode step over the fixed inputs and the state: what a graph captures. The inputs
@@ -163,6 +198,10 @@ class RankRuntime:
         replay = self.graphs is not None and self.graphs.captured(cmd.bucket)
         if not (replay and cmd.decode_tokens):
             on_launched()
+        if self.rank != 0 and UNKNOWN_TOKEN in cmd.decode_tokens:
+            if self.relay is None:
+                raise SlotProtocolError(f"rank {self.rank} has no relay for the tokens it was not sent")
+            self.last_token = self.relay.wait(cmd.seq - 1)  # as rank 0 left them; this step's moves follow
         self._apply_slot_changes(cmd)
         if self.sampling:
             for p in cmd.prefill:
@@ -173,8 +212,6 @@ class RankRuntime:
         if n:
             tokens = cmd.decode_tokens
             if UNKNOWN_TOKEN in tokens:
-                if self.rank != 0:
-                    raise SlotProtocolError(f"rank {self.rank} does not draw tokens: it needs every input token")
                 tokens = [self.last_token[i] if t == UNKNOWN_TOKEN else t for i, t in enumerate(tokens)]
             self.inputs.fill(tokens, cmd.decode_positions, cmd.bucket)
             batch = self.inputs.batch(cmd.bucket)
@@ -195,6 +232,12 @@ class RankRuntime:
 
         if not self.sampling:
             return None
+        result = self._sample(cmd, n, decode_logits, decode_setup, prefill_logits)
+        if self.relay is not None:  # after every step, so a rank waiting for one never waits in vain
+            self.relay.publish(cmd.seq, self.last_token)
+        return result
+
+    def _sample(self, cmd: StepCommand, n: int, decode_logits, decode_setup, prefill_logits) -> StepResult:
         decode = self.sampling.sample(decode_logits, decode_setup) if n else []
         for slot, s in enumerate(decode):
             self.last_token[slot] = s.token

@@ -25,7 +25,7 @@ from deltaserve.model.weights import load_rank_weights, random_rank_weights, wei
 from .backend import device_backend
 from .capacity import CapacityPlan, plan_capacity
 from .commands import StepCommand, StepResult
-from .rank import RankRuntime
+from .rank import RankRuntime, TokenRelay
 from .worker import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class Replica:
         self.ranks = [_Rank() for _ in range(spec.tp)]
         self.collective = None
         self.group: WorkerGroup | None = None
+        self.relay: TokenRelay | None = None  # rank 0's tokens for the other ranks (overlap scheduling, tp > 1)
         self.plan: CapacityPlan | None = None
         self.sizes = StateSizes.of(spec.cfg, self.local, self.dtype)
 
@@ -87,6 +88,7 @@ class Replica:
         spec = self.spec
         self.collective = self.backend.make_collective(spec.tp, spec.use_nccl, spec.step_timeout_s)
         self.group = WorkerGroup(spec.tp, spec.step_timeout_s, on_abort=self._abort_collective)
+        self.relay = TokenRelay(spec.step_timeout_s) if spec.tp > 1 else None
         started = time.perf_counter()
         free = await self.group.call(self._load, timeout_s=3600)
         log.info("weights loaded on %d rank(s) in %.1f s", spec.tp, time.perf_counter() - started)
@@ -139,6 +141,8 @@ class Replica:
     def _abort_collective(self) -> None:
         if self.collective is not None:
             self.collective.abort()
+        if self.relay is not None:
+            self.relay.abort()
 
     def _load(self, rank: int) -> int:
         spec, r = self.spec, self.ranks[rank]
@@ -164,6 +168,7 @@ class Replica:
                 r.model, state, rank=rank, max_batch=plan.max_batch,
                 max_pages_per_seq=-(-spec.max_model_len // plan.page_size), device=r.backend.device,
             )
+            r.runtime.relay = self.relay
             log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)
 
     def _capture(self, rank: int) -> None:

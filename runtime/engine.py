@@ -142,6 +142,7 @@ class AsyncEngine:
         self.died = asyncio.Event()  # set when the replica is poisoned (the cause is logged once, by `_poison`)
         self._stats_task: asyncio.Task | None = None
         self._ids = itertools.count()
+        self._steps = itertools.count(1)
         self._rng = random.Random(args.seed)
         self._text_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="deltaserve-text")
 
@@ -165,8 +166,6 @@ class AsyncEngine:
             raise ValueError(
                 f"the tokenizer has {self.tokenizer.vocab_size} ids but the model only {self.cfg.vocab_size}"
             )
-        if args.async_scheduling and args.tp > 1:
-            raise ValueError("async_scheduling needs tp=1 for now: the other ranks would need rank 0's tokens")
         if args.max_model_len is not None and args.max_model_len > self.cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {args.max_model_len} exceeds the checkpoint's max_position_embeddings "
                              f"({self.cfg.max_position_embeddings})")
@@ -485,7 +484,7 @@ class AsyncEngine:
             compactions=[RetireSlot(c.hole, c.moved_from) for c in plan.compactions],
             released_prefill_slots=plan.released_prefill_slots,
             promotions=[PromoteSlot(p.from_slot, p.to_slot, p.pages) for p in plan.promotions],
-            bucket=plan.bucket, step_seed=self._rng.getrandbits(62),
+            bucket=plan.bucket, step_seed=self._rng.getrandbits(62), seq=next(self._steps),
         )
         # Requests that finished before this plan were retired by it, so every row here is live. The scheduler
         # counts a step's tokens when the step is handed over; with overlap the last of them may still be on its

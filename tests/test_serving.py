@@ -127,17 +127,19 @@ def test_prompts_of_several_chunks_alone_and_packed_match_the_model_and_hf(tiny_
         assert_logprobs_match(out, teacher_forced_logprobs(theirs, prompt, out.token_ids), LOGPROB_ATOL_HF)
 
 
-def test_overlap_scheduling_changes_no_output(tiny_ckpt):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_overlap_scheduling_changes_no_output(tiny_tp_ckpt, tp):
     """The same requests, arriving at the same moments, with overlap scheduling off and on: the same tokens, text,
-    finish reasons and log-probs (greedy and seeded sampling; stop strings, stop ids, EOS, max_tokens)."""
+    finish reasons and log-probs (greedy and seeded sampling; stop strings, stop ids, EOS, max_tokens). At tp = 2
+    the second rank takes the tokens it was not sent from rank 0 (TokenRelay)."""
     cases = [(prompt_of(4 + 9 * i, 300 + i), SamplingParams(
         max_tokens=5 + 3 * i, temperature=0.0 if i % 2 else 0.8, seed=50 + i, top_k=8, logprobs=2,
         stop=["e"] if i % 3 == 0 else [], stop_token_ids=[11 + i] if i % 4 == 1 else [], ignore_eos=i % 5 == 4))
         for i in range(10)]
 
     async def serve_all(overlap):
-        async with AsyncEngine(engine_args(tiny_ckpt, max_batch=4, prefill_slots=2, prefill_token_budget=32,
-                                           async_scheduling=overlap)) as engine:
+        async with AsyncEngine(engine_args(tiny_tp_ckpt, tp=tp, max_batch=4, prefill_slots=2,
+                                           prefill_token_budget=32, async_scheduling=overlap)) as engine:
             async def late(i):
                 await asyncio.sleep(0.003 * i)
                 return (await collect(engine.generate(*cases[i])))[0]
@@ -153,15 +155,6 @@ def test_overlap_scheduling_changes_no_output(tiny_ckpt):
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
             assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < LOGPROB_ATOL_OURS
     assert {o.finish_reason for o in sync} == {"stop", "length"}
-
-
-def test_overlap_scheduling_needs_tp_1(tiny_tp_ckpt):
-    async def main():
-        with pytest.raises(ValueError, match="async_scheduling needs tp=1"):
-            async with AsyncEngine(engine_args(tiny_tp_ckpt, tp=2, async_scheduling=True)):
-                pass
-
-    run(main())
 
 
 # A row-by-row reference sampler ---------------------------------------------------------------------------------------
@@ -408,7 +401,7 @@ async def ends_once_dead(engine, streams) -> list:
     return [end for end, _ in ends]
 
 
-@pytest.mark.parametrize("tp,overlap", [(1, False), (2, False), (1, True)])
+@pytest.mark.parametrize("tp,overlap", [(1, False), (2, False), (1, True), (2, True)])
 def test_a_failing_step_poisons_the_engine_and_ends_every_request_with_an_error(tiny_tp_ckpt, monkeypatch, tp,
                                                                                  overlap):
     execute, calls = RankRuntime.execute, []
