@@ -270,7 +270,7 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._dead is None and self._loop_task is not None and not self._closing and not self._draining
+        return self._dead is None and self._loop_task is not None and not self.shutting_down
 
     # Requests -------------------------------------------------------------------------------------------------------
     def resolve_params(self, prompt_len: int, params: SamplingParams | None) -> SamplingParams:
@@ -340,8 +340,8 @@ class AsyncEngine:
         return self.tokenizer.render_chat(messages, add_generation_prompt=True, **(chat_template_kwargs or {}))
 
     def _add(self, prompt, params: SamplingParams | None, request_id: str | None) -> _Request:
-        if self._dead is not None or self._closing or self._draining or self.scheduler is None:
-            raise EngineDeadError(self._dead or ("the engine is shutting down" if self._closing or self._draining
+        if self._dead is not None or self.shutting_down or self.scheduler is None:
+            raise EngineDeadError(self._dead or ("the engine is shutting down" if self.shutting_down
                                                  else "the engine is not running"))
         prompt_ids = self.encode_prompt(prompt)
         params = self.resolve_params(len(prompt_ids), params)
