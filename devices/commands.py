@@ -73,7 +73,7 @@ class StepCommand:
     bucket: int = 0
     prefill: list[PrefillCommand] = field(default_factory=list)
     step_seed: int = 0  # randomness for unseeded rows
-    seq: int = 0  # the step's number: with overlap, ranks past 0 take the last step's tokens from rank 0 by it
+    seq: int = 0  # the step's number, in hand-over order
 
 
 @dataclass

@@ -8,7 +8,6 @@ bucket, so a captured CUDA graph reads each step's inputs from the same addresse
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -45,7 +44,8 @@ class DecodeInputs:
         )
 
     def fill(self, tokens: list[int], positions: list[int], bucket: int) -> None:
-        """Write this step's rows (and inert padding up to `bucket`) into the fixed buffers."""
+        """Write this step's rows (and inert padding up to `bucket`) into the fixed buffers; UNKNOWN_TOKEN rows are
+        left for `take_unknown`."""
         n = len(tokens)
         pos = np.zeros(bucket, dtype=np.int64)
         pos[:n] = positions
@@ -71,38 +71,11 @@ class DecodeInputs:
         self.slot_mapping[:bucket].copy_(dev[4])
         self.page_table[:bucket].copy_(table, non_blocking=True)
 
-
-class TokenRelay:
-    """Rank 0's last token per state slot, after each step, for the other ranks of a replica (threads of one
-    process): with overlap scheduling a step reaches them before its input tokens reach the host."""
-
-    KEEP = 4  # steps kept: a rank asks only for the step before its own
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._by_step: dict[int, dict[int, int]] = {}
-        self._changed = threading.Condition()
-        self._aborted = False
-
-    def publish(self, seq: int, last_token: dict[int, int]) -> None:
-        with self._changed:
-            self._by_step[seq] = dict(last_token)
-            for old in [s for s in self._by_step if s <= seq - self.KEEP]:
-                del self._by_step[old]
-            self._changed.notify_all()
-
-    def wait(self, seq: int) -> dict[int, int]:
-        with self._changed:
-            if not self._changed.wait_for(lambda: seq in self._by_step or self._aborted, self.timeout_s):
-                raise TimeoutError(f"rank 0's tokens of step {seq} did not come within {self.timeout_s:.0f} s")
-            if self._aborted:
-                raise RuntimeError("the replica failed while a rank waited for rank 0's tokens")
-            return dict(self._by_step[seq])
-
-    def abort(self) -> None:
-        with self._changed:
-            self._aborted = True
-            self._changed.notify_all()
+    def take_unknown(self, last_tokens: torch.Tensor, bucket: int) -> None:
+        """UNKNOWN_TOKEN rows take their slot's entry of `last_tokens` (row i is decode slot i), on the device: the
+        step before may still be drawing them."""
+        ids = self.input_ids[:bucket]
+        ids.copy_(torch.where(ids == UNKNOWN_TOKEN, last_tokens[:bucket], ids))
 
 
 class RankRuntime:
@@ -115,8 +88,9 @@ class RankRuntime:
         max_batch: int,
         max_pages_per_seq: int,
         device: torch.device,
+        tp: int = 1,
     ) -> None:
-        self.model, self.state, self.rank, self.max_batch = model, state, rank, max_batch
+        self.model, self.state, self.rank, self.max_batch, self.tp = model, state, rank, max_batch, tp
         self.device = device
         self.inputs = DecodeInputs(max_batch, max_pages_per_seq, state.trash_page, state.page_size, device)
         self.occupied = [False] * max_batch
@@ -126,8 +100,10 @@ class RankRuntime:
         kernels = model.ops.config
         self.sampling = SlotSampling(state.num_slots + 1, self.vocab, device, pdl=kernels is None or kernels.pdl) \
             if rank == 0 else None
-        self.last_token: dict[int, int] = {}  # state slot -> the token rank 0 drew last (overlap scheduling)
-        self.relay: TokenRelay | None = None  # set by the replica when it has more than one rank
+        # The token rank 0 drew last per state slot, on the device (overlap scheduling); the other ranks receive
+        # rank 0's whole vector before a step that needs it.
+        self.last_tokens = self.sampling.last_tokens if self.sampling else \
+            torch.zeros(state.num_slots + 1, dtype=torch.long, device=device)
 
     def decode_programs(self, buckets: list[int]) -> dict[int, DecodeProgram]:
         """For each bucket, its decode step over the fixed inputs and the state: what a graph captures. The inputs
@@ -148,15 +124,7 @@ class RankRuntime:
         self.inputs.table_host[dst] = self.inputs.table_host[src]
         if self.sampling:
             self.sampling.move(src, dst)
-        self._move_last_token(src, dst)
         self.occupied[src], self.occupied[dst] = False, True
-
-    def _move_last_token(self, src: int, dst: int) -> None:
-        token = self.last_token.pop(src, None)
-        if token is None:
-            self.last_token.pop(dst, None)
-        else:
-            self.last_token[dst] = token
 
     def _apply_slot_changes(self, cmd: StepCommand) -> None:
         for slot in cmd.released_prefill_slots:
@@ -181,7 +149,6 @@ class RankRuntime:
             row[: len(p.pages)] = p.pages
             if self.sampling:
                 self.sampling.move(p.from_slot, p.to_slot)
-            self._move_last_token(p.from_slot, p.to_slot)
             self.occupied[p.to_slot] = True
         live = sum(self.occupied)
         if live != len(cmd.decode_tokens) or not all(self.occupied[: len(cmd.decode_tokens)]):
@@ -191,63 +158,81 @@ class RankRuntime:
             )
 
     # The step -------------------------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, cmd: StepCommand, on_launched: Callable[[], None] = lambda: None) -> StepResult | None:
         """Run one step; `on_launched()` once the decode graph is queued on the GPU (at the start, when this step
         has no graph to launch: on the CPU, eager, prefill only)."""
+        launched = self.launch(cmd, on_launched)
+        return None if launched is None else launched.finish()
+
+    @torch.inference_mode()
+    def launch(self, cmd: StepCommand, on_launched: Callable[[], None] = lambda: None) -> "LaunchedStep | None":
+        """Queue one step on the device without waiting for it: rank 0 returns what `finish` reads its tokens
+        from, the other ranks None. Overlap scheduling launches step k+1 before finishing step k; step k+1's
+        UNKNOWN_TOKEN rows then take step k's tokens on the device."""
         replay = self.graphs is not None and self.graphs.captured(cmd.bucket)
         if not (replay and cmd.decode_tokens):
             on_launched()
-        if self.rank != 0 and UNKNOWN_TOKEN in cmd.decode_tokens:
-            if self.relay is None:
-                raise SlotProtocolError(f"rank {self.rank} has no relay for the tokens it was not sent")
-            self.last_token = self.relay.wait(cmd.seq - 1)  # as rank 0 left them; this step's moves follow
         self._apply_slot_changes(cmd)
         if self.sampling:
             for p in cmd.prefill:
                 self.sampling.start(p.slot, p.sampling, p.token_ids)
 
-        decode_logits = decode_setup = None
+        decode_draw = prefill_draw = None
         n = len(cmd.decode_tokens)
         if n:
-            tokens = cmd.decode_tokens
-            if UNKNOWN_TOKEN in tokens:
-                tokens = [self.last_token[i] if t == UNKNOWN_TOKEN else t for i, t in enumerate(tokens)]
-            self.inputs.fill(tokens, cmd.decode_positions, cmd.bucket)
+            self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
+            if self.sampling:
+                # Before this step reads them: a row the step before drew may have been flagged (the logits it is
+                # drawn again from are also the graph's, which this step overwrites).
+                self.sampling.settle()
+            if UNKNOWN_TOKEN in cmd.decode_tokens:
+                if self.tp > 1:  # rank 0's tokens to every rank, on the device: a sum with zeros from the others
+                    self.model.all_reduce(self.last_tokens if self.rank == 0 else self.last_tokens.zero_())
+                self.inputs.take_unknown(self.last_tokens, cmd.bucket)
             batch = self.inputs.batch(cmd.bucket)
             if replay:
                 decode_logits = self.graphs(cmd.bucket)
                 on_launched()
             else:
                 decode_logits = self.model.decode(self.state, batch)
-            decode_logits = decode_logits[:n]
-            if self.sampling:  # while the step runs on the GPU
-                decode_setup = self.sampling.prepare(list(range(n)), cmd.decode_token_index, cmd.step_seed)
+            if self.sampling:  # queued behind the forward
+                setup = self.sampling.prepare(list(range(n)), cmd.decode_token_index, cmd.step_seed)
+                decode_draw = self.sampling.draw(decode_logits[:n], setup)
 
-        prefill_logits = None
         if cmd.prefill:
             chunks = [PrefillChunk(p.token_ids, p.start, p.slot, p.pages) for p in cmd.prefill]
             batch = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
             prefill_logits = self.model.prefill(self.state, batch)
-
+            last = [i for i, p in enumerate(cmd.prefill) if p.last]
+            if self.sampling and last:
+                # A prompt's last chunk draws the request's first token (token index 0).
+                setup = self.sampling.prepare([cmd.prefill[i].slot for i in last], [0] * len(last), cmd.step_seed)
+                prefill_draw = self.sampling.draw(prefill_logits[last], setup)
         if not self.sampling:
             return None
-        result = self._sample(cmd, n, decode_logits, decode_setup, prefill_logits)
-        if self.relay is not None:  # after every step, so a rank waiting for one never waits in vain
-            self.relay.publish(cmd.seq, self.last_token)
-        return result
+        return LaunchedStep(self, cmd, decode_draw, prefill_draw)
 
-    def _sample(self, cmd: StepCommand, n: int, decode_logits, decode_setup, prefill_logits) -> StepResult:
-        decode = self.sampling.sample(decode_logits, decode_setup) if n else []
-        for slot, s in enumerate(decode):
-            self.last_token[slot] = s.token
+    def finish(self, step: "LaunchedStep") -> StepResult:
+        """Rank 0: the launched step's tokens, once they are on the host."""
+        sampling, cmd = self.sampling, step.cmd
+        decode = sampling.collect(step.decode) if step.decode else []
         prefill: list[SampledToken | None] = [None] * len(cmd.prefill)
-        last = [i for i, p in enumerate(cmd.prefill) if p.last]
-        if last:
-            # A prompt's last chunk draws the request's first token (token index 0).
-            setup = self.sampling.prepare([cmd.prefill[i].slot for i in last], [0] * len(last), cmd.step_seed)
-            sampled = self.sampling.sample(prefill_logits[last], setup)
-            for i, s in zip(last, sampled):
+        if step.prefill:
+            last = [i for i, p in enumerate(cmd.prefill) if p.last]
+            for i, s in zip(last, sampling.collect(step.prefill)):
                 prefill[i] = s
-                self.last_token[cmd.prefill[i].slot] = s.token
         return StepResult(decode, prefill)
+
+
+class LaunchedStep:
+    """Rank 0's step, queued on the device; `finish()` waits for its tokens (the worker's deferred result)."""
+
+    def __init__(self, runtime: RankRuntime, cmd: StepCommand, decode, prefill) -> None:
+        self.runtime, self.cmd, self.decode, self.prefill = runtime, cmd, decode, prefill
+
+    def ready(self) -> bool:
+        return all(d is None or d.ready() for d in (self.decode, self.prefill))
+
+    @torch.inference_mode()
+    def finish(self) -> StepResult:
+        return self.runtime.finish(self)

@@ -25,7 +25,7 @@ from deltaserve.model.weights import load_rank_weights, random_rank_weights, wei
 from .backend import device_backend
 from .capacity import CapacityPlan, plan_capacity
 from .commands import StepCommand, StepResult
-from .rank import RankRuntime, TokenRelay
+from .rank import RankRuntime
 from .worker import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,21 @@ class _Rank:
         self.runtime: RankRuntime | None = None
 
 
+class _Launched:
+    """Rank 0's launched step as the worker holds it: finished inside the rank's device context (a flagged row is
+    drawn again on the rank's stream)."""
+
+    def __init__(self, step, context) -> None:
+        self.step, self.context = step, context
+
+    def ready(self) -> bool:
+        return self.step.ready()
+
+    def finish(self) -> StepResult:
+        with self.context():
+            return self.step.finish()
+
+
 class Replica:
     def __init__(self, spec: ReplicaSpec) -> None:
         self.spec = spec
@@ -79,7 +94,6 @@ class Replica:
         self.ranks = [_Rank() for _ in range(spec.tp)]
         self.collective = None
         self.group: WorkerGroup | None = None
-        self.relay: TokenRelay | None = None  # rank 0's tokens for the other ranks (overlap scheduling, tp > 1)
         self.plan: CapacityPlan | None = None
         self.sizes = StateSizes.of(spec.cfg, self.local, self.dtype)
 
@@ -88,7 +102,6 @@ class Replica:
         spec = self.spec
         self.collective = self.backend.make_collective(spec.tp, spec.use_nccl, spec.step_timeout_s)
         self.group = WorkerGroup(spec.tp, spec.step_timeout_s, on_abort=self._abort_collective)
-        self.relay = TokenRelay(spec.step_timeout_s) if spec.tp > 1 else None
         started = time.perf_counter()
         free = await self.group.call(self._load, timeout_s=3600)
         log.info("weights loaded on %d rank(s) in %.1f s", spec.tp, time.perf_counter() - started)
@@ -141,8 +154,6 @@ class Replica:
     def _abort_collective(self) -> None:
         if self.collective is not None:
             self.collective.abort()
-        if self.relay is not None:
-            self.relay.abort()
 
     def _load(self, rank: int) -> int:
         spec, r = self.spec, self.ranks[rank]
@@ -166,9 +177,8 @@ class Replica:
                                self.dtype, r.backend.device, page_size=plan.page_size)
             r.runtime = RankRuntime(
                 r.model, state, rank=rank, max_batch=plan.max_batch,
-                max_pages_per_seq=-(-spec.max_model_len // plan.page_size), device=r.backend.device,
+                max_pages_per_seq=-(-spec.max_model_len // plan.page_size), device=r.backend.device, tp=spec.tp,
             )
-            r.runtime.relay = self.relay
             log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)
 
     def _capture(self, rank: int) -> None:
@@ -178,21 +188,33 @@ class Replica:
             r.runtime.graphs = r.backend.capture_decode(r.runtime.decode_programs(self.buckets), progress=rank == 0)
 
     # Steps ----------------------------------------------------------------------------------------------------------
-    def start_step(self, cmd: StepCommand, wait_for_launch: bool = True) -> Awaitable[StepResult]:
+    def start_step(self, cmd: StepCommand, overlapped: bool = False) -> Awaitable[StepResult]:
         """Hand `cmd` to every rank now, and return once each has launched its decode step (at most
         LAUNCH_WAIT_S later); await the result (rank 0's). The caller's work after the hand-off (the last step's
         outputs, in Python) would otherwise hold the GIL while the ranks need it to launch, and the GPU would wait
-        for it: a thread waiting for the GIL gets it only after the switch interval. With overlap scheduling the
-        ranks are still busy with the step before, so there is no launch to wait for (`wait_for_launch=False`)."""
+        for it: a thread waiting for the GIL gets it only after the switch interval.
+
+        `overlapped` (overlap scheduling: the caller hands over the next step before it awaits this one): the
+        ranks are still busy with the step before, so there is no launch to wait for, and each rank may launch
+        the next step before it reads this one's tokens (DeviceWorker's pipelined commands)."""
+        if overlapped:
+            futures = self.group.submit(lambda rank: self._launch(rank, cmd), pipelined=True)
+            return self._result(futures)
         launched = [threading.Event() for _ in self.ranks]
         futures = self.group.submit(lambda rank: self._execute(rank, cmd, launched[rank].set))
-        deadline = time.monotonic() + (LAUNCH_WAIT_S if wait_for_launch else 0.0)
+        deadline = time.monotonic() + LAUNCH_WAIT_S
         for event in launched:  # releases the GIL while it waits
             event.wait(max(0.0, deadline - time.monotonic()))
         return self._result(futures)
 
     async def _result(self, futures) -> StepResult:
         return (await self.group.gather(futures))[0]
+
+    def _launch(self, rank: int, cmd: StepCommand) -> "_Launched | None":
+        r = self.ranks[rank]
+        with r.backend.context():
+            step = r.runtime.launch(cmd)
+        return None if step is None else _Launched(step, r.backend.context)
 
     def _execute(self, rank: int, cmd: StepCommand, on_launched) -> StepResult | None:
         r = self.ranks[rank]

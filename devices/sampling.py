@@ -1,24 +1,59 @@
-"""Rank 0's sampling: each state slot's settings and penalty counts, min-tokens masking, and the draw.
+"""Rank 0's sampling: each state slot's settings, penalty counts and last token, min-tokens masking, and the draw.
 
-Settings and counts are kept per state slot, so they move with the slot's request (a promotion into a decode
-slot, a compaction) and are released with it; `sample` reads them for the step's rows and draws through
-`kernels.sampling.sample`, which picks the sampler of the logits' device.
+Settings, counts and the last token drawn are kept per state slot, so they move with the slot's request (a
+promotion into a decode slot, a compaction) and are released with it. `draw` queues a step's draw on the device
+and never waits for it: the tokens also stay on the device (`last_tokens`), where the next step's inputs can take
+them before they reach the host (overlap scheduling); `collect` reads them. The Triton sampler flags the rare row it
+cannot draw exactly (its candidates overflow), for the reference to draw again: `settle` does that once the flags
+are on the host, and must run before anything reads a flagged row's token on the device (the next step's inputs,
+its penalty counts). Only draws with a row the sampler could flag (sampled, with top-k or top-p) need it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from deltaserve.kernels.sampling import SamplingTensors, sample
+from deltaserve.kernels.sampling import SamplingTensors, draw_tokens, sample_reference
 from deltaserve.kernels.triton_sampling import top_p_alone
 
 from .commands import RowSampling, SampledToken, SlotProtocolError
+
+
+@dataclass
+class Draw:
+    """One step's draw for some rows, queued on the device. `host` holds what comes back (tokens, chosen logprobs,
+    top ids, top logprobs, flags; pinned on CUDA), complete once `event` has passed."""
+
+    rows: list[RowSampling]
+    slots: list[int]  # each row's state slot now: a later step's slot moves update it (-1 once released)
+    logits: torch.Tensor
+    params: SamplingTensors
+    num_logprobs: int
+    host: list
+    event: torch.cuda.Event | None
+    settled: bool
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+def may_be_flagged(r: RowSampling) -> bool:
+    """The host's twin of the Triton sampler's `_filtered`: only these rows can come back flagged."""
+    return r.temperature > 0 and (r.top_k > 0 or r.top_p < 1)
 
 
 class SlotSampling:
     def __init__(self, num_slots: int, vocab: int, device: torch.device, pdl: bool = True) -> None:
         self.settings: list[RowSampling | None] = [None] * num_slots
         self.vocab, self.device, self.pdl = vocab, device, pdl
+        self.last_tokens = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self._unsettled: list[Draw] = []
         # [slots, V]: allocated when the first request asks for a penalty.
         self.output_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
@@ -42,12 +77,19 @@ class SlotSampling:
 
     def move(self, src: int, dst: int) -> None:
         self.settings[dst], self.settings[src] = self.settings[src], None
+        self.last_tokens[dst] = self.last_tokens[src]
         if self.settings[dst] is not None and self.settings[dst].needs_counts:
             self.output_counts[dst].copy_(self.output_counts[src])
             self.prompt_mask[dst].copy_(self.prompt_mask[src])
+        self._follow(src, dst)
 
     def release(self, slot: int) -> None:
         self.settings[slot] = None
+        self._follow(slot, -1)
+
+    def _follow(self, src: int, dst: int) -> None:
+        for d in self._unsettled:
+            d.slots = [dst if s == src else s for s in d.slots]
 
     # Sampling -------------------------------------------------------------------------------------------------------
     def prepare(self, slots: list[int], token_index: list[int], step_seed: int):
@@ -75,30 +117,84 @@ class SlotSampling:
         if any(r.needs_counts for r in rows):  # penalties cost a pass over [N, V] and a scatter: only when asked
             params.output_counts = self.output_counts[ints[3]]
             params.prompt_mask = self.prompt_mask[ints[3]]
-        return rows, params, token_index, ints[3]
+        return rows, params, token_index, ints[3], list(slots)
 
-    def sample(self, logits: torch.Tensor, prepared) -> list[SampledToken]:
-        rows, params, token_index, slot_index = prepared
+    def draw(self, logits: torch.Tensor, prepared) -> Draw:
+        """Queue the draw for `prepare`'s rows on the device; nothing here waits for it."""
+        rows, params, token_index, slot_index, slots = prepared
         for i, (r, step) in enumerate(zip(rows, token_index)):
             if step < r.min_tokens and r.stop_token_ids:
                 logits[i, list(r.stop_token_ids)] = float("-inf")  # min_tokens: no stop token yet
         k = max(r.logprobs for r in rows)
         top_ks = [r.top_k for r in rows if r.temperature > 0]
-        tokens, chosen, top_ids, top_lp = sample(
+        tokens, chosen, top_ids, top_lp, done = draw_tokens(
             logits, params, k,
             all_greedy=not top_ks,
             max_top_k=max(top_ks) if top_ks and min(top_ks) > 0 else 0,
             top_p_alone=any(top_p_alone(r.temperature, r.top_p, r.top_k, self.vocab) for r in rows),
             pdl=self.pdl,
         )
+        self.last_tokens[slot_index] = tokens
         if params.output_counts is not None:
-            self.output_counts.index_put_((slot_index, tokens), torch.ones_like(tokens, dtype=torch.int32),
-                                          accumulate=True)
+            self._count(slot_index, tokens, 1)
+        out = [tokens, chosen, top_ids, top_lp, done]
+        event = None
+        if logits.is_cuda:  # the host copies queue behind the draw; `event` says when they are there
+            out = [None if t is None else _to_pinned(t) for t in out]
+            event = torch.cuda.Event()
+            event.record()
+        flaggable = done is not None and any(may_be_flagged(r) for r in rows)
+        d = Draw(rows, slots, logits, params, k, out, event, settled=not flaggable)
+        if flaggable:
+            self._unsettled.append(d)
+        return d
+
+    def settle(self) -> None:
+        """Wait for every unsettled draw and have the reference draw again the rows the sampler flagged, on the
+        device too (the last token, the penalty counts) wherever the row's request is now."""
+        for d in self._unsettled:
+            d.wait()
+            tokens, chosen, _, _, done = d.host
+            flagged = [i for i, f in enumerate(done.tolist()) if not f]
+            if flagged:
+                index = torch.tensor(flagged, device=d.logits.device)
+                redrawn, logprob, _, _ = sample_reference(d.logits[index], d.params.rows(index))
+                for i, token, lp in zip(flagged, redrawn.tolist(), logprob.tolist()):
+                    if d.params.output_counts is not None and d.slots[i] >= 0:
+                        self._count(torch.tensor([d.slots[i]], device=self.device),
+                                    torch.tensor([int(tokens[i])], device=self.device), -1)
+                        self._count(torch.tensor([d.slots[i]], device=self.device),
+                                    torch.tensor([token], device=self.device), 1)
+                    if d.slots[i] >= 0:
+                        self.last_tokens[d.slots[i]] = token
+                    tokens[i], chosen[i] = token, lp
+            d.settled = True
+        self._unsettled = []
+
+    def collect(self, d: Draw) -> list[SampledToken]:
+        """The draw's tokens on the host (waiting for them)."""
+        if not d.settled:
+            self.settle()
+        d.wait()
+        tokens, chosen, top_ids, top_lp, _ = d.host
         tokens, chosen = tokens.tolist(), chosen.tolist()
-        if k:
+        if d.num_logprobs:
             top_ids, top_lp = top_ids.tolist(), top_lp.tolist()
         out = []
-        for i, r in enumerate(rows):
+        for i, r in enumerate(d.rows):
             top = list(zip(top_ids[i][: r.logprobs], top_lp[i][: r.logprobs])) if r.logprobs else None
             out.append(SampledToken(tokens[i], chosen[i], top))
         return out
+
+    def sample(self, logits: torch.Tensor, prepared) -> list[SampledToken]:
+        return self.collect(self.draw(logits, prepared))
+
+    def _count(self, slot_index: torch.Tensor, tokens: torch.Tensor, delta: int) -> None:
+        self.output_counts.index_put_((slot_index, tokens), torch.full_like(tokens, delta, dtype=torch.int32),
+                                      accumulate=True)
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

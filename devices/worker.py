@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 
+# While a launched step's result is held (see DeviceWorker), how often the thread looks whether it is done.
+HELD_POLL_S = 1e-4
+
 # A rank handed a step needs the GIL to launch it, while the event loop thread makes the last step's outputs
 # (detokenising, waking every stream's consumer). CPython gives a waiting thread the GIL only after its switch
 # interval, 5 ms by default: longer than that output pass, so a step could wait for all of it. While any worker
@@ -62,30 +65,74 @@ class ReplicaPoisoned(RuntimeError):
 
 
 class DeviceWorker:
-    """A thread that runs `handler(command)` for each command, in order, inside `context` (its device/stream)."""
+    """A thread that runs each command's fn(), in order, inside the rank's device context.
 
-    def __init__(self, rank: int, name: str) -> None:
+    A pipelined command (a step handed over before the one before it is awaited: overlap scheduling) may return a
+    deferred result, an object with `ready()` and `finish()`: the step is queued on the device and its result not
+    read yet. The thread holds it and runs the next command first if one arrives before the step is done, so the
+    device gets step k+1 before the host waits for step k's tokens; the futures still resolve in command order."""
+
+    def __init__(self, rank: int, name: str, on_error: Callable[[BaseException], None] = lambda exc: None) -> None:
         self.rank = rank
+        self._on_error = on_error  # at once, from this thread: another rank may wait for this one in a collective
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    def submit(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, pipelined: bool = False) -> asyncio.Future:
         future = loop.create_future()
-        self._queue.put((fn, future, loop))
+        self._queue.put((fn, future, loop, pipelined))
         return future
 
     def _run(self) -> None:
+        held = None  # (deferred, future, loop): a pipelined step launched, its result not taken yet
         while True:
-            item = self._queue.get()
+            item = self._next(held)
+            if item is None:  # nothing came while the held step ran to its end
+                self._finish(*held)
+                held = None
+                continue
             if item is _STOP:
+                if held is not None:
+                    self._finish(*held)
                 return
-            fn, future, loop = item
+            fn, future, loop, pipelined = item
+            if held is not None and not pipelined:
+                self._finish(*held)
+                held = None
             try:
                 result, error = fn(), None
             except BaseException as exc:  # reported to the loop, never swallowed
                 result, error = None, exc
-            loop.call_soon_threadsafe(_resolve, future, result, error)
+                self._on_error(exc)
+            if held is not None:
+                self._finish(*held)
+                held = None
+            if pipelined and error is None and hasattr(result, "finish"):
+                held = (result, future, loop)
+            else:
+                loop.call_soon_threadsafe(_resolve, future, result, error)
+
+    def _next(self, held):
+        """The next command; None when a step is held and done before one comes."""
+        if held is None:
+            return self._queue.get()
+        timeout = 0.0
+        while True:
+            try:
+                return self._queue.get(timeout=timeout) if timeout else self._queue.get_nowait()
+            except queue.Empty:
+                if held[0].ready():
+                    return None
+                timeout = HELD_POLL_S
+
+    def _finish(self, deferred, future, loop) -> None:
+        try:
+            result, error = deferred.finish(), None
+        except BaseException as exc:
+            result, error = None, exc
+            self._on_error(exc)
+        loop.call_soon_threadsafe(_resolve, future, result, error)
 
     def stop(self, timeout: float) -> bool:
         self._queue.put(_STOP)
@@ -108,8 +155,11 @@ class WorkerGroup:
     def __init__(self, world_size: int, step_timeout_s: float = 600.0, on_abort: Callable[[], None] | None = None):
         self.world_size = world_size
         self.step_timeout_s = step_timeout_s
-        self.workers = [DeviceWorker(r, f"device-rank{r}") for r in range(world_size)]
+        # A rank's failure poisons the group from its own thread: the engine may be awaiting an earlier step,
+        # while the other ranks wait for the failed one in a collective of a later one.
+        self.workers = [DeviceWorker(r, f"device-rank{r}", on_error=self.poison) for r in range(world_size)]
         self.poisoned: BaseException | None = None
+        self._poison_lock = threading.Lock()
         self._on_abort = on_abort  # breaks collectives so surviving ranks stop waiting
         self._running = True
         _switch_interval.group_started()
@@ -117,12 +167,13 @@ class WorkerGroup:
     async def call(self, fn: Callable[[int], Any], timeout_s: float | None = None) -> list[Any]:
         return await self.gather(self.submit(fn), timeout_s)
 
-    def submit(self, fn: Callable[[int], Any]) -> list[asyncio.Future]:
-        """Put fn(rank) on every rank's queue now (the ranks start at once); `gather` awaits the results."""
+    def submit(self, fn: Callable[[int], Any], pipelined: bool = False) -> list[asyncio.Future]:
+        """Put fn(rank) on every rank's queue now (the ranks start at once); `gather` awaits the results.
+        `pipelined`: fn may return a deferred result (see DeviceWorker)."""
         if self.poisoned is not None:
             raise ReplicaPoisoned(f"replica is poisoned: {self.poisoned}") from self.poisoned
         loop = asyncio.get_running_loop()
-        return [w.submit(lambda r=w.rank: fn(r), loop) for w in self.workers]
+        return [w.submit(lambda r=w.rank: fn(r), loop, pipelined) for w in self.workers]
 
     async def gather(self, futures: list[asyncio.Future], timeout_s: float | None = None) -> list[Any]:
         try:
@@ -147,11 +198,13 @@ class WorkerGroup:
             raise
 
     def poison(self, error: BaseException) -> None:
-        if self.poisoned is None:
+        with self._poison_lock:
+            if self.poisoned is not None:
+                return
             self.poisoned = error
-            log.error("replica poisoned: %r", error, exc_info=error)  # the one record of the cause
-            if self._on_abort is not None:
-                self._on_abort()
+        log.error("replica poisoned: %r", error, exc_info=error)  # the one record of the cause
+        if self._on_abort is not None:
+            self._on_abort()
 
     def stop(self, timeout: float = 30.0) -> None:
         for w in self.workers:

@@ -124,17 +124,20 @@ def ranked(x: torch.Tensor, k: int = 0):
 TOP_K_BOUND = 1024  # rows that all use top_k up to this sample among top-k candidates, without a full sort
 
 
-def sample(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0, *, all_greedy: bool = False,
-           max_top_k: int = 0, top_p_alone: bool = True, pdl: bool = True):
-    """The sampler for the logits' device: the Triton sampler on CUDA, the torch reference elsewhere; both return
-    `sample_reference`'s tuple and draw the same tokens. The keywords are what the host knows of every row, each
-    letting a path skip work: `all_greedy` and `max_top_k` (the reference's), `top_p_alone=False` when no row has
-    top-p without top-k (the Triton sampler's race rounds). `pdl`: the Triton passes' launch (KernelConfig.pdl)."""
+def draw_tokens(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0, *, all_greedy: bool = False,
+                max_top_k: int = 0, top_p_alone: bool = True, pdl: bool = True):
+    """The sampler for the logits' device, without waiting for it: `sample_reference`'s tuple plus `done` ([N]
+    int32 on CUDA, None elsewhere). On CUDA the Triton sampler draws, and rows it flags (done 0) must be drawn
+    again by the reference (`kernels.triton_sampling.sample_on_gpu` does so at once; `devices.sampling` once the
+    flags are on the host); elsewhere the reference draws every row. The keywords are what the host knows of
+    every row, each letting a path skip work: `all_greedy` and `max_top_k` (the reference's), `top_p_alone=False`
+    when no row has top-p without top-k (the Triton sampler's race rounds). `pdl`: the Triton passes' launch."""
     if logits.is_cuda:
-        from .triton_sampling import sample_on_gpu
+        from .triton_sampling import TOP_P_ROUNDS, draw
 
-        return sample_on_gpu(logits, p, num_logprobs, top_p_alone=top_p_alone, pdl=pdl)
-    return sample_reference(logits, p, num_logprobs, all_greedy, max_top_k if max_top_k <= TOP_K_BOUND else 0)
+        drawn = draw(logits, p, top_p_rounds=TOP_P_ROUNDS if top_p_alone else 0, pdl=pdl)
+        return drawn.tokens, drawn.logprobs, *top_logprobs(logits, num_logprobs), drawn.done
+    return *sample_reference(logits, p, num_logprobs, all_greedy, max_top_k if max_top_k <= TOP_K_BOUND else 0), None
 
 
 def sample_reference(logits: torch.Tensor, p: SamplingTensors, num_logprobs: int = 0, all_greedy: bool = False,

@@ -445,8 +445,8 @@ class AsyncEngine:
 
     async def _run_steps_overlapped(self) -> None:
         """`_run_steps` one step ahead: step k+1 is planned and handed over as soon as step k is, before k's
-        tokens reach the host (rank 0 fills them in), so the devices never wait for the loop's routing, stop
-        checks and outputs. A request that a token or stop string ends at step k has a row in step k+1 too: that
+        tokens reach the host (rank 0 takes them on the device, and launches k+1 before it reads k's), so the
+        devices wait neither for the loop's routing, stop checks and outputs nor for the tokens' trip to the host. A request that a token or stop string ends at step k has a row in step k+1 too: that
         one extra token is drawn and dropped. max_tokens needs no tokens: the scheduler retires at it."""
         sched = self.scheduler
         previous = in_flight = None  # (plan, step, handed over at)
@@ -460,7 +460,7 @@ class AsyncEngine:
                     continue
                 previous, in_flight = in_flight, None
                 if plan is not None and not plan.empty:
-                    in_flight = (plan, self.replica.start_step(self._command(plan), wait_for_launch=False),
+                    in_flight = (plan, self.replica.start_step(self._command(plan), overlapped=True),
                                  time.perf_counter())
                     self._count(plan)
                 if previous is not None:

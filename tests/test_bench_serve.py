@@ -60,6 +60,27 @@ def test_vllm_percentile_flags(tiny_ckpt):
     assert "P99.9 ITL (ms):" in bench_serve.report(result)
 
 
+def test_sampling_flags_reach_the_server(tiny_ckpt, monkeypatch):
+    """vLLM's --temperature/--top-p/--top-k/--min-p go into every request body (greedy when none is given)."""
+    from deltaserve.runtime import engine as engine_module
+
+    seen = []
+    resolve = engine_module.AsyncEngine.resolve_params
+
+    def recording(self, prompt_len, params):
+        seen.append(params)
+        return resolve(self, prompt_len, params)
+
+    monkeypatch.setattr(engine_module.AsyncEngine, "resolve_params", recording)
+    result = bench(tiny_ckpt, ["--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "4",
+                               "--ignore-eos", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "5",
+                               "--min-p", "0.05"])
+    assert result["completed"] == 2
+    assert result["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "ignore_eos": True}
+    assert [(p.temperature, p.top_p, p.top_k, p.min_p) for p in seen] == [(0.7, 0.9, 5, 0.05)] * 2
+    assert bench_serve.sampling_fields(bench_serve.parser().parse_args([])) == {"temperature": 0.0}
+
+
 def test_poisson_arrivals_ranges_and_refusals(tiny_ckpt):
     result = bench(tiny_ckpt, ["--num-prompts", "8", "--request-rate", "50", "--random-input-len", "30",
                                "--random-output-len", "10", "--random-range-ratio", "0.5", "--ignore-eos"])

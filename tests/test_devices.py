@@ -126,6 +126,62 @@ def test_worker_group_runs_every_rank_and_poisons_on_failure():
     asyncio.run(main())
 
 
+def test_a_pipelined_step_is_held_while_the_next_launches_and_results_keep_their_order():
+    """A pipelined command may return a deferred result (a step queued on the device): the worker launches the
+    next command before it finishes the held one when the next comes first, finishes it by itself when it is done
+    and nothing comes, finishes it before any other command, and resolves every future in command order, a
+    failing launch included."""
+    import threading
+
+    log: list[str] = []
+    done = {name: threading.Event() for name in "abcd"}
+
+    class Launched:
+        def __init__(self, name):
+            self.name = name
+
+        def ready(self):
+            return done[self.name].is_set()
+
+        def finish(self):
+            log.append(f"finish {self.name}")
+            return self.name
+
+    def launch(name):
+        def fn(rank):
+            log.append(f"launch {name}")
+            if name == "c":
+                raise ValueError("launch failed")
+            return Launched(name)
+        return fn
+
+    async def main():
+        group = WorkerGroup(1, step_timeout_s=5)
+        a = group.submit(launch("a"), pipelined=True)
+        b = group.submit(launch("b"), pipelined=True)  # queued before a is done: launched before a finishes
+        assert await asyncio.gather(*a) == ["a"]
+        d = group.submit(launch("d"), pipelined=True)
+        assert await asyncio.gather(*b) == ["b"]
+        await asyncio.sleep(0.05)
+        assert not d[0].done()  # held: not done on the device, and nothing else came
+        done["d"].set()
+        assert await asyncio.gather(*d) == ["d"]
+        done["a"].set()
+        e = group.submit(launch("a"), pipelined=True)
+        plain = group.submit(lambda rank: log.append("plain") or "plain")  # finishes the held step first
+        assert await asyncio.gather(*e, *plain) == ["a", "plain"]
+        f = group.submit(launch("b"), pipelined=True)
+        c = group.submit(launch("c"), pipelined=True)
+        results = await asyncio.gather(*f, *c, return_exceptions=True)
+        assert results[0] == "b" and isinstance(results[1], ValueError)
+        assert isinstance(group.poisoned, ValueError)  # by the worker itself, before anyone awaited c
+        group.stop()
+
+    asyncio.run(main())
+    assert log == ["launch a", "launch b", "finish a", "launch d", "finish b", "finish d",
+                   "launch a", "finish a", "plain", "launch b", "launch c", "finish b"]
+
+
 def test_step_timeout_poisons_instead_of_hanging():
     import threading
 

@@ -335,7 +335,7 @@ def test_profile_engine_step_splits_the_step_and_restores_what_it_wraps(tiny_ckp
     from deltaserve.tools.bench_decode import engine_step_time
     from deltaserve.tools.lab.profile_engine_step import StepTimer
 
-    originals = (Replica.start_step, RankRuntime.execute, SlotSampling.sample)
+    originals = (Replica.start_step, RankRuntime.execute, SlotSampling.draw, SlotSampling.collect)
 
     async def main():
         async with AsyncEngine(engine_args(tiny_ckpt, prefill_token_budget=64)) as engine:
@@ -344,7 +344,7 @@ def test_profile_engine_step_splits_the_step_and_restores_what_it_wraps(tiny_ckp
             return step, timer.summary(start, end), len(timer.steps)
 
     step, s, recorded = run(main())
-    assert (Replica.start_step, RankRuntime.execute, SlotSampling.sample) == originals
+    assert (Replica.start_step, RankRuntime.execute, SlotSampling.draw, SlotSampling.collect) == originals
     assert recorded >= 32
     assert s["execute_s"] > 0 and s["sample_s"] > 0 and s["to_handoff_s"] > 0 and s["handoff_to_start_s"] > 0
     assert abs(s["gap_s"] - s["to_handoff_s"] - s["handoff_to_start_s"]) < 1e-9

@@ -196,19 +196,26 @@ def test_triton_sampler_at_the_real_vocabulary():
     assert torch.allclose(as_bf16.logprobs, as_fp32.logprobs, atol=1e-5)
 
 
-async def _greedy_run(ckpt, graph: bool, use_nccl=None, n=32, tokens=128, kernel_config=None):
+async def _greedy_run(ckpt, graph: bool, use_nccl=None, n=32, tokens=128, kernel_config=None, overlap=False,
+                      at_once=False, sampled=False):
+    """n requests of different lengths (greedy, or seeded top-p / top-k sampling); each arrives once the one before
+    has three tokens, or all `at_once` (the same batches with overlap scheduling on and off). Returns the tokens
+    and the buckets used."""
     from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 
     args = EngineArgs(model=ckpt, device="cuda", cuda_graph=graph, max_batch=32, max_model_len=1024,
                       load_format="random", use_nccl=use_nccl, buckets=[1, 2, 4, 8, 16, 24, 32],
-                      kernel_config=kernel_config)
+                      kernel_config=kernel_config, async_scheduling=overlap)
     async with AsyncEngine(args) as engine:
         results: dict[int, list[int]] = {}
         started = asyncio.Event()
 
-        async def one(i):
-            params = SamplingParams(max_tokens=tokens - 3 * (i % 7), temperature=0, ignore_eos=True)
-            stream = engine.generate([(17 * i + j) % 3000 for j in range(5 + 11 * i)], params)
+        def params(i):
+            sampling = dict(temperature=0.8, seed=i, top_p=0.9, top_k=(0, 20)[i % 2]) if sampled else \
+                dict(temperature=0)
+            return SamplingParams(max_tokens=tokens - 3 * (i % 7), ignore_eos=True, **sampling)
+
+        async def one(i, stream):
             async for out in stream:
                 if len(out.token_ids) == 3:
                     started.set()
@@ -217,11 +224,26 @@ async def _greedy_run(ckpt, graph: bool, use_nccl=None, n=32, tokens=128, kernel
         tasks = []
         for i in range(n):  # arrivals tied to progress, so both runs see the same batches
             started.clear()
-            tasks.append(asyncio.create_task(one(i)))
-            await started.wait()
+            stream = engine.generate([(17 * i + j) % 3000 for j in range(5 + 11 * i)], params(i))
+            tasks.append(asyncio.create_task(one(i, stream)))
+            if not at_once:
+                await started.wait()
         await asyncio.gather(*tasks)
         buckets_used = sorted(engine.replica.buckets)
     return [results[i] for i in range(n)], buckets_used
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_overlap_scheduling_changes_no_token_on_the_gpu(real_geometry_ckpt, sampled):
+    """With overlap scheduling the next step is launched before this one's tokens reach the host and takes them on
+    the device; the same batches must give the same tokens, greedy and seeded top-p / top-k (whose rows wait for the
+    sampler's flags before the next step reads them)."""
+    sync, _ = asyncio.run(_greedy_run(real_geometry_ckpt, graph=True, n=24, tokens=64, at_once=True,
+                                      sampled=sampled))
+    overlapped, _ = asyncio.run(_greedy_run(real_geometry_ckpt, graph=True, n=24, tokens=64, at_once=True,
+                                            sampled=sampled, overlap=True))
+    assert sync == overlapped
+    assert len({tuple(t) for t in sync}) > 1
 
 
 def test_bf16_model_at_the_4b_width_matches_hf(T, tmp_path):

@@ -199,12 +199,54 @@ def reference_generate(runner: CpuRunner, prompt: list[int], p: SamplingParams, 
     return out
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_penalties_min_tokens_and_seeds_follow_requests_through_slot_moves(tiny_ckpt, overlap):
+def flagging_every_filtered_row(monkeypatch) -> list:
+    """Make rank 0's sampler return a wrong token for every sampled row with top-k or top-p and flag it, as the
+    Triton sampler flags a row it cannot draw exactly: the reference must draw it again before anything reads it.
+    A draw also reads as not done for its first 20 looks (about 2 ms of a worker holding it), as a GPU's would,
+    so the next step is launched before this one is finished. Returns rank 0's ("launch" | "finish", seq) log."""
+    import deltaserve.devices.sampling as slot_sampling
+    from deltaserve.devices.rank import RankRuntime
+
+    real = slot_sampling.draw_tokens
+    order = []
+    launch, finish = RankRuntime.launch, RankRuntime.finish
+
+    def logged_launch(runtime, cmd, *args):
+        if runtime.rank == 0:
+            order.append(("launch", cmd.seq))
+        return launch(runtime, cmd, *args)
+
+    def logged_finish(runtime, step):
+        order.append(("finish", step.cmd.seq))
+        return finish(runtime, step)
+
+    def slow_ready(draw):
+        draw.looks = getattr(draw, "looks", 0) + 1
+        return draw.looks > 20
+
+    def draw_tokens(logits, p, num_logprobs=0, **kw):
+        tokens, chosen, top_ids, top_lp, _ = real(logits, p, num_logprobs, **kw)
+        flagged = (p.temperature > 0) & ((p.top_k > 0) | (p.top_p < 1))
+        wrong = torch.where(flagged, (tokens + 1) % logits.shape[1], tokens)
+        return wrong, chosen, top_ids, top_lp, (~flagged).to(torch.int32)
+
+    monkeypatch.setattr(slot_sampling, "draw_tokens", draw_tokens)
+    monkeypatch.setattr(slot_sampling.Draw, "ready", slow_ready)
+    monkeypatch.setattr(RankRuntime, "launch", logged_launch)
+    monkeypatch.setattr(RankRuntime, "finish", logged_finish)
+    return order
+
+
+@pytest.mark.parametrize("overlap,flagged", [(False, False), (True, False), (True, True)],
+                         ids=["sync", "overlap", "overlap-flagged"])
+def test_penalties_min_tokens_and_seeds_follow_requests_through_slot_moves(tiny_ckpt, overlap, flagged, monkeypatch):
     """Twelve requests on four decode slots, arriving and finishing at different times, each with its own
     penalties, seed, min_tokens and stop ids: every one equals the row-by-row reference, though its slot was
-    promoted into and compacted under it. With overlap scheduling too, where most input tokens are filled in by
-    rank 0 and a stopped request draws one token more that is dropped."""
+    promoted into and compacted under it. With overlap scheduling too, where most input tokens are taken on the
+    device by rank 0 and a stopped request draws one token more that is dropped; and with every sampled row
+    flagged by the sampler, so the reference draws it again (its token on the device, its penalty counts) after
+    the next step has moved its slot."""
+    order = flagging_every_filtered_row(monkeypatch) if flagged else None
     cases = []
     for i in range(12):
         prompt = prompt_of(3 + (i * 7) % 19, 100 + i)
@@ -231,6 +273,10 @@ def test_penalties_min_tokens_and_seeds_follow_requests_through_slot_moves(tiny_
     outs, commands = run(main())
     unknown = sum(t == UNKNOWN_TOKEN for cmd in commands for t in cmd.decode_tokens)
     assert (unknown > 0) == overlap, unknown
+    if order is not None:  # step k+1 launched before step k was finished, many times
+        at = {event: i for i, event in enumerate(order)}
+        ahead = sum(at.get(("launch", seq + 1), len(order)) < i for (what, seq), i in at.items() if what == "finish")
+        assert ahead > 10, order
     moved = [c for cmd in commands for c in cmd.compactions if c.moved_from is not None]
     assert moved, "no request changed slot under another: the test lost its point"
     assert any(p.to_slot > 0 for cmd in commands for p in cmd.promotions)
@@ -404,18 +450,18 @@ async def ends_once_dead(engine, streams) -> list:
 @pytest.mark.parametrize("tp,overlap", [(1, False), (2, False), (1, True), (2, True)])
 def test_a_failing_step_poisons_the_engine_and_ends_every_request_with_an_error(tiny_tp_ckpt, monkeypatch, tp,
                                                                                  overlap):
-    execute, calls = RankRuntime.execute, []
+    launch, calls = RankRuntime.launch, []  # what every step runs, overlapped or not
 
     def failing(runtime, cmd, *args):
         calls.append(runtime.rank)
         if len(calls) > 8 * tp and runtime.rank == tp - 1:
             raise RuntimeError("the device fell over")
-        return execute(runtime, cmd, *args)
+        return launch(runtime, cmd, *args)
 
     async def main():
         async with AsyncEngine(engine_args(tiny_tp_ckpt, tp=tp, async_scheduling=overlap)) as engine:
             streams, _ = await live_streams(engine, 3)
-            monkeypatch.setattr(RankRuntime, "execute", failing)
+            monkeypatch.setattr(RankRuntime, "launch", failing)
             return await ends_once_dead(engine, streams)
 
     ends = run(main())
@@ -424,15 +470,15 @@ def test_a_failing_step_poisons_the_engine_and_ends_every_request_with_an_error(
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_a_step_past_the_watchdog_poisons_the_engine(tiny_ckpt, monkeypatch, overlap):
-    execute, calls = RankRuntime.execute, []
+    launch, calls = RankRuntime.launch, []
 
     def stalls(runtime, cmd, *args):
         calls.append(1)
         if len(calls) == 6:
             time.sleep(1.0)
-        return execute(runtime, cmd, *args)
+        return launch(runtime, cmd, *args)
 
-    monkeypatch.setattr(RankRuntime, "execute", stalls)
+    monkeypatch.setattr(RankRuntime, "launch", stalls)
 
     async def main():
         async with AsyncEngine(engine_args(tiny_ckpt, step_timeout_s=0.3, async_scheduling=overlap)) as engine:
@@ -445,14 +491,14 @@ def test_a_step_past_the_watchdog_poisons_the_engine(tiny_ckpt, monkeypatch, ove
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_a_cancelled_step_loop_ends_every_request_with_an_error(tiny_ckpt, monkeypatch, overlap):
-    execute, in_step = RankRuntime.execute, []
+    launch, in_step = RankRuntime.launch, []
 
     def slow(runtime, cmd, *args):
         in_step.append(1)
         time.sleep(0.02)
-        return execute(runtime, cmd, *args)
+        return launch(runtime, cmd, *args)
 
-    monkeypatch.setattr(RankRuntime, "execute", slow)
+    monkeypatch.setattr(RankRuntime, "launch", slow)
 
     async def main():
         async with AsyncEngine(engine_args(tiny_ckpt, async_scheduling=overlap)) as engine:

@@ -62,13 +62,12 @@ def random_requests(n: int, input_len: int, output_len: int, range_ratio: float,
 
 
 async def stream_one(session: aiohttp.ClientSession, url: str, model: str | None, prompt: list[int],
-                     max_tokens: int, ignore_eos: bool, headers: dict) -> RequestResult:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
+                     max_tokens: int, sampling: dict, headers: dict) -> RequestResult:
+    """One streamed completion; `sampling` goes into the body as it is (temperature, top_p, ignore_eos, ...)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, **sampling,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if model:
         body["model"] = model
-    if ignore_eos:
-        body["ignore_eos"] = True
     result = RequestResult(prompt_len=len(prompt))
     started = last = time.perf_counter()
     counted = 0  # tokens seen so far (usage when the server sends it, else one per chunk with text)
@@ -174,15 +173,16 @@ async def run(args: argparse.Namespace) -> dict:
         gate = asyncio.Semaphore(args.max_concurrency or len(requests))
         rng = random.Random(args.seed + 1)
         bar = _progress(len(requests), args.disable_tqdm)
+        sampling = sampling_fields(args)
 
         async def limited(prompt, max_tokens):
             async with gate:
-                result = await stream_one(session, url, args.model, prompt, max_tokens, args.ignore_eos, headers)
+                result = await stream_one(session, url, args.model, prompt, max_tokens, sampling, headers)
             bar.update(1)
             return result
 
         for prompt, max_tokens in requests[: args.num_warmups]:
-            await stream_one(session, url, args.model, prompt, max_tokens, args.ignore_eos, headers)
+            await stream_one(session, url, args.model, prompt, max_tokens, sampling, headers)
         started = time.perf_counter()
         tasks = []
         for prompt, max_tokens in requests:
@@ -199,11 +199,21 @@ async def run(args: argparse.Namespace) -> dict:
         "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
         "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
         "random_range_ratio": args.random_range_ratio, "ignore_eos": args.ignore_eos,
+        "sampling": sampling_fields(args),
         "errors": [r.error for r in results if not r.success],
         "input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
         "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
     })
     return summary
+
+
+def sampling_fields(args: argparse.Namespace) -> dict:
+    """The request fields the sampling flags set: temperature always (greedy unless given), the others if given."""
+    fields = {"temperature": args.temperature}
+    fields.update({name: getattr(args, name) for name in ("top_p", "top_k", "min_p") if getattr(args, name) is not None})
+    if args.ignore_eos:
+        fields["ignore_eos"] = True
+    return fields
 
 
 def _tokenizer_vocab_size(folder: str | None) -> int | None:
@@ -290,6 +300,10 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
                    help="token ids are drawn below this (none: --tokenizer's, else the vocab_size our server lists)")
     p.add_argument("--tokenizer", default=None, help="a folder with tokenizer.json: its vocabulary bounds the ids")
     p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens whatever the model says")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="top-p sent with each request (none: not sent)")
+    p.add_argument("--top-k", type=int, default=None, help="top-k sent with each request (none: not sent)")
+    p.add_argument("--min-p", type=float, default=None, help="min-p sent with each request (none: not sent)")
     p.add_argument("--num-warmups", type=int, default=0, help="requests sent one by one before timing")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a stream may stay silent")

@@ -4,7 +4,7 @@
 
 Random bf16 weights on a CUDA device (`tools.bench_decode`'s engine), tp = 1. For each batch size, `rows` greedy
 requests stream through `engine.generate` (as in bench_decode's engine column) while rank 0's `execute` and
-`SlotSampling.sample` are timed. Printed per batch: the engine's step; `execute`, the device thread's whole step (inputs, the
+`SlotSampling.draw` + `collect` are timed. Printed per batch: the engine's step; `execute`, the device thread's whole step (inputs, the
 graph's launch, sampling, the read-back); `sample`, the part of it from the sampler's launch to the read-back
 (it includes waiting for the forward); and the gap between two `execute`s, during which the GPU has nothing
 queued. The gap is split in two: from a step's end to the next step's hand-off (the event loop routes the
@@ -34,22 +34,23 @@ from deltaserve.tools.bench_decode import add_engine_args, kernel_config, engine
 
 
 class StepTimer:
-    """While entered, wraps Replica.start_step, RankRuntime.execute and SlotSampling.sample to record, for each of
-    rank 0's steps, when it was handed to the ranks, when it started and ended, and how long its sampling took."""
+    """While entered, wraps Replica.start_step, RankRuntime.execute and SlotSampling.draw and collect to record, for
+    each of rank 0's steps, when it was handed to the ranks, when it started and ended, and how long its sampling
+    took (from the sampler's launch to the tokens on the host)."""
 
     def __init__(self) -> None:
-        self.steps: list[tuple[float, float, float, float]] = []  # (handed, start, end, seconds in SlotSampling.sample)
+        self.steps: list[tuple[float, float, float, float]] = []  # (handed, start, end, seconds sampling)
         self._handed = 0.0
         self._sampling = 0.0
-        self._wrapped = (Replica.start_step, RankRuntime.execute, SlotSampling.sample)
+        self._wrapped = (Replica.start_step, RankRuntime.execute, SlotSampling.draw, SlotSampling.collect)
 
     def __enter__(self) -> "StepTimer":
-        start_step, execute, sample = self._wrapped
+        start_step, execute, draw, collect = self._wrapped
         timer = self
 
-        def timed_start_step(replica, cmd):
+        def timed_start_step(replica, cmd, *args, **kwargs):
             timer._handed = time.perf_counter()  # the ranks cannot start before it, nor the next hand-off come
-            return start_step(replica, cmd)
+            return start_step(replica, cmd, *args, **kwargs)
 
         def timed_execute(runtime, cmd, *args):
             if runtime.rank == 0:  # only rank 0 samples
@@ -61,18 +62,21 @@ class StepTimer:
                 if runtime.rank == 0:
                     timer.steps.append((timer._handed, started, time.perf_counter(), timer._sampling))
 
-        def timed_sample(sampling, logits, setup):
-            started = time.perf_counter()
-            try:
-                return sample(sampling, logits, setup)
-            finally:
-                timer._sampling += time.perf_counter() - started
+        def timed(method):
+            def wrapper(*args):
+                started = time.perf_counter()
+                try:
+                    return method(*args)
+                finally:
+                    timer._sampling += time.perf_counter() - started
+            return wrapper
 
-        Replica.start_step, RankRuntime.execute, SlotSampling.sample = timed_start_step, timed_execute, timed_sample
+        Replica.start_step, RankRuntime.execute = timed_start_step, timed_execute
+        SlotSampling.draw, SlotSampling.collect = timed(draw), timed(collect)
         return self
 
     def __exit__(self, *exc) -> None:
-        Replica.start_step, RankRuntime.execute, SlotSampling.sample = self._wrapped
+        Replica.start_step, RankRuntime.execute, SlotSampling.draw, SlotSampling.collect = self._wrapped
 
     def summary(self, start: float, end: float) -> dict:
         """Means over the steps inside [start, end]: the window in which every request decodes (before it the
