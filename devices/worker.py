@@ -81,6 +81,7 @@ class DeviceWorker:
 
     def submit(self, fn: Callable[[], Any], loop: asyncio.AbstractEventLoop, pipelined: bool = False) -> asyncio.Future:
         future = loop.create_future()
+        future.add_done_callback(_retrieved)  # a failed step the engine no longer awaits: its cause is logged already
         self._queue.put((fn, future, loop, pipelined))
         return future
 
@@ -138,6 +139,11 @@ class DeviceWorker:
         self._queue.put(_STOP)
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

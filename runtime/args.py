@@ -31,7 +31,7 @@ class EngineArgs:
     use_nccl: bool | None = None  # cuda: None = NCCL when tp > 1; True forces a communicator even at tp = 1
     load_format: str = "safetensors"  # "random": random weights made on the device (benchmarks at real sizes)
     kernel_config: KernelConfig | None = None  # cuda: the Triton ops' launch choices (None: the defaults)
-    async_scheduling: bool = False  # plan each step before the last one's tokens are back
+    async_scheduling: bool = True  # launch each step before the last one's tokens are back (overlap)
     warmup: bool | None = None  # serve warm-up requests before "engine ready" (None: on cuda, to compile kernels)
     stats_interval_s: float = 10.0  # a throughput and usage log line this often while busy (0: never)
 

@@ -102,8 +102,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         type=_float_in(0.0, 1.0, lo_open=True),
                         default=defaults.memory_fraction,
                         help="fraction of the GPU's free memory (after weights) for state and KV pages")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="plan each step before the last one's tokens are back (overlap scheduling)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=defaults.async_scheduling,
+                        help="launch each step before the last one's tokens are back (overlap scheduling)")
     parser.add_argument("--enforce-eager", "--no-cuda-graph", dest="enforce_eager", action="store_true",
                         help="decode eagerly, without CUDA graphs")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,

@@ -111,7 +111,8 @@ def test_help_version_and_vllm_names(capsys):
         2, 12, 0.5, False, 128)
     assert (args.served_model_name, args.prefill_token_budget, args.dtype, args.load_format) == (
         "m", 512, "bfloat16", "random")
-    assert args.async_scheduling and not cli.engine_args(parser.parse_args([])).async_scheduling
+    assert args.async_scheduling and cli.engine_args(parser.parse_args([])).async_scheduling  # on by default
+    assert not cli.engine_args(parser.parse_args(["--no-async-scheduling"])).async_scheduling
     old = parser.parse_args(["--tp", "2", "--max-batch", "3", "--no-cuda-graph"])
     assert (old.tp, old.max_batch, old.enforce_eager) == (2, 3, True)
 
@@ -222,6 +223,7 @@ def test_a_failed_engine_ends_the_process_with_status_1(tiny_ckpt, monkeypatch, 
         raise RuntimeError("the device fell over")
 
     monkeypatch.setattr(AsyncEngine, "_run_steps", broken_steps)
+    monkeypatch.setattr(AsyncEngine, "_run_steps_overlapped", broken_steps)
     ns = cli.serve_parser(cli._Parser()).parse_args([tiny_ckpt, "--port", str(free_port()), "--stats-interval", "0"])
     with caplog.at_level(logging.INFO):
         assert cli.run(cli.run_server(ns)) == cli.EXIT_ENGINE_FAILED

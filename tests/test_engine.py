@@ -113,9 +113,10 @@ def test_64_concurrent_streams_with_cancellations_free_everything(tiny_ckpt):
 
 def test_each_step_is_handed_over_before_the_last_steps_outputs_are_made(tiny_ckpt):
     """The devices must not wait on detokenisation: when a step goes to the ranks, the previous step's token is
-    appended (it decided the plan) but its output is not made yet. The streamed deltas still add up, in order."""
+    appended (it decided the plan) but its output is not made yet. The streamed deltas still add up, in order.
+    (Without overlap scheduling; with it, a step is handed over before the last one's tokens are back.)"""
     async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+        async with AsyncEngine(engine_args(tiny_ckpt, async_scheduling=False)) as engine:
             outputs, at_hand_over = [], []
             start_step = engine.replica.start_step
 
@@ -158,7 +159,7 @@ def test_the_hand_off_returns_once_every_rank_has_launched(tiny_ckpt, monkeypatc
     monkeypatch.setattr(replica, "LAUNCH_WAIT_S", wait_s)
 
     async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt, tp=2)) as engine:
+        async with AsyncEngine(engine_args(tiny_ckpt, tp=2, async_scheduling=False)) as engine:
             stream = engine.generate("the cat", SamplingParams(max_tokens=3, ignore_eos=True, **GREEDY))
             handed = []
             start_step = engine.replica.start_step
@@ -338,7 +339,7 @@ def test_profile_engine_step_splits_the_step_and_restores_what_it_wraps(tiny_ckp
     originals = (Replica.start_step, RankRuntime.execute, SlotSampling.draw, SlotSampling.collect)
 
     async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt, prefill_token_budget=64)) as engine:
+        async with AsyncEngine(engine_args(tiny_ckpt, prefill_token_budget=64, async_scheduling=False)) as engine:
             with StepTimer() as timer:
                 step, start, end = await engine_step_time(engine, 4, 16, window_tokens=32)
             return step, timer.summary(start, end), len(timer.steps)

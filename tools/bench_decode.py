@@ -58,7 +58,7 @@ def step_bytes(cfg, weights, tp: int, dtype, rows: int, context: int) -> int:
 
 @contextlib.asynccontextmanager
 async def open_engine(size: str, layers: int | None, batches: list[int], context: int, tp: int,
-                      kernel_config: KernelConfig | None = None, async_scheduling: bool = False):
+                      kernel_config: KernelConfig | None = None, async_scheduling: bool = True):
     """An engine on random bf16 weights of a `size`-shaped config, with a graph bucket for each batch size."""
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as folder:
         write_checkpoint(folder, size, layers=layers, weights=False)
@@ -187,7 +187,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser, batches="1,8,32,64")
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
-    parser.add_argument("--async-scheduling", action="store_true", help="the engine column with overlap scheduling")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="the engine column with overlap scheduling (the engine's default) or without")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():

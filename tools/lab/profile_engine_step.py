@@ -3,7 +3,8 @@
     python -m deltaserve.tools.lab.profile_engine_step --size 4b [--layers N] [--batches 1,64] [--context 1024]
 
 Random bf16 weights on a CUDA device (`tools.bench_decode`'s engine), tp = 1. For each batch size, `rows` greedy
-requests stream through `engine.generate` (as in bench_decode's engine column) while rank 0's `execute` and
+requests stream through `engine.generate` (as in bench_decode's engine column, without overlap scheduling: one `execute`
+a step) while rank 0's `execute` and
 `SlotSampling.draw` + `collect` are timed. Printed per batch: the engine's step; `execute`, the device thread's whole step (inputs, the
 graph's launch, sampling, the read-back); `sample`, the part of it from the sampler's launch to the read-back
 (it includes waiting for the forward); and the gap between two `execute`s, during which the GPU has nothing
@@ -95,7 +96,8 @@ class StepTimer:
 
 async def run(ns) -> None:
     batches = [int(b) for b in ns.batches.split(",")]
-    async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns)) as engine:
+    async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns),
+                           async_scheduling=False) as engine:
         print("| batch | engine step ms | execute ms | sample ms (launch to read-back) | gap between executes ms "
               "| of it, to the hand-off ms | of it, hand-off to rank 0's start ms |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
