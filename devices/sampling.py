@@ -102,14 +102,18 @@ class SlotSampling:
         seeds = [r.seed if r.seed is not None else (step_seed * 1_000_003 + s) & (2**63 - 1)
                  for r, s in zip(rows, slots)]
         # One row per field, so each field is a contiguous [N] tensor on the device (the sampler's kernels
-        # index them by row).
-        floats = torch.tensor([[getattr(r, f) for r in rows] for f in ("temperature", "top_p", "min_p",
-                               "presence_penalty", "frequency_penalty", "repetition_penalty")], dtype=torch.float32)
-        ints = torch.tensor([[r.top_k for r in rows], seeds, token_index, slots], dtype=torch.long)
+        # index them by row); rows padded to 16 entries, so every field starts 16-byte aligned whatever N is
+        # (Triton compiles again for a pointer that is not).
+        n, width = len(rows), -(-len(rows) // 16) * 16
+        floats = torch.zeros(6, width, dtype=torch.float32)
+        floats[:, :n] = torch.tensor([[getattr(r, f) for r in rows] for f in ("temperature", "top_p", "min_p",
+                                      "presence_penalty", "frequency_penalty", "repetition_penalty")])
+        ints = torch.zeros(4, width, dtype=torch.long)
+        ints[:, :n] = torch.tensor([[r.top_k for r in rows], seeds, token_index, slots], dtype=torch.long)
         if self.device.type == "cuda":
             floats, ints = floats.pin_memory(), ints.pin_memory()
-        floats = floats.to(self.device, non_blocking=True)
-        ints = ints.to(self.device, non_blocking=True)
+        floats = floats.to(self.device, non_blocking=True)[:, :n]
+        ints = ints.to(self.device, non_blocking=True)[:, :n]
         params = SamplingTensors(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
             frequency_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0], seeds=ints[1], steps=ints[2],

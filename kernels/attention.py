@@ -326,7 +326,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, ga
 # which leaves room for its cdiv(len, BLOCK_M) blocks without a host-side block table.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "table_width"])  # they change every step: one compiled variant for all
 def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, R, NH, NKV, table_width,
                          q_row_stride, scale, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -387,6 +387,6 @@ def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens,
     _prefill_attn_kernel[(T_ // block_m + R, NH)](
         q, k_cache, v_cache, page_table, cu_seqlens, context_lens, out, R, NH, NKV, page_table.shape[1],
         q.stride(0), scale * 1.4426950408889634, GROUP=NH // NKV, D=D, PAGE=PAGE, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=_pow2(D), BLOCK_R=max(2, _pow2(R + 1)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_D=_pow2(D), BLOCK_R=max(16, _pow2(R + 1)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages)
     return out

@@ -107,7 +107,7 @@ def _request_of(t, cu_ptr, R, BLOCK_R: tl.constexpr):
     return tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "R"])  # they change every step: one compiled variant for all
 def _conv1d_prefill_kernel(x_ptr, w_ptr, state_ptr, cu_ptr, slot_ptr, out_ptr, T, C, R, x_row_stride,
                            K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -160,7 +160,7 @@ def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tens
     BLOCK_T, BLOCK_C = 32, 128
     _conv1d_prefill_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C))](
         x, weight, conv_state, cu_seqlens, slots, out, T, C, R, x.stride(0),
-        K=K, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, BLOCK_R=max(2, _pow2(R)))
+        K=K, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, BLOCK_R=max(16, _pow2(R)))
     _conv1d_state_kernel[(R, triton.cdiv(C, BLOCK_C))](
         x, conv_state, cu_seqlens, slots, C, x.stride(0), K=K, BLOCK_K=max(2, _pow2(K - 1)), BLOCK_C=BLOCK_C)
     return out

@@ -37,8 +37,10 @@ uniforms: argmax p / -log u, i.e. argmax (s - max s) - log(-log u). No full sort
 A row whose candidates would exceed MAX_CANDIDATES (top-k in the thousands, a flat distribution's mass spread
 past 32 nats, or more ids than that tied at a threshold), or a refined row whose boundary lies past its window,
 is flagged, and the caller samples that row with the reference. Nothing here synchronises with the host, so
-`draw` can be captured in a CUDA graph. On sm90 each pass is launched with programmatic dependent launch and waits
-for the pass before it at its start (`kernels.launch.pdl_options`).
+`draw` can be captured in a CUDA graph. The programs per row (`splits`, `W`) change with the batch size: Triton
+does not specialise on them, so one compiled variant serves every batch (`chunk`, a multiple of the block, keeps
+its divisibility hint). On sm90 each pass is launched with programmatic dependent launch and waits for the pass
+before it at its start (`kernels.launch.pdl_options`).
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def _row_stats(part_ptr, row, splits, MAX_SPLITS: tl.constexpr):
     return raw_m, raw_l, s_m, s_l
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _stats_kernel(raw_ptr, adj_ptr, temp_ptr, topk_ptr, part_ptr, part_i_ptr, lanes_ptr, hist_ptr, fine_ptr, count_ptr,
                   settled_ptr, floor_ptr, arrived_ptr, V, chunk, splits, PENALISED: tl.constexpr,
                   BLOCK: tl.constexpr, PDL: tl.constexpr = False):
@@ -223,7 +225,7 @@ def _top_p_alone(temp_ptr, topk_ptr, topp_ptr, settled_ptr, row):
             & (tl.load(settled_ptr + row) == -1))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits", "W"])
 def _race_above_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, settled_ptr,
                        floor_ptr, race_ptr, race_i_ptr, rows_ptr, n_rows_ptr, next_n_ptr, V, splits, rchunk, W,
                        MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, LISTED: tl.constexpr,
@@ -285,7 +287,7 @@ def _round_winner(race_ptr, race_i_ptr, row, splits, MAX_SPLITS: tl.constexpr):
     return tl.load(race_i_ptr + row * splits + tl.argmax(races, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits", "W"])
 def _mass_ahead_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, settled_ptr, floor_ptr, race_ptr,
                        race_i_ptr, ahead_ptr, arrived_ptr, rows_ptr, n_rows_ptr, next_rows_ptr, next_n_ptr, V, splits,
                        rchunk, W, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, LISTED: tl.constexpr,
@@ -397,7 +399,7 @@ def _kth_of_kept_lanes(lanes_ptr, row, splits, top_k, BLOCK_S: tl.constexpr):
     return _key_value(top)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _hist_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, part_ptr, lanes_ptr, kth_ptr, hist_ptr, settled_ptr, V, chunk,
                  splits, MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
                  PDL: tl.constexpr = False):
@@ -532,7 +534,7 @@ def _copy_out(count_ptr, cand_s_ptr, cand_i_ptr, row, take, s, cols, MAX_CAND: t
         tl.store(cand_i_ptr + row * MAX_CAND + at, cols, mask=take & (at < MAX_CAND))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _take_or_refine_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, hist_ptr, fine_ptr, kth_ptr,
                            count_ptr, cand_s_ptr, cand_i_ptr, settled_ptr, V, chunk, splits, MAX_SPLITS: tl.constexpr,
                            BLOCK: tl.constexpr, MAX_CAND: tl.constexpr, PDL: tl.constexpr = False):
@@ -575,7 +577,7 @@ def _take_or_refine_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part
             tl.store(base + 8, tl.sum(window, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _gather_kernel(adj_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
                    hist_ptr, fine_ptr, count_ptr, cand_s_ptr, cand_i_ptr, settled_ptr, V, chunk, splits,
                    MAX_SPLITS: tl.constexpr, BLOCK: tl.constexpr, MAX_CAND: tl.constexpr,
@@ -662,7 +664,7 @@ def _ahead_of(cand_s_ptr, cand_i_ptr, row, n_band, s_i, id_i, s_m,
     return rank, before
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _finish_kernel(raw_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr, part_ptr, part_i_ptr,
                    hist_ptr, fine_ptr, count_ptr, cand_s_ptr, cand_i_ptr, settled_ptr, token_ptr, logprob_ptr,
                    done_ptr, V, splits, MAX_SPLITS: tl.constexpr, MAX_CAND: tl.constexpr, TILE: tl.constexpr,

@@ -13,20 +13,26 @@ import torch
 from deltaserve.kernels.gdn import GdnChunks
 
 
+ALIGN = 16  # elements: each uploaded list starts 64- or 128-byte aligned
+
+
 def upload(arrays: dict[str, list[int]], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
     """The lists as 1-D tensors on `device`, views of one buffer sent in one copy. To a GPU it goes from pinned
     memory without blocking: a copy from pageable memory would first wait for everything queued on the stream (in
-    a mixed step, the decode graph just launched), and the prefill's launches with it."""
-    flat = torch.tensor([v for values in arrays.values() for v in values], dtype=dtype)
+    a mixed step, the decode graph just launched), and the prefill's launches with it. Each view starts ALIGN
+    elements apart: Triton compiles a kernel again for a pointer that is not 16-byte aligned, which a view at
+    an arbitrary offset would be in some steps and not in others."""
+    starts, padded = [], []
+    for values in arrays.values():
+        starts.append(len(padded))
+        padded.extend(values)
+        padded.extend([0] * (-len(values) % ALIGN))
+    flat = torch.tensor(padded, dtype=dtype)
     if torch.device(device).type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     else:
         flat = flat.to(device)
-    out, at = {}, 0
-    for name, values in arrays.items():
-        out[name] = flat[at : at + len(values)]
-        at += len(values)
-    return out
+    return {name: flat[start : start + len(values)] for (name, values), start in zip(arrays.items(), starts)}
 
 
 @dataclass

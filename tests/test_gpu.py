@@ -246,6 +246,57 @@ def test_overlap_scheduling_changes_no_token_on_the_gpu(real_geometry_ckpt, samp
     assert len({tuple(t) for t in sync}) > 1
 
 
+def triton_variants() -> dict[str, int]:
+    """Compiled variants per Triton kernel of ours, in this process (Triton keeps one per specialisation: an integer
+    1, divisible by 16 or neither; a pointer 16-byte aligned or not; each constexpr)."""
+    import triton
+
+    from deltaserve.kernels import triton_sampling
+
+    counts = {}
+    for module in (attention, conv1d, gdn, gemv, launch, norm, triton_sampling):
+        for name, obj in vars(module).items():
+            while not isinstance(obj, triton.runtime.JITFunction) and hasattr(obj, "fn"):
+                obj = obj.fn  # autotuner and heuristics wrappers
+            if isinstance(obj, triton.runtime.JITFunction):
+                counts[f"{obj.fn.__module__.rsplit('.', 1)[-1]}.{obj.fn.__name__}"] = sum(
+                    len(cache[0]) for cache in obj.device_caches.values())
+    return counts
+
+
+def test_serving_after_the_warm_up_compiles_no_triton_kernel(real_geometry_ckpt):
+    """The warm-up before "engine ready" must reach every specialisation a server then meets: 96 requests arriving
+    over half a second (prompts of 1-700 tokens, packed and chunked; decode batches up to 48; greedy, top-k, top-p,
+    penalties with log-probs) compile nothing more. A kernel compiled while serving stalls every stream for
+    seconds."""
+    import random
+
+    from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+
+    rng = random.Random(0)
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_k=20), dict(temperature=0.7, top_p=0.9),
+             dict(temperature=0.9, top_p=0.95, presence_penalty=0.5, repetition_penalty=1.1, logprobs=3)]
+
+    async def main():
+        args = EngineArgs(model=real_geometry_ckpt, device="cuda", max_batch=48, max_model_len=1024,
+                          load_format="random", buckets=[1, 2, 4, 8, 16, 24, 32, 48], prefill_token_budget=512)
+        async with AsyncEngine(args) as engine:
+            before = triton_variants()
+
+            async def one(i):
+                await asyncio.sleep(rng.random() * 0.5)
+                prompt = [rng.randrange(3000) for _ in range(rng.randint(1, 700))]
+                params = SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True, seed=i, **kinds[i % 4])
+                async for _ in engine.generate(prompt, params):
+                    pass
+
+            await asyncio.gather(*[one(i) for i in range(96)])
+            after = triton_variants()
+        return {name: n - before.get(name, 0) for name, n in after.items() if n != before.get(name, 0)}
+
+    assert asyncio.run(main()) == {}
+
+
 def test_bf16_model_at_the_4b_width_matches_hf(T, tmp_path):
     """Our bf16 forward on the GPU (Triton ops) against transformers' in fp32, at the 4B width with four layers
     (three GDN, one attention) from a bf16 checkpoint: a 40-token prefill, then 24 one-row decode steps (the fused
