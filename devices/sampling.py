@@ -153,10 +153,12 @@ class SlotSampling:
             self._unsettled.append(d)
         return d
 
-    def settle(self) -> None:
-        """Wait for every unsettled draw and have the reference draw again the rows the sampler flagged, on the
-        device too (the last token, the penalty counts) wherever the row's request is now."""
-        for d in self._unsettled:
+    def settle(self, until: Draw | None = None) -> None:
+        """Wait for the unsettled draws (in order, up to `until`; all by default) and have the reference draw again
+        the rows the sampler flagged, on the device too (the last token, the penalty counts) wherever the row's
+        request is now."""
+        while self._unsettled:
+            d = self._unsettled.pop(0)
             d.wait()
             tokens, chosen, _, _, done = d.host
             flagged = [i for i, f in enumerate(done.tolist()) if not f]
@@ -164,21 +166,21 @@ class SlotSampling:
                 index = torch.tensor(flagged, device=d.logits.device)
                 redrawn, logprob, _, _ = sample_reference(d.logits[index], d.params.rows(index))
                 for i, token, lp in zip(flagged, redrawn.tolist(), logprob.tolist()):
-                    if d.params.output_counts is not None and d.slots[i] >= 0:
-                        self._count(torch.tensor([d.slots[i]], device=self.device),
-                                    torch.tensor([int(tokens[i])], device=self.device), -1)
-                        self._count(torch.tensor([d.slots[i]], device=self.device),
-                                    torch.tensor([token], device=self.device), 1)
-                    if d.slots[i] >= 0:
-                        self.last_tokens[d.slots[i]] = token
+                    slot = d.slots[i]
+                    if slot >= 0:
+                        self.last_tokens[slot] = token
+                        if d.params.output_counts is not None:
+                            self.output_counts[slot, int(tokens[i])] -= 1
+                            self.output_counts[slot, token] += 1
                     tokens[i], chosen[i] = token, lp
             d.settled = True
-        self._unsettled = []
+            if d is until:
+                return
 
     def collect(self, d: Draw) -> list[SampledToken]:
         """The draw's tokens on the host (waiting for them)."""
         if not d.settled:
-            self.settle()
+            self.settle(until=d)
         d.wait()
         tokens, chosen, top_ids, top_lp, _ = d.host
         tokens, chosen = tokens.tolist(), chosen.tolist()

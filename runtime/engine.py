@@ -446,8 +446,9 @@ class AsyncEngine:
     async def _run_steps_overlapped(self) -> None:
         """`_run_steps` one step ahead: step k+1 is planned and handed over as soon as step k is, before k's
         tokens reach the host (rank 0 takes them on the device, and launches k+1 before it reads k's), so the
-        devices wait neither for the loop's routing, stop checks and outputs nor for the tokens' trip to the host. A request that a token or stop string ends at step k has a row in step k+1 too: that
-        one extra token is drawn and dropped. max_tokens needs no tokens: the scheduler retires at it."""
+        devices wait neither for the loop's routing, stop checks and outputs nor for the tokens' trip to the host.
+        A request that a token or stop string ends at step k has a row in step k+1 too: that one extra token is
+        drawn and dropped. max_tokens needs no tokens: the scheduler retires at it."""
         sched = self.scheduler
         previous = in_flight = None  # (plan, step, handed over at)
         last_done = 0.0  # a step handed over early starts only once the one before it is done
