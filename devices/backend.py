@@ -8,6 +8,7 @@ them, its decode graphs. The replica drives every backend the same way and never
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Protocol
 
@@ -15,6 +16,15 @@ import torch
 
 from deltaserve.kernels.config import KernelConfig
 from deltaserve.kernels.ops import ForwardOps
+
+def kernel_cache_dir() -> str:
+    """Where compiled Triton kernels are kept across starts: $TRITON_CACHE_DIR when set, else deltaserve/triton
+    under the user's cache folder ($XDG_CACHE_HOME, or ~/.cache)."""
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return os.environ["TRITON_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "deltaserve", "triton")
+
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 DecodeProgram = Callable[[], torch.Tensor]  # one decode step over a bucket's fixed inputs; returns its logits

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -20,7 +21,7 @@ from cuda.bindings import runtime as cudart
 
 from deltaserve.kernels.config import KernelConfig
 
-from .backend import DecodeProgram
+from .backend import DecodeProgram, kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,9 @@ class CudaBackend:
 
     def __init__(self, kernel_config: KernelConfig) -> None:
         self.kernel_config = kernel_config
+        # Before the first compile: Triton reads it then. A second start loads every kernel from here.
+        os.environ["TRITON_CACHE_DIR"] = kernel_cache_dir()
+        log.info("Triton kernel cache: %s", os.environ["TRITON_CACHE_DIR"])
 
     def check_devices(self, tp: int) -> None:
         if not torch.cuda.is_available():

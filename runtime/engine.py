@@ -155,7 +155,7 @@ class AsyncEngine:
         await self.close()
 
     async def start(self) -> None:
-        args = self.args
+        args, started = self.args, time.perf_counter()
         if args.model is None:
             args.model = demo_checkpoint()
         self.cfg = load_model_config(args.model)
@@ -197,12 +197,13 @@ class AsyncEngine:
             await self._warm_up()
         if args.stats_interval_s > 0:
             self._stats_task = asyncio.get_running_loop().create_task(self._log_stats(args.stats_interval_s))
-        log.info("engine ready: model %s on %s (tp=%d, %s), max_batch %d, max_model_len %d",
-                 self.model_name, args.device, args.tp, args.dtype, plan.max_batch, self.max_model_len)
+        log.info("engine ready in %.1f s: model %s on %s (tp=%d, %s), max_batch %d, max_model_len %d",
+                 time.perf_counter() - started, self.model_name, args.device, args.tp, args.dtype, plan.max_batch,
+                 self.max_model_len)
 
     async def _warm_up(self) -> None:
         """Serve requests that reach every shape class and sampler path the server will meet, so each Triton
-        kernel is compiled (or loaded from Triton's cache, ~/.triton/cache or $TRITON_CACHE_DIR) before the first
+        kernel is compiled (or loaded from the cache, `devices.backend.kernel_cache_dir`) before the first
         client waits on it. Token counts: 1, a multiple of 16, others (Triton specialises on both), prompts packed
         into one step, a prompt chunked across steps; decode at several batch sizes; greedy, top-k, top-p alone,
         penalties, min_tokens, log-probs."""

@@ -292,3 +292,16 @@ def test_penalty_counts_are_paid_for_only_by_steps_with_a_penalised_row():
 
     sampling.move(0, 2)  # a compaction: the counts go with the request
     assert int(sampling.output_counts[2, 7]) == 1
+
+
+def test_kernels_are_cached_under_the_users_cache_folder(monkeypatch, tmp_path):
+    from deltaserve.devices.backend import kernel_cache_dir
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert kernel_cache_dir() == str(tmp_path / "deltaserve" / "triton")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert kernel_cache_dir() == str(tmp_path / "home" / ".cache" / "deltaserve" / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")  # the user's choice wins
+    assert kernel_cache_dir() == "/somewhere/else"
