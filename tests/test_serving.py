@@ -131,7 +131,7 @@ def test_prompts_of_several_chunks_alone_and_packed_match_the_model_and_hf(tiny_
 def test_overlap_scheduling_changes_no_output(tiny_tp_ckpt, tp):
     """The same requests, arriving at the same moments, with overlap scheduling off and on: the same tokens, text,
     finish reasons and log-probs (greedy and seeded sampling; stop strings, stop ids, EOS, max_tokens). At tp = 2
-    the second rank takes the tokens it was not sent from rank 0 (TokenRelay)."""
+    the second rank takes the tokens it was not sent from rank 0 on the device (an all-reduce with zeros)."""
     cases = [(prompt_of(4 + 9 * i, 300 + i), SamplingParams(
         max_tokens=5 + 3 * i, temperature=0.0 if i % 2 else 0.8, seed=50 + i, top_k=8, logprobs=2,
         stop=["e"] if i % 3 == 0 else [], stop_token_ids=[11 + i] if i % 4 == 1 else [], ignore_eos=i % 5 == 4))
