@@ -199,7 +199,7 @@ async def run(args: argparse.Namespace) -> dict:
         "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
         "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
         "random_range_ratio": args.random_range_ratio, "ignore_eos": args.ignore_eos,
-        "sampling": sampling_fields(args),
+        "sampling": sampling,
         "errors": [r.error for r in results if not r.success],
         "input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
         "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],

@@ -3,10 +3,10 @@
     python -m deltaserve.tools.lab.profile_engine_step --size 4b [--layers N] [--batches 1,64] [--context 1024]
 
 Random bf16 weights on a CUDA device (`tools.bench_decode`'s engine), tp = 1. For each batch size, `rows` greedy
-requests stream through `engine.generate` (as in bench_decode's engine column, without overlap scheduling: one `execute`
-a step) while rank 0's `execute` and
-`SlotSampling.draw` + `collect` are timed. Printed per batch: the engine's step; `execute`, the device thread's whole step (inputs, the
-graph's launch, sampling, the read-back); `sample`, the part of it from the sampler's launch to the read-back
+requests stream through `engine.generate` (as in bench_decode's engine column, but without overlap scheduling: one
+`execute` a step) while rank 0's `execute` and `SlotSampling.draw` + `collect` are timed. Printed per batch: the
+engine's step; `execute`, the device thread's whole step (inputs, the graph's launch, sampling, the read-back);
+`sample`, the part of it from the sampler's launch to the read-back
 (it includes waiting for the forward); and the gap between two `execute`s, during which the GPU has nothing
 queued. The gap is split in two: from a step's end to the next step's hand-off (the event loop routes the
 results and plans the step) and from the hand-off to rank 0's start (its thread waking and taking the GIL).
