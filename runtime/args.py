@@ -19,7 +19,10 @@ class EngineArgs:
     max_model_len: int | None = None  # default: min(config max_position_embeddings, 32768)
     cuda_graph: bool = True
     seed: int = 0
-    prefill_token_budget: int = 2048  # prompt tokens per step (chunked prefill)
+    prefill_token_budget: int = 2048  # prompt tokens per step at most (chunked prefill)
+    # A step carrying prompt tokens beside decode rows takes at most this many times a decode-only step (the
+    # chunk adapts, `runtime.step_budget`); 0: every step carries up to prefill_token_budget.
+    step_latency_ratio: float = 2.0
     prefill_slots: int = 4  # requests prefilling at once
     buckets: list[int] | None = None  # decode batch buckets (graphs are captured per bucket)
     memory_fraction: float = 0.90  # of the GPU's free memory after weights
@@ -60,5 +63,8 @@ class EngineArgs:
             raise ValueError(f"buckets must be a non-empty list of positive integers, got {self.buckets!r}")
         if self.load_format not in ("safetensors", "random"):
             raise ValueError(f"load_format must be 'safetensors' or 'random', got {self.load_format!r}")
+        if not isinstance(self.step_latency_ratio, (int, float)) or isinstance(self.step_latency_ratio, bool) or \
+                not (self.step_latency_ratio == 0 or self.step_latency_ratio > 1):
+            raise ValueError(f"step_latency_ratio must be above 1, or 0 (off), got {self.step_latency_ratio!r}")
         if self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be positive")

@@ -59,6 +59,13 @@ def _float_in(lo: float, hi: float | None = None, lo_open: bool = False):
     return parse
 
 
+def _ratio(text: str) -> float:
+    value = _float_in(0.0)(text)
+    if 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be above 1, or 0 (off)")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(EXIT_STARTUP_FAILED, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -95,7 +102,11 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=_int_in(1, 4096), metavar="N",
                         default=defaults.max_batch, help="requests decoding at once (lowered if memory is short)")
     parser.add_argument("--max-num-batched-tokens", dest="prefill_token_budget", type=_int_in(1), metavar="N",
-                        default=defaults.prefill_token_budget, help="prompt tokens prefilled per step")
+                        default=defaults.prefill_token_budget, help="prompt tokens prefilled per step at most")
+    parser.add_argument("--step-latency-ratio", type=_ratio, metavar="R", default=defaults.step_latency_ratio,
+                        help="a step that prefills beside running requests takes at most R times a decode-only "
+                             "step: its prompt tokens adapt, which bounds ITL p99 (0: always up to "
+                             "--max-num-batched-tokens)")
     parser.add_argument("--max-waiting", type=_int_in(1), default=defaults.max_waiting,
                         help="requests queued before new ones get 503 with Retry-After")
     parser.add_argument("--gpu-memory-utilization", dest="memory_fraction", metavar="FRACTION",
@@ -166,6 +177,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         model=checkpoint_folder(ns), device=ns.device, tp=ns.tp, dtype=None if ns.dtype == "auto" else ns.dtype,
         max_batch=ns.max_batch, max_model_len=ns.max_model_len, cuda_graph=not ns.enforce_eager,
         served_model_name=ns.served_model_name, seed=ns.seed, prefill_token_budget=ns.prefill_token_budget,
+        step_latency_ratio=ns.step_latency_ratio,
         max_waiting=ns.max_waiting, memory_fraction=ns.memory_fraction, load_format=ns.load_format,
         stats_interval_s=ns.stats_interval, warmup=ns.warmup, async_scheduling=ns.async_scheduling,
     )

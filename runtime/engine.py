@@ -34,6 +34,7 @@ from .args import EngineArgs
 from .metrics import EngineMetrics
 from .params import SamplingParams
 from .scheduler import CapacityError, Scheduler, default_buckets
+from .step_budget import StepBudget
 from .text import IncrementalDetokenizer, PromptTooLong, StopMatcher, TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,7 @@ class AsyncEngine:
             num_pages=plan.num_pages, page_size=plan.page_size, max_batch=plan.max_batch,
             max_prefill_slots=plan.prefill_slots, prefill_token_budget=args.prefill_token_budget,
             max_model_len=self.max_model_len, buckets=self.replica.buckets,
+            step_budget=self._step_budget(),
         )
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="deltaserve-step-loop")
         if args.warmup if args.warmup is not None else args.device == "cuda":
@@ -200,6 +202,9 @@ class AsyncEngine:
         log.info("engine ready in %.1f s: model %s on %s (tp=%d, %s), max_batch %d, max_model_len %d",
                  time.perf_counter() - started, self.model_name, args.device, args.tp, args.dtype, plan.max_batch,
                  self.max_model_len)
+
+    def _step_budget(self) -> StepBudget:
+        return StepBudget(self.args.prefill_token_budget, self.args.step_latency_ratio)
 
     async def _warm_up(self) -> None:
         """Serve requests that reach every shape class and sampler path the server will meet, so each Triton
@@ -234,6 +239,7 @@ class AsyncEngine:
         if self._dead is not None:
             raise RuntimeError(f"the warm-up requests failed: {self._dead}")
         self.metrics = EngineMetrics()  # what /metrics reports starts with the first real request
+        self.scheduler.step_budget = self._step_budget()  # the warm-up's step times include its compiles
         log.info("warm-up: %d requests in %.1f s (Triton kernels compiled or loaded from the cache)",
                  sum(map(len, waves)), time.perf_counter() - started)
 
@@ -439,7 +445,7 @@ class AsyncEngine:
             except BaseException:
                 self._emit(outputs)  # the tokens drawn before the failure still reach their streams
                 raise
-            self.metrics.step_seconds.observe(time.perf_counter() - started)
+            self._observe_step(plan, time.perf_counter() - started)
             self._count(plan)
             outputs = self._apply(plan, result)
         self._emit(outputs)  # closing: the last step's outputs come before `close` ends the requests
@@ -469,7 +475,7 @@ class AsyncEngine:
                     done_plan, done_step, handed = previous
                     result = await done_step
                     now = time.perf_counter()
-                    self.metrics.step_seconds.observe(now - max(handed, last_done))
+                    self._observe_step(done_plan, now - max(handed, last_done))
                     last_done = now
                     self._emit(self._apply(done_plan, result))
             if in_flight is not None:  # closing: the last step's tokens come before `close` ends the requests
@@ -479,6 +485,10 @@ class AsyncEngine:
             for step in (previous, in_flight):
                 if step is not None:
                     step[1].close()
+
+    def _observe_step(self, plan, seconds: float) -> None:
+        self.metrics.step_seconds.observe(seconds)
+        self.scheduler.step_budget.observe(plan.bucket, sum(w.length for w in plan.prefill), seconds)
 
     def _command(self, plan) -> StepCommand:
         reqs = self.requests

@@ -16,6 +16,8 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from .step_budget import StepBudget
+
 
 class CapacityError(ValueError):
     """A request that can never fit this engine (too long for the context, or for the KV pages)."""
@@ -103,11 +105,14 @@ class Scheduler:
         prefill_token_budget: int,
         max_model_len: int,
         buckets: list[int] | None = None,
+        step_budget: StepBudget | None = None,
     ) -> None:
         if min(num_pages, page_size, max_batch, max_prefill_slots, prefill_token_budget, max_model_len) < 1:
             raise ValueError("scheduler sizes must all be positive")
         self.page_size, self.max_batch, self.max_model_len = page_size, max_batch, max_model_len
-        self.prefill_token_budget = prefill_token_budget
+        self.prefill_token_budget = prefill_token_budget  # the most prompt tokens of any step
+        # The prompt tokens of a step beside decode rows; without one, every step carries up to the most.
+        self.step_budget = step_budget
         self.num_pages = num_pages
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
         self.free_prefill_slots: list[int] = list(range(max_batch + max_prefill_slots - 1, max_batch - 1, -1))
@@ -253,8 +258,10 @@ class Scheduler:
             req.phase = Phase.PREFILL
             self.prefilling.append(req.request_id)
 
-    def _prefill_chunks(self) -> list[PrefillWork]:
-        budget, work = self.prefill_token_budget, []
+    def _prefill_chunks(self, bucket: int) -> list[PrefillWork]:
+        # The oldest prompt first: prompts arriving together finish in order, not all at the end.
+        budget = self.step_budget.tokens(bucket) if self.step_budget else self.prefill_token_budget
+        budget, work = min(budget, self.prefill_token_budget), []
         for rid in self.prefilling:
             if budget == 0:
                 break
@@ -269,9 +276,9 @@ class Scheduler:
         compactions, released = self._retire()
         promotions = self._promote()
         self._admit()
-        prefill = self._prefill_chunks()
         decode_ids = list(self.decode_slots)
-        return StepPlan(compactions, released, promotions, decode_ids, self.bucket_for(len(decode_ids)), prefill)
+        bucket = self.bucket_for(len(decode_ids))
+        return StepPlan(compactions, released, promotions, decode_ids, bucket, self._prefill_chunks(bucket))
 
     # Invariants (tests and debugging) ---------------------------------------------------------------------------
     def check_invariants(self) -> None:

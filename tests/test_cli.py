@@ -113,6 +113,10 @@ def test_help_version_and_vllm_names(capsys):
         "m", 512, "bfloat16", "random")
     assert args.async_scheduling and cli.engine_args(parser.parse_args([])).async_scheduling  # on by default
     assert not cli.engine_args(parser.parse_args(["--no-async-scheduling"])).async_scheduling
+    assert cli.engine_args(parser.parse_args(["--step-latency-ratio", "0"])).step_latency_ratio == 0
+    assert cli.engine_args(parser.parse_args(["--step-latency-ratio", "3"])).step_latency_ratio == 3.0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--step-latency-ratio", "0.5"])
     old = parser.parse_args(["--tp", "2", "--max-batch", "3", "--no-cuda-graph"])
     assert (old.tp, old.max_batch, old.enforce_eager) == (2, 3, True)
 

@@ -287,7 +287,7 @@ def test_bad_prompts_raise_before_queueing(tiny_ckpt):
 
 def test_bad_engine_args_name_the_field():
     for field, value in (("device", "tpu"), ("tp", 0), ("dtype", "int8"), ("max_batch", -1),
-                         ("memory_fraction", 0.0)):
+                         ("memory_fraction", 0.0), ("step_latency_ratio", 1.0), ("step_latency_ratio", -2)):
         with pytest.raises(ValueError, match=field):
             EngineArgs(**{field: value})
 

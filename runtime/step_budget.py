@@ -1,0 +1,95 @@
+"""How many prompt tokens a step carries beside the decode batch.
+
+A step that carries a prefill chunk delays every running stream's next token by the chunk's time, and those
+steps make the inter-token latency's tail (ITL p99 against p50). `StepBudget` sizes each step's chunk so that a
+mixed step takes at most `ratio` times a decode-only step of the same bucket. It learns from the step times the
+engine measures: a decode-only step's time per bucket, and what a chunk of p prompt tokens adds to a step, fitted
+as fixed + per_token * p over the recent steps. A step without decode rows carries the whole budget
+(`max_tokens`, `--max-num-batched-tokens`), as does a step whose chunk's fixed cost alone breaks the ratio:
+smaller chunks would then only add fixed costs, lowering throughput without meeting the ratio.
+
+Plain Python, no torch: the scheduler asks `tokens(bucket)` when it plans, the engine `observe`s each step.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+class StepBudget:
+    MIN_TOKENS = 64  # a chunk smaller than this runs the matmuls far below their rate
+    SMOOTHING = 0.1  # weight of the newest step in each running estimate (about the last ten steps count)
+    MAX_JUMP = 4.0  # a step moves an estimate by at most this factor: a compile or a stall is not the rate
+
+    def __init__(self, max_tokens: int, ratio: float) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        if ratio != 0 and ratio <= 1:
+            raise ValueError(f"ratio must be above 1 (or 0: off), got {ratio}")
+        self.max_tokens, self.ratio = max_tokens, ratio
+        self.min_tokens = min(self.MIN_TOKENS, max_tokens)
+        self.decode_s: dict[int, float] = {}  # bucket -> a decode-only step's seconds
+        # Decayed sums over the steps with prompt tokens: weight, p, p^2, added seconds e, p * e.
+        self._sums = [0.0] * 5
+
+    def tokens(self, bucket: int) -> int:
+        """Prompt tokens the next step may carry beside `bucket` decode rows."""
+        if bucket == 0 or self.ratio == 0:
+            return self.max_tokens
+        decode, fit = self._decode_time(bucket), self.chunk_cost()
+        if decode is None or fit is None:
+            return self.max_tokens
+        fixed, per_token = fit
+        allowed = (self.ratio - 1.0) * decode - fixed
+        if allowed <= per_token * self.min_tokens:
+            return self.max_tokens
+        return max(self.min_tokens, min(self.max_tokens, int(allowed / per_token)))
+
+    def observe(self, bucket: int, prefill_tokens: int, seconds: float) -> None:
+        """One step's measured time: `bucket` decode rows (0: none) and `prefill_tokens` prompt tokens."""
+        if seconds <= 0:
+            return
+        if prefill_tokens == 0:
+            if bucket:
+                self.decode_s[bucket] = self._blend(self.decode_s.get(bucket), seconds)
+            return
+        decode = self._decode_time(bucket) if bucket else 0.0
+        if decode is None:
+            return  # what the chunk added is unknown until this bucket has run alone
+        added, fit = max(seconds - decode, 0.0), self.chunk_cost()
+        if fit is not None:
+            expected = fit[0] + fit[1] * prefill_tokens
+            added = min(max(added, expected / self.MAX_JUMP), expected * self.MAX_JUMP)
+        p, keep = float(prefill_tokens), 1.0 - self.SMOOTHING
+        for i, value in enumerate((1.0, p, p * p, added, p * added)):
+            self._sums[i] = keep * self._sums[i] + value
+
+    def chunk_cost(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token) a chunk adds to a step, or None before any chunk ran. While the
+        chunks seen are all about one size the two cannot be told apart: then all of it counts per token."""
+        w, sp, spp, se, spe = self._sums
+        if w == 0 or sp == 0:
+            return None
+        mean_p, mean_e = sp / w, se / w
+        var = spp / w - mean_p * mean_p
+        if var > (0.05 * mean_p) ** 2:
+            per_token = (spe / w - mean_p * mean_e) / var
+            if per_token > 0:
+                return max(mean_e - per_token * mean_p, 0.0), per_token
+        return 0.0, mean_e / mean_p if mean_e > 0 else 1e-9
+
+    def _decode_time(self, bucket: int) -> float | None:
+        """The bucket's own estimate, else the nearest measured bucket's (few buckets run alone under load)."""
+        if bucket in self.decode_s:
+            return self.decode_s[bucket]
+        if not self.decode_s:
+            return None
+        known = sorted(self.decode_s)
+        i = bisect.bisect_left(known, bucket)
+        return self.decode_s[min(known[max(i - 1, 0) : i + 1], key=lambda b: abs(b - bucket))]
+
+    def _blend(self, estimate: float | None, sample: float) -> float:
+        if estimate is None:
+            return sample
+        sample = min(max(sample, estimate / self.MAX_JUMP), estimate * self.MAX_JUMP)
+        return (1 - self.SMOOTHING) * estimate + self.SMOOTHING * sample
