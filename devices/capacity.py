@@ -25,7 +25,8 @@ class CapacityPlan:
     page_size: int  # tokens per KV page
     largest_bucket: int  # buckets up to this one are captured
     graph_reserve_bytes: int
-    state_bytes: int  # slots + pages, as allocated
+    state_bytes: int  # slots + pages + snapshots, as allocated
+    snapshots: int = 0  # the prefix cache's state snapshots
 
 
 def plan_capacity(
@@ -40,10 +41,13 @@ def plan_capacity(
     prefill_scratch_bytes: int,
     buckets: list[int],
     graph_reserve: Callable[[int], int],
+    snapshot_bytes: int = 0,
 ) -> CapacityPlan:
-    """Fit the largest batch <= requested_batch such that every row can hold a full-length context."""
+    """Fit the largest batch <= requested_batch such that every row can hold a full-length context, after
+    `snapshot_bytes` for the prefix cache's state snapshots (as many as fit)."""
     buckets = sorted(buckets)
-    budget = free_bytes - prefill_scratch_bytes
+    snapshots = max(0, snapshot_bytes) // bytes_per_slot
+    budget = free_bytes - prefill_scratch_bytes - snapshots * bytes_per_slot
     pages_per_request = -(-max_model_len // page_size)
     # Each decode row needs its slot and a full context of pages; prefill slots need state but share those pages.
     per_row = bytes_per_slot + pages_per_request * bytes_per_page
@@ -60,10 +64,13 @@ def plan_capacity(
             if index == 0:
                 raise CapacityRefused(
                     f"not even one request fits: {free_bytes / 2**20:.0f} MiB free, minus "
-                    f"{prefill_scratch_bytes / 2**20:.0f} MiB prefill scratch and {reserve / 2**20:.0f} MiB graph "
+                    f"{prefill_scratch_bytes / 2**20:.0f} MiB prefill scratch, "
+                    f"{snapshots * bytes_per_slot / 2**20:.0f} MiB of prefix-cache snapshots and "
+                    f"{reserve / 2**20:.0f} MiB graph "
                     f"reserve (bucket {buckets[0]}), leaves less than one row "
                     f"({per_row / 2**20:.1f} MiB: state {bytes_per_slot / 2**20:.1f} MiB + {pages_per_request} KV "
-                    f"pages for max_model_len {max_model_len}); lower max_model_len or free memory"
+                    f"pages for max_model_len {max_model_len}); lower max_model_len or the "
+                    f"prefix cache's state (--prefix-cache-state-gib), or free memory"
                 )
             index -= 1
             continue
@@ -76,5 +83,5 @@ def plan_capacity(
     slots_bytes = (batch + prefill_slots + 1) * bytes_per_slot
     num_pages = (budget - reserve - slots_bytes) // bytes_per_page - 1
     assert num_pages >= batch * pages_per_request
-    state = slots_bytes + (num_pages + 1) * bytes_per_page
-    return CapacityPlan(batch, prefill_slots, num_pages, page_size, buckets[index], reserve, state)
+    state = slots_bytes + (num_pages + 1) * bytes_per_page + snapshots * bytes_per_slot
+    return CapacityPlan(batch, prefill_slots, num_pages, page_size, buckets[index], reserve, state, snapshots)

@@ -55,6 +55,9 @@ class PrefillCommand:
     pages: list[int]
     last: bool
     sampling: RowSampling | None = None  # sent with a request's first chunk
+    # With the first chunk of a request resuming after a cached prefix whose penalties count prompt ids: the
+    # prefix's ids (the chunks never carry them).
+    prefix_ids: list[int] = field(default_factory=list)
 
 
 UNKNOWN_TOKEN = -1
@@ -72,6 +75,11 @@ class StepCommand:
     decode_token_index: list[int] = field(default_factory=list)  # index of the token each row samples
     bucket: int = 0
     prefill: list[PrefillCommand] = field(default_factory=list)
+    # Prefix caching: (snapshot, slot) state restores and (src, dst) KV page copies before the forward;
+    # (slot, snapshot) state snapshots after it.
+    restore_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    copy_pages: list[tuple[int, int]] = field(default_factory=list)
+    save_snapshots: list[tuple[int, int]] = field(default_factory=list)
     step_seed: int = 0  # randomness for unseeded rows
     seq: int = 0  # the step's number, in hand-over order
 

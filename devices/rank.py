@@ -1,7 +1,7 @@
 """What one rank does with a step: slot bookkeeping, the batched decode and prefill forwards, sampling (rank 0).
 
-Slots: state slots 0..max_batch-1 are the dense decode slots, max_batch.. the prefill slots, then the trash
-slot. The decode page table, positions and token inputs live in fixed-address buffers sized for the largest
+Slots: state slots 0..max_batch-1 are the dense decode slots, max_batch.. the prefill slots, then the prefix
+cache's snapshot slots and the trash slot. The decode page table, positions and token inputs live in fixed-address buffers sized for the largest
 bucket, so a captured CUDA graph reads each step's inputs from the same addresses.
 """
 
@@ -157,6 +157,10 @@ class RankRuntime:
                 f"{[i for i, o in enumerate(self.occupied) if o]}"
             )
 
+    def _check_request_slot(self, slot: int) -> None:
+        if not self.max_batch <= slot < self.state.num_slots:
+            raise SlotProtocolError(f"rank {self.rank}: slot {slot} is not a prefill slot")
+
     # The step -------------------------------------------------------------------------------------------------------
     def execute(self, cmd: StepCommand, on_launched: Callable[[], None] = lambda: None) -> StepResult | None:
         """Run one step; `on_launched()` once the decode graph is queued on the GPU (at the start, when this step
@@ -175,7 +179,7 @@ class RankRuntime:
         self._apply_slot_changes(cmd)
         if self.sampling:
             for p in cmd.prefill:
-                self.sampling.start(p.slot, p.sampling, p.token_ids)
+                self.sampling.start(p.slot, p.sampling, p.prefix_ids + p.token_ids if p.prefix_ids else p.token_ids)
 
         decode_draw = prefill_draw = None
         n = len(cmd.decode_tokens)
@@ -199,10 +203,21 @@ class RankRuntime:
                 setup = self.sampling.prepare(list(range(n)), cmd.decode_token_index, cmd.step_seed)
                 decode_draw = self.sampling.draw(decode_logits[:n], setup)
 
+        # A prompt resuming after a cached prefix: its state and the KV of its partial page, before its chunk.
+        for snapshot, slot in cmd.restore_snapshots:
+            self._check_request_slot(slot)
+            self.state.copy_slot(self.state.snapshot_slot(snapshot), slot)
+        for src, dst in cmd.copy_pages:
+            if not (0 <= src < self.state.num_pages and 0 <= dst < self.state.num_pages):
+                raise SlotProtocolError(f"rank {self.rank}: page copy {src} -> {dst} is outside the pages")
+            self.state.copy_page(src, dst)
         if cmd.prefill:
             chunks = [PrefillChunk(p.token_ids, p.start, p.slot, p.pages) for p in cmd.prefill]
             batch = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
             prefill_logits = self.model.prefill(self.state, batch)
+            for slot, snapshot in cmd.save_snapshots:
+                self._check_request_slot(slot)
+                self.state.copy_slot(slot, self.state.snapshot_slot(snapshot))
             last = [i for i, p in enumerate(cmd.prefill) if p.last]
             if self.sampling and last:
                 # A prompt's last chunk draws the request's first token (token index 0).

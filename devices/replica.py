@@ -57,6 +57,11 @@ class ReplicaSpec:
     random_weights: bool = False  # generate weights on the device instead of reading the checkpoint's
     seed: int = 0
     kernel_config: KernelConfig | None = None  # cuda: the Triton ops' launch choices (None: the defaults)
+    # Per rank, for the prefix cache's state snapshots; None: SNAPSHOT_FRACTION of the memory after the weights.
+    snapshot_bytes: int | None = 0
+
+
+SNAPSHOT_FRACTION = 0.1
 
 
 class _Rank:
@@ -105,6 +110,7 @@ class Replica:
         started = time.perf_counter()
         free = await self.group.call(self._load, timeout_s=3600)
         log.info("weights loaded on %d rank(s) in %.1f s", spec.tp, time.perf_counter() - started)
+        snapshot_bytes = int(SNAPSHOT_FRACTION * min(free)) if spec.snapshot_bytes is None else spec.snapshot_bytes
         self.plan = plan_capacity(
             free_bytes=min(free),
             bytes_per_slot=self.sizes.bytes_per_slot,
@@ -118,6 +124,7 @@ class Replica:
             if spec.device == "cuda" else 0,
             buckets=spec.buckets,
             graph_reserve=lambda b: decode_activation_bytes(spec.cfg, self.local, self.dtype, b) if self._graphs else 0,
+            snapshot_bytes=snapshot_bytes,
         )
         if self.plan.max_batch < spec.max_batch:
             log.warning("max_batch lowered from %d to %d to fit memory", spec.max_batch, self.plan.max_batch)
@@ -129,6 +136,9 @@ class Replica:
             self.plan.max_batch, self.plan.prefill_slots, self.plan.num_pages, self.plan.num_pages * self.plan.page_size,
             self.plan.largest_bucket,
         )
+        if snapshot_bytes:
+            log.info("prefix cache: %d state snapshots per rank (%.2f GiB)", self.plan.snapshots,
+                     self.plan.snapshots * self.sizes.bytes_per_slot / 2**30)
         await self.group.call(self._allocate, timeout_s=3600)
         if self._graphs:
             started = time.perf_counter()
@@ -174,7 +184,7 @@ class Replica:
         spec, r, plan = self.spec, self.ranks[rank], self.plan
         with r.backend.context():
             state = ModelState(spec.cfg, self.local, plan.max_batch + plan.prefill_slots, plan.num_pages,
-                               self.dtype, r.backend.device, page_size=plan.page_size)
+                               self.dtype, r.backend.device, page_size=plan.page_size, num_snapshots=plan.snapshots)
             r.runtime = RankRuntime(
                 r.model, state, rank=rank, max_batch=plan.max_batch,
                 max_pages_per_seq=-(-spec.max_model_len // plan.page_size), device=r.backend.device, tp=spec.tp,

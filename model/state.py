@@ -40,7 +40,9 @@ class StateSizes:
 
 
 class ModelState:
-    """Fixed-address state of one rank: `num_slots` request slots and `num_pages` KV pages (+1 trash each)."""
+    """Fixed-address state of one rank: `num_slots` request slots, then `num_snapshots` snapshot slots (the prefix
+    cache's copies of a request slot's GDN state), then the trash slot (the last entry: the kernels send slot -1
+    there); `num_pages` KV pages and the trash page."""
 
     def __init__(
         self,
@@ -51,15 +53,18 @@ class ModelState:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         page_size: int = PAGE_SIZE,
+        num_snapshots: int = 0,
     ) -> None:
         self.num_slots, self.num_pages, self.page_size = num_slots, num_pages, page_size
-        self.trash_slot, self.trash_page = num_slots, num_pages
+        self.num_snapshots = num_snapshots
+        self.trash_slot, self.trash_page = num_slots + num_snapshots, num_pages
         n_gdn, n_attn = len(cfg.gdn_layers), len(cfg.attention_layers)
+        entries = num_slots + 1 + num_snapshots
         self.conv = torch.zeros(
-            n_gdn, num_slots + 1, cfg.linear_conv_kernel_dim - 1, local.gdn_conv_dim, dtype=dtype, device=device
+            n_gdn, entries, cfg.linear_conv_kernel_dim - 1, local.gdn_conv_dim, dtype=dtype, device=device
         )
         self.ssm = torch.zeros(
-            n_gdn, num_slots + 1, local.gdn_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+            n_gdn, entries, local.gdn_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
             dtype=torch.float32, device=device,
         )
         kv_shape = (n_attn, num_pages + 1, page_size, local.num_kv_heads, cfg.head_dim)
@@ -75,6 +80,16 @@ class ModelState:
         """Copy one slot's GDN state to another, device to device."""
         self.conv[:, dst].copy_(self.conv[:, src])
         self.ssm[:, dst].copy_(self.ssm[:, src])
+
+    def snapshot_slot(self, index: int) -> int:
+        if not 0 <= index < self.num_snapshots:
+            raise IndexError(f"snapshot {index} is outside the pool of {self.num_snapshots}")
+        return self.num_slots + index
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy one KV page (every attention layer's keys and values) to another."""
+        self.k_cache[:, dst].copy_(self.k_cache[:, src])
+        self.v_cache[:, dst].copy_(self.v_cache[:, src])
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm, self.k_cache, self.v_cache))

@@ -34,6 +34,8 @@ class EngineArgs:
     use_nccl: bool | None = None  # cuda: None = NCCL when tp > 1; True forces a communicator even at tp = 1
     load_format: str = "safetensors"  # "random": random weights made on the device (benchmarks at real sizes)
     kernel_config: KernelConfig | None = None  # cuda: the Triton ops' launch choices (None: the defaults)
+    enable_prefix_caching: bool = True  # share cached prompt prefixes (KV pages and recurrent-state snapshots)
+    prefix_cache_state_gib: float | None = None  # per rank, for the snapshots; None: a tenth of what the weights leave
     async_scheduling: bool = True  # launch each step before the last one's tokens are back (overlap)
     warmup: bool | None = None  # serve warm-up requests before "engine ready" (None: on cuda, to compile kernels)
     stats_interval_s: float = 10.0  # a throughput and usage log line this often while busy (0: never)
@@ -66,5 +68,8 @@ class EngineArgs:
         if not isinstance(self.step_latency_ratio, (int, float)) or isinstance(self.step_latency_ratio, bool) or \
                 not (self.step_latency_ratio == 0 or self.step_latency_ratio > 1):
             raise ValueError(f"step_latency_ratio must be above 1, or 0 (off), got {self.step_latency_ratio!r}")
+        if self.prefix_cache_state_gib is not None and not (
+                isinstance(self.prefix_cache_state_gib, (int, float)) and self.prefix_cache_state_gib >= 0):
+            raise ValueError(f"prefix_cache_state_gib must be a number >= 0, got {self.prefix_cache_state_gib!r}")
         if self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be positive")

@@ -113,6 +113,13 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         type=_float_in(0.0, 1.0, lo_open=True),
                         default=defaults.memory_fraction,
                         help="fraction of the GPU's free memory (after weights) for state and KV pages")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=defaults.enable_prefix_caching,
+                        help="share cached prompt prefixes at any 16-token page boundary (KV pages and "
+                             "recurrent-state snapshots)")
+    parser.add_argument("--prefix-cache-state-gib", type=_float_in(0.0), metavar="GIB", default=None,
+                        help="memory per GPU for the prefix cache's recurrent-state snapshots (default: a tenth "
+                             "of what the weights leave)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=defaults.async_scheduling,
                         help="launch each step before the last one's tokens are back (overlap scheduling)")
@@ -180,6 +187,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         step_latency_ratio=ns.step_latency_ratio,
         max_waiting=ns.max_waiting, memory_fraction=ns.memory_fraction, load_format=ns.load_format,
         stats_interval_s=ns.stats_interval, warmup=ns.warmup, async_scheduling=ns.async_scheduling,
+        enable_prefix_caching=ns.enable_prefix_caching, prefix_cache_state_gib=ns.prefix_cache_state_gib,
     )
 
 

@@ -21,7 +21,7 @@ from .openai_protocol import ApiError
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("deltaserve.access")
 
-# request[USAGE_KEY] = (prompt tokens, completion tokens), for the access log (RequestKey: aiohttp >= 3.13)
+# request[USAGE_KEY] = (prompt tokens, completion tokens, cached prompt tokens), for the access log (RequestKey: aiohttp >= 3.13)
 USAGE_KEY = web.RequestKey("usage", tuple) if hasattr(web, "RequestKey") else "deltaserve_usage"
 
 

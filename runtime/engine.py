@@ -33,6 +33,7 @@ from deltaserve.model.weights import check_checkpoint
 from .args import EngineArgs
 from .metrics import EngineMetrics
 from .params import SamplingParams
+from .prefix_cache import PrefixCache
 from .scheduler import CapacityError, Scheduler, default_buckets
 from .step_budget import StepBudget
 from .text import IncrementalDetokenizer, PromptTooLong, StopMatcher, TextTokenizer
@@ -62,12 +63,14 @@ class RequestOutput:
     the engine hands out a length, not a copy, so a step costs the same at token 10 and token 10,000."""
 
     __slots__ = ("request_id", "prompt_token_ids", "text", "delta_token_ids", "delta_text", "finished",
-                 "finish_reason", "error", "_ids", "_logprobs", "_n")
+                 "finish_reason", "error", "num_cached_tokens", "_ids", "_logprobs", "_n")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], ids: list[int], text: str,
                  delta_token_ids: list[int], delta_text: str, finished: bool = False, finish_reason: str | None = None,
-                 logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> None:
+                 logprobs: list[TokenLogprob] | None = None, error: str | None = None,
+                 num_cached_tokens: int = 0) -> None:
         self.request_id, self.prompt_token_ids, self.text = request_id, prompt_token_ids, text
+        self.num_cached_tokens = num_cached_tokens  # prompt tokens a cached prefix spared the prefill
         self.delta_token_ids, self.delta_text = delta_token_ids, delta_text
         self.finished, self.finish_reason, self.error = finished, finish_reason, error  # "stop"|"length"|"abort"|"error"
         self._ids, self._logprobs, self._n = ids, logprobs, len(ids)
@@ -124,6 +127,7 @@ class _Request:
     logprobs: list[TokenLogprob] | None = None
     text: str = ""
     finished: bool = False
+    cached_tokens: int = 0  # prompt tokens a cached prefix spared the prefill
     arrival: float = field(default_factory=time.perf_counter)
     last_token_time: float | None = None
 
@@ -180,6 +184,8 @@ class AsyncEngine:
             memory_fraction=args.memory_fraction, cpu_memory_bytes=args.cpu_memory_bytes,
             step_timeout_s=args.step_timeout_s, capture_timeout_s=args.capture_timeout_s, use_nccl=args.use_nccl,
             random_weights=args.load_format == "random", seed=args.seed, kernel_config=args.kernel_config,
+            snapshot_bytes=0 if not args.enable_prefix_caching else
+            None if args.prefix_cache_state_gib is None else int(args.prefix_cache_state_gib * 2**30),
         )
         self.replica = Replica(spec)
         try:
@@ -193,6 +199,7 @@ class AsyncEngine:
             max_prefill_slots=plan.prefill_slots, prefill_token_budget=args.prefill_token_budget,
             max_model_len=self.max_model_len, buckets=self.replica.buckets,
             step_budget=self._step_budget(),
+            prefix_cache=PrefixCache(plan.num_pages, plan.page_size, plan.snapshots, args.enable_prefix_caching),
         )
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="deltaserve-step-loop")
         if args.warmup if args.warmup is not None else args.device == "cuda":
@@ -240,6 +247,7 @@ class AsyncEngine:
             raise RuntimeError(f"the warm-up requests failed: {self._dead}")
         self.metrics = EngineMetrics()  # what /metrics reports starts with the first real request
         self.scheduler.step_budget = self._step_budget()  # the warm-up's step times include its compiles
+        self.scheduler.cache.clear()  # and its prompts are nobody's
         log.info("warm-up: %d requests in %.1f s (Triton kernels compiled or loaded from the cache)",
                  sum(map(len, waves)), time.perf_counter() - started)
 
@@ -355,7 +363,8 @@ class AsyncEngine:
         if len(self.scheduler.waiting) >= self.args.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        self.scheduler.add(request_id, len(prompt_ids), params.max_tokens)  # CapacityError if it can never fit
+        # CapacityError if it can never fit
+        self.scheduler.add(request_id, len(prompt_ids), params.max_tokens, prompt_ids=prompt_ids)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self.cfg.generation.eos_token_ids)
@@ -396,7 +405,8 @@ class AsyncEngine:
     def _output(self, req: _Request, delta_ids, delta_text, reason=None, error=None) -> RequestOutput:
         # The lists only ever grow (a stop token is popped before its output is made), so a length snapshots them.
         return RequestOutput(req.request_id, req.prompt_ids, req.output_ids, req.text, list(delta_ids), delta_text,
-                             finished=reason is not None, finish_reason=reason, logprobs=req.logprobs, error=error)
+                             finished=reason is not None, finish_reason=reason, logprobs=req.logprobs, error=error,
+                             num_cached_tokens=req.cached_tokens)
 
     # The step loop --------------------------------------------------------------------------------------------------
     async def _step_loop(self) -> None:
@@ -497,6 +507,8 @@ class AsyncEngine:
             released_prefill_slots=plan.released_prefill_slots,
             promotions=[PromoteSlot(p.from_slot, p.to_slot, p.pages) for p in plan.promotions],
             bucket=plan.bucket, step_seed=self._rng.getrandbits(62), seq=next(self._steps),
+            restore_snapshots=[(c.snapshot, c.slot) for c in plan.restores], copy_pages=list(plan.page_copies),
+            save_snapshots=[(c.slot, c.snapshot) for c in plan.snapshots],
         )
         # Requests that finished before this plan were retired by it, so every row here is live. The scheduler
         # counts a step's tokens when the step is handed over; with overlap the last of them may still be on its
@@ -511,8 +523,12 @@ class AsyncEngine:
             req = reqs[w.request_id]
             cmd.prefill.append(PrefillCommand(
                 req.prompt_ids[w.start : w.start + w.length], w.start, w.slot, w.pages, w.last,
-                sampling=req.sampling if w.start == 0 else None,
+                sampling=req.sampling if w.first else None,
+                prefix_ids=req.prompt_ids[: w.start] if w.first and req.sampling.needs_counts else [],
             ))
+            if w.first:
+                req.cached_tokens = w.start
+                self.metrics.count_prefix(len(req.prompt_ids), w.start)
         return cmd
 
     def _count(self, plan) -> None:
@@ -602,7 +618,7 @@ class AsyncEngine:
                 s = self.scheduler
                 log.info("prompt %.1f tok/s, generation %.1f tok/s; running %d, waiting %d; KV pages %.1f%%, "
                          "decode slots %.1f%%", (prompt - last[1]) / seconds, (generated - last[2]) / seconds,
-                         s.num_running, len(s.waiting), 100 * (1 - len(s.free_pages) / s.num_pages),
+                         s.num_running, len(s.waiting), 100 * s.held_pages / s.num_pages,
                          100 * len(s.decode_slots) / s.max_batch)
             last = (now, prompt, generated)
 
@@ -610,14 +626,20 @@ class AsyncEngine:
         s = self.scheduler
         self.metrics.running.set(s.num_running)
         self.metrics.waiting.set(len(s.waiting))
-        self.metrics.kv_usage.set(1 - len(s.free_pages) / s.num_pages)
+        self.metrics.kv_usage.set(s.held_pages / s.num_pages)
+        snapshots = s.cache.snapshots
+        self.metrics.snapshot_usage.set(len(snapshots) / snapshots.capacity if snapshots.capacity else 0.0)
         self.metrics.slot_usage.set(len(s.decode_slots) / s.max_batch)
 
     # Introspection (tests, /metrics) ----------------------------------------------------------------------------
+    def _snapshot_pages(self) -> int:
+        return sum(snap.tail_page is not None for snap in self.scheduler.cache.snapshots.lru.values())
+
     def resources_free(self) -> bool:
-        """True when no page, prefill slot or decode slot is held (all requests gone)."""
+        """True when no page, prefill slot or decode slot is held (all requests gone): the only pages held are
+        the tails of prefix-cache snapshots."""
         s = self.scheduler
-        return (len(s.free_pages) == s.num_pages and not s.decode_slots
+        return (s.held_pages == self._snapshot_pages() and not s.decode_slots
                 and len(s.free_prefill_slots) == s.max_prefill_slots and not s.requests)
 
 

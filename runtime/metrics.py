@@ -24,6 +24,12 @@ class EngineMetrics:
         self.finished = Counter("deltaserve_requests_finished", "Finished requests", ["finish_reason"], registry=r)
         self.kv_usage = Gauge("deltaserve_kv_pages_usage_ratio", "Fraction of KV pages reserved", registry=r)
         self.slot_usage = Gauge("deltaserve_decode_slots_usage_ratio", "Fraction of decode slots in use", registry=r)
+        self.prefix_queries = Counter("deltaserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("deltaserve_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   registry=r)
+        self.snapshot_usage = Gauge("deltaserve_prefix_cache_snapshots_usage_ratio",
+                                    "Fraction of the prefix cache's state snapshots in use", registry=r)
         self.step_seconds = Histogram("deltaserve_step_seconds", "Device step time", registry=r,
                                       buckets=_LATENCY_BUCKETS)
         self.healthy = Gauge("deltaserve_healthy", "1 while the engine serves, 0 once poisoned", registry=r)
@@ -36,6 +42,10 @@ class EngineMetrics:
         self.generation_tokens.inc(generated)
         self.prompt_token_count += prompt
         self.generation_token_count += generated
+
+    def count_prefix(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(cached_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

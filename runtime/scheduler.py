@@ -4,7 +4,9 @@ Plain Python, no torch: every decision is unit-tested on the CPU.
 
 Resources
 - KV pages: admission reserves a request's whole lifetime (prompt + max_tokens) of pages, so a running request
-  never waits for memory; a request that could never fit is rejected when it is added.
+  never waits for memory; a request that could never fit is rejected when it is added. With prefix caching
+  (`runtime.prefix_cache`) the pages of a cached prompt prefix are shared, its recurrent state is restored from a
+  snapshot, and only the rest of the prompt is prefilled.
 - Prefill slots (state slots `max_batch ..`): the GDN state of a request while its prompt is prefilled.
 - Decode slots 0..n-1, dense: a request whose prompt is done takes slot n (`slot_for_new_request`); when one
   retires, the last slot moves into its hole (`compaction_after_retire`).
@@ -16,6 +18,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from .prefix_cache import ROOT_KEY, PrefixCache
 from .step_budget import StepBudget
 
 
@@ -36,11 +39,18 @@ class SchedRequest:
     prompt_len: int
     max_tokens: int
     phase: Phase = Phase.WAITING
-    prefilled: int = 0  # prompt tokens already run
+    prefilled: int = 0  # prompt tokens already run (or skipped: cached)
     generated: int = 0  # tokens sampled so far
     pages: list[int] = field(default_factory=list)
     prefill_slot: int = -1  # state slot while prefilling
     decode_slot: int = -1
+    # Prefix caching (the prompt's ids are known): the keys of its full pages, how many of its pages are keyed
+    # (shared or registered), the prompt tokens it skipped, and a page boundary to snapshot at (a branch point).
+    prompt_ids: list[int] | None = None
+    keys: list[bytes] = field(default_factory=list)
+    keyed_pages: int = 0
+    cached: int = 0
+    branch: int = 0
 
     @property
     def lifetime_tokens(self) -> int:
@@ -71,6 +81,15 @@ class PrefillWork:
     slot: int  # state slot (a prefill slot)
     pages: list[int]
     last: bool  # the chunk ends the prompt: its last token's logits are sampled
+    first: bool = True  # the request's first chunk (it starts at 0, or where its cached prefix ends)
+
+
+@dataclass
+class SnapshotCopy:
+    """A recurrent-state copy between a state slot and a snapshot slot (restore: snapshot -> slot)."""
+
+    slot: int
+    snapshot: int
 
 
 @dataclass
@@ -81,10 +100,16 @@ class StepPlan:
     decode_ids: list[str]  # request in decode slot i is decode_ids[i]
     bucket: int  # decode rows padded to this size (0 when there are none)
     prefill: list[PrefillWork]
+    # Prefix caching, in the order the ranks run them: restores and page copies (src, dst) before the step's
+    # forward, snapshots of the chunks' ends after it.
+    restores: list[SnapshotCopy] = field(default_factory=list)
+    page_copies: list[tuple[int, int]] = field(default_factory=list)
+    snapshots: list[SnapshotCopy] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.decode_ids or self.prefill or self.compactions or self.released_prefill_slots)
+        return not (self.decode_ids or self.prefill or self.compactions or self.released_prefill_slots
+                    or self.restores)
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -106,6 +131,7 @@ class Scheduler:
         max_model_len: int,
         buckets: list[int] | None = None,
         step_budget: StepBudget | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if min(num_pages, page_size, max_batch, max_prefill_slots, prefill_token_budget, max_model_len) < 1:
             raise ValueError("scheduler sizes must all be positive")
@@ -114,7 +140,10 @@ class Scheduler:
         # The prompt tokens of a step beside decode rows; without one, every step carries up to the most.
         self.step_budget = step_budget
         self.num_pages = num_pages
-        self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        self.cache = prefix_cache or PrefixCache(num_pages, page_size, 0, enabled=False)
+        if self.cache.pages.num_pages != num_pages or self.cache.page_size != page_size:
+            raise ValueError("the prefix cache's pages are not the scheduler's")
+        self.pages = self.cache.pages
         self.free_prefill_slots: list[int] = list(range(max_batch + max_prefill_slots - 1, max_batch - 1, -1))
         self.max_prefill_slots = max_prefill_slots
         self.buckets = sorted(buckets or default_buckets(max_batch))
@@ -126,6 +155,8 @@ class Scheduler:
         self.decode_slots: list[str] = []  # dense: request in slot i
         self.ready_for_decode: list[str] = []  # prompt done and first token sampled: promote next step
         self.to_retire: list[str] = []
+        self._restores: list[SnapshotCopy] = []  # made by this plan's admissions
+        self._page_copies: list[tuple[int, int]] = []
 
     # Queries --------------------------------------------------------------------------------------------------------
     def pages_for(self, tokens: int) -> int:
@@ -134,6 +165,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.prefilling) + len(self.decode_slots) + len(self.ready_for_decode)
+
+    @property
+    def held_pages(self) -> int:
+        """Pages requests or snapshots hold (cached pages nobody holds can be taken: they do not count)."""
+        return self.num_pages - self.pages.available
 
     @property
     def has_work(self) -> bool:
@@ -148,7 +184,9 @@ class Scheduler:
         raise AssertionError(f"{rows} decode rows exceed the largest bucket")
 
     # Requests -------------------------------------------------------------------------------------------------------
-    def add(self, request_id: str, prompt_len: int, max_tokens: int) -> SchedRequest:
+    def add(self, request_id: str, prompt_len: int, max_tokens: int,
+            prompt_ids: list[int] | None = None) -> SchedRequest:
+        """Queue a request; with its `prompt_ids`, it may share a cached prefix and leaves its own cached."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if prompt_len < 1:
@@ -166,7 +204,11 @@ class Scheduler:
                 f"prompt + max_tokens = {total} tokens needs {self.pages_for(total)} KV pages; "
                 f"this engine has {self.num_pages}"
             )
+        if prompt_ids is not None and len(prompt_ids) != prompt_len:
+            raise ValueError(f"prompt_ids has {len(prompt_ids)} tokens, prompt_len says {prompt_len}")
         req = SchedRequest(request_id, prompt_len, max_tokens)
+        if prompt_ids is not None and self.cache.enabled:
+            req.prompt_ids, req.keys = list(prompt_ids), self.cache.keys(prompt_ids)
         self.requests[request_id] = req
         self.waiting.append(request_id)
         return req
@@ -188,6 +230,12 @@ class Scheduler:
         for w in work:
             req = self.requests[w.request_id]
             req.prefilled = w.start + w.length
+            # Its full prompt pages below here are written (by this step, or one before it on every rank): a
+            # later request's step, after this one, may read them.
+            full = min(req.prefilled // self.page_size, len(req.keys))
+            for i in range(req.keyed_pages, full):
+                self.pages.register(req.pages[i], req.keys[i])
+            req.keyed_pages = max(req.keyed_pages, full)
             if w.last:
                 req.generated += 1  # the first token comes from the prefill's logits
                 self._finish_at_max_tokens(req)
@@ -211,7 +259,8 @@ class Scheduler:
         compactions, released = [], []
         for rid in self.to_retire:
             req = self.requests.pop(rid)
-            self.free_pages.extend(reversed(req.pages))
+            for page in reversed(req.pages):  # the free ones are handed out low pages first again
+                self.pages.drop(page)
             req.pages = []
             if req.phase is Phase.DECODE:
                 hole, last = req.decode_slot, len(self.decode_slots) - 1
@@ -249,28 +298,64 @@ class Scheduler:
         # FCFS and blocking: when the oldest waiting request does not fit, nobody behind it is admitted.
         while self.waiting:
             req = self.requests[self.waiting[0]]
-            need = self.pages_for(req.lifetime_tokens)
-            if not self.free_prefill_slots or self.num_running >= self.max_batch or need > len(self.free_pages):
+            if not self.free_prefill_slots or self.num_running >= self.max_batch:
+                return
+            match = self.cache.match(req.prompt_ids, req.keys) if req.prompt_ids else None
+            shared = match.pages if match else []
+            need = self.pages_for(req.lifetime_tokens) - len(shared)
+            # Holding a cached page nobody holds takes it out of what the fresh pages may come from.
+            if need > self.pages.available - sum(1 for p in shared if self.pages.refs[p] == 0):
                 return
             self.waiting.popleft()
-            req.pages = [self.free_pages.pop() for _ in range(need)]
+            for page in shared:
+                self.pages.hold(page)
+            req.pages = shared + self.pages.take(need)
+            req.keyed_pages = len(shared)
             req.prefill_slot = self.free_prefill_slots.pop()
             req.phase = Phase.PREFILL
             self.prefilling.append(req.request_id)
+            if match is not None and match.snapshot is not None:
+                snap = match.snapshot
+                self.cache.snapshots.touch(snap)
+                self._restores.append(SnapshotCopy(req.prefill_slot, snap.index))
+                if snap.tail_page is not None:  # the tail's KV, into the request's own page
+                    self._page_copies.append((snap.tail_page, req.pages[len(shared)]))
+                req.prefilled = req.cached = match.position
+            if match is not None:
+                req.branch = match.branch
 
-    def _prefill_chunks(self, bucket: int) -> list[PrefillWork]:
+    def _prefill_chunks(self, bucket: int) -> tuple[list[PrefillWork], list[SnapshotCopy]]:
         # The oldest prompt first: prompts arriving together finish in order, not all at the end.
         budget = self.step_budget.tokens(bucket) if self.step_budget else self.prefill_token_budget
-        budget, work = min(budget, self.prefill_token_budget), []
+        budget, work, snapshots = min(budget, self.prefill_token_budget), [], []
+        ps = self.page_size
         for rid in self.prefilling:
             if budget == 0:
                 break
             req = self.requests[rid]
-            length = min(req.prompt_len - req.prefilled, budget)
-            budget -= length
-            last = req.prefilled + length == req.prompt_len
-            work.append(PrefillWork(rid, req.prefilled, length, req.prefill_slot, req.pages, last))
-        return work
+            start = req.prefilled
+            end = min(req.prompt_len, start + budget)
+            if req.prompt_ids is not None:  # chunk ends where a snapshot is worth taking
+                if start < req.branch < end:
+                    end = req.branch  # exactly at the branch point
+                elif end < req.prompt_len and end // ps * ps > start:
+                    end = end // ps * ps  # page-aligned, so a later prompt sharing this much can resume here
+                if end == req.prompt_len or end % ps == 0:
+                    snap = self._snapshot(req, end)
+                    if snap is not None:
+                        snapshots.append(SnapshotCopy(req.prefill_slot, snap))
+            budget -= end - start
+            work.append(PrefillWork(rid, start, end - start, req.prefill_slot, req.pages, end == req.prompt_len,
+                                    first=start == req.cached))
+        return work, snapshots
+
+    def _snapshot(self, req: SchedRequest, position: int) -> int | None:
+        """A snapshot slot for the request's state after `position` prompt tokens, or None."""
+        full = position // self.page_size
+        anchor = req.keys[full - 1] if full else ROOT_KEY
+        tail = tuple(req.prompt_ids[full * self.page_size : position])
+        snap = self.cache.snapshots.add(anchor, tail, position, req.pages[full] if tail else None)
+        return None if snap is None else snap.index
 
     def schedule(self) -> StepPlan:
         compactions, released = self._retire()
@@ -278,14 +363,24 @@ class Scheduler:
         self._admit()
         decode_ids = list(self.decode_slots)
         bucket = self.bucket_for(len(decode_ids))
-        return StepPlan(compactions, released, promotions, decode_ids, bucket, self._prefill_chunks(bucket))
+        prefill, snapshots = self._prefill_chunks(bucket)
+        plan = StepPlan(compactions, released, promotions, decode_ids, bucket, prefill, self._restores,
+                        self._page_copies, snapshots)
+        self._restores, self._page_copies = [], []
+        return plan
 
     # Invariants (tests and debugging) ---------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        owned = [p for r in self.requests.values() for p in r.pages]
-        assert len(owned) == len(set(owned)), "a page is owned twice"
-        assert not set(owned) & set(self.free_pages), "a page is both owned and free"
-        assert len(owned) + len(self.free_pages) == self.num_pages, "a page leaked"
+        self.cache.check()
+        holders = [0] * self.num_pages
+        for r in self.requests.values():
+            assert len(r.pages) == len(set(r.pages)), "a request holds a page twice"
+            for p in r.pages:
+                holders[p] += 1
+        for snap in self.cache.snapshots.lru.values():
+            if snap.tail_page is not None:
+                holders[snap.tail_page] += 1
+        assert holders == self.pages.refs, "a page's holders and its count disagree"
         for i, rid in enumerate(self.decode_slots):
             assert self.requests[rid].decode_slot == i, "decode slots are not dense"
         held = [r.prefill_slot for r in self.requests.values() if r.prefill_slot >= 0]

@@ -247,7 +247,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     finally:
         for g in gens:
             await g.aclose()
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
     for i, out in enumerate(finals):
         _raise_if_failed(out)
         logprobs = None
@@ -256,9 +256,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason})
         prompt_tokens += len(out.prompt_token_ids)
         completion_tokens += len(out.token_ids)
-    request[USAGE_KEY] = (prompt_tokens, completion_tokens)
+        cached_tokens += out.num_cached_tokens
+    request[USAGE_KEY] = (prompt_tokens, completion_tokens, cached_tokens)
     return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
-                              "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
+                              "choices": choices, "usage": usage(*request[USAGE_KEY])})
 
 
 async def _drain(gen, first: RequestOutput) -> RequestOutput:
@@ -301,7 +302,7 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
     sse = _Sse(request)
     await sse.open()
     offsets = [0] * len(gens)
-    totals = [[0, 0] for _ in gens]
+    totals = [[0, 0, 0] for _ in gens]
     include_usage, continuous_usage = parsed.usage
     async for i, out in _merged(gens, firsts):
         if out.error:
@@ -312,7 +313,7 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
             fresh = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):]
             choice["logprobs"] = completion_logprobs(fresh, engine.tokenizer.token_text, offsets[i])
         offsets[i] += len(out.delta_text)
-        totals[i] = [len(out.prompt_token_ids), len(out.token_ids)]
+        totals[i] = [len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens]
         # With per-chunk usage the client is counting tokens: a chunk for every token, its text empty while an
         # incomplete UTF-8 sequence waits (as vLLM streams), so its timing is the token's, not the text's.
         if out.delta_text or out.finished or choice["logprobs"] or (continuous_usage and out.delta_token_ids):
@@ -321,7 +322,7 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
             if continuous_usage:
                 chunk["usage"] = usage(*totals[i])
             await sse.send(chunk)
-    request[USAGE_KEY] = (sum(t[0] for t in totals), sum(t[1] for t in totals))
+    request[USAGE_KEY] = tuple(sum(t[j] for t in totals) for j in range(3))
     if include_usage:
         await sse.send({"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
                         "choices": [], "usage": usage(*request[USAGE_KEY])})
@@ -356,11 +357,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if reasoning or splitter.in_reasoning:
         message["reasoning_content"] = reasoning
     logprobs = chat_logprobs(out.logprobs, engine.tokenizer.token_text) if out.logprobs is not None else None
-    request[USAGE_KEY] = (len(out.prompt_token_ids), len(out.token_ids))
+    request[USAGE_KEY] = (len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
     return web.json_response({
         "id": rid, "object": "chat.completion", "created": created, "model": engine.model_name,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason}],
-        "usage": usage(len(out.prompt_token_ids), len(out.token_ids)),
+        "usage": usage(*request[USAGE_KEY]),
     })
 
 
@@ -374,7 +375,7 @@ async def _stream_chat(request, engine, parsed, gen, first, splitter, rid, creat
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if continuous_usage:
-            body["usage"] = usage(len(out.prompt_token_ids), len(out.token_ids))
+            body["usage"] = usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
         return body
 
     out = first
@@ -399,7 +400,7 @@ async def _stream_chat(request, engine, parsed, gen, first, splitter, rid, creat
             await sse.send(chunk({}, out.finish_reason))
             break
         out = await gen.__anext__()
-    request[USAGE_KEY] = (len(out.prompt_token_ids), len(out.token_ids))
+    request[USAGE_KEY] = (len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
     if include_usage:
         await sse.send({"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
                         "choices": [], "usage": usage(*request[USAGE_KEY])})

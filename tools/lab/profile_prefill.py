@@ -46,7 +46,7 @@ async def run(ns) -> list[dict]:
         write_checkpoint(folder, ns.size, layers=ns.layers, weights=False)
         args = EngineArgs(model=folder, device="cuda", load_format="random", max_batch=1, buckets=[1],
                           max_model_len=max(lengths) + 8, prefill_slots=1, prefill_token_budget=max(lengths),
-                          warmup=False, stats_interval_s=0)
+                          warmup=False, stats_interval_s=0, enable_prefix_caching=False)  # every prefill whole
         async with AsyncEngine(args) as engine:
             for n in lengths:
                 for i in range(2):  # compiles

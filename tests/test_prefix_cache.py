@@ -1,0 +1,245 @@
+"""Prefix caching: the scheduler's page and snapshot bookkeeping against a model of what the ranks hold, and the
+engine's outputs with the cache on against the cache off (greedy tokens identical, log-probs within 1e-5)."""
+
+import asyncio
+import random
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from deltaserve.runtime.engine import AsyncEngine, EngineArgs, SamplingParams
+from deltaserve.runtime.prefix_cache import PrefixCache, page_keys
+from deltaserve.runtime.scheduler import Scheduler
+
+PS = 4  # a small page, so prompts span many pages
+
+
+def scheduler(num_pages=48, snapshots=6, budget=10, max_batch=4):
+    return Scheduler(num_pages=num_pages, page_size=PS, max_batch=max_batch, max_prefill_slots=2,
+                     prefill_token_budget=budget, max_model_len=64, buckets=[1, 2, 4],
+                     prefix_cache=PrefixCache(num_pages, PS, snapshots))
+
+
+class Ranks:
+    """What the ranks would hold, by content: each page's token per position, each state slot's and snapshot's
+    consumed prompt. Every read checks that what is there is what the reader's request wrote or shares."""
+
+    def __init__(self, s: Scheduler) -> None:
+        self.s = s
+        self.page = {}  # (page, offset) -> token written there
+        self.slot = {}  # state slot -> the tokens its state has consumed
+        self.snap = {}  # snapshot -> the tokens its state has consumed
+        self.prompts = {}  # request id -> prompt ids
+        self.skipped = {}  # request id -> prompt tokens a cached prefix spared
+
+    def step(self, cancel=()):
+        s = self.s
+        plan = s.schedule()
+        for c in plan.restores:
+            self.slot[c.slot] = self.snap[c.snapshot]
+        for src, dst in plan.page_copies:
+            for off in range(PS):
+                if (src, off) in self.page:
+                    self.page[(dst, off)] = self.page[(src, off)]
+        for w in plan.prefill:
+            prompt = self.prompts[w.request_id]
+            if w.first:
+                self.skipped[w.request_id] = w.start
+            # The state it resumes from and the KV its attention reads are exactly its prompt's.
+            assert self.slot.get(w.slot, ()) == tuple(prompt[: w.start]) or w.start == 0, "wrong recurrent state"
+            for pos in range(w.start):
+                assert self.page.get((w.pages[pos // PS], pos % PS)) == prompt[pos], "a read page was overwritten"
+            for pos in range(w.start, w.start + w.length):
+                self.page[(w.pages[pos // PS], pos % PS)] = prompt[pos]
+            self.slot[w.slot] = tuple(prompt[: w.start + w.length])
+        for c in plan.snapshots:
+            self.snap[c.snapshot] = self.slot[c.slot]
+        for rid in plan.decode_ids:  # decode reads the whole prompt's KV and writes past it
+            req, prompt = s.requests[rid], self.prompts[rid]
+            for pos in range(len(prompt)):
+                assert self.page.get((req.pages[pos // PS], pos % PS)) == prompt[pos], "a decoding row's page changed"
+            pos = len(prompt) + req.generated - 1
+            self.page[(req.pages[pos // PS], pos % PS)] = ("out", rid, pos)
+        s.on_prefill_done(plan.prefill)
+        s.on_decode_done(plan.decode_ids)
+        for rid in cancel:
+            s.finish(rid)
+        s.check_invariants()
+        return plan
+
+
+alphabet = st.integers(0, 2)  # few symbols: prompts share prefixes often
+
+
+class CacheMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.s = scheduler()
+        self.ranks = Ranks(self.s)
+        self.n = 0
+        self.base = [random.Random(1).randrange(3) for _ in range(40)]
+
+    @rule(cut=st.integers(1, 40), extra=st.lists(alphabet, max_size=8), max_tokens=st.integers(1, 6))
+    def add(self, cut, extra, max_tokens):
+        prompt = (self.base[:cut] + extra)[:50]
+        rid = f"r{self.n}"
+        self.n += 1
+        self.s.add(rid, len(prompt), max_tokens, prompt_ids=prompt)
+        self.ranks.prompts[rid] = prompt
+
+    @rule(which=st.integers(0, 50))
+    def cancel(self, which):
+        live = sorted(self.s.requests)
+        if live:
+            self.s.finish(live[which % len(live)])
+
+    @rule(steps=st.integers(1, 4))
+    def step(self, steps):
+        for _ in range(steps):
+            self.ranks.step()
+
+    @rule()
+    def forget(self):
+        self.s.cache.clear()
+
+    @invariant()
+    def consistent(self):
+        self.s.check_invariants()
+
+    def teardown(self):
+        for _ in range(500):
+            if not self.s.has_work:
+                break
+            self.ranks.step()
+        assert not self.s.requests and not self.s.has_work
+        # Only the snapshots' tail pages are held; nothing else leaked.
+        tails = sum(snap.tail_page is not None for snap in self.s.cache.snapshots.lru.values())
+        assert self.s.held_pages == tails and len(self.s.free_prefill_slots) == self.s.max_prefill_slots
+        self.s.cache.clear()
+        assert self.s.held_pages == 0 and self.s.pages.refs == [0] * self.s.num_pages
+
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def drain(ranks):
+    for _ in range(200):
+        if not ranks.s.has_work:
+            return
+        ranks.step()
+
+
+def test_repeats_extensions_branches_and_short_prompts_hit_where_they_should():
+    s = scheduler(num_pages=80, snapshots=8, budget=64)
+    ranks = Ranks(s)
+
+    def serve(rid, prompt, max_tokens=2):
+        ranks.prompts[rid] = prompt
+        s.add(rid, len(prompt), max_tokens, prompt_ids=prompt)
+        drain(ranks)
+        return ranks.skipped[rid]
+
+    a = list(range(100, 130))  # 30 tokens: 7 full pages and 2 more
+    assert serve("a", a) == 0
+    assert serve("a+", a + [1, 2, 3]) == 30  # the next turn resumes at the end of the last prompt (a tail)
+    # The same prompt again must recompute its last token: the first repeat snapshots the last page boundary
+    # below it (a branch point), the next resumes there.
+    assert serve("a again", a) < 28
+    assert serve("a third", a) == 28
+    b = a[:13] + [7, 7, 7, 7, 7]  # diverges inside page 3: pages 0-2 are shared
+    first_b = serve("b", b)
+    assert first_b <= 12
+    assert serve("b'", a[:13] + [9, 9, 9]) == 12  # the branch point b left at its divergence page boundary
+    assert serve("short", [5, 6]) == 0
+    assert serve("short+", [5, 6, 8]) == 2  # shorter than a page: the tail alone
+
+
+def test_a_cached_page_is_evicted_least_recently_used_and_never_while_held():
+    s = scheduler(num_pages=12, snapshots=2, budget=64)
+    ranks = Ranks(s)
+    for i in range(6):  # different prompts of 3 pages each, run one at a time: the pool turns over
+        prompt = [i * 10 + j for j in range(12)]
+        ranks.prompts[f"p{i}"] = prompt
+        s.add(f"p{i}", 12, 3, prompt_ids=prompt)
+        drain(ranks)
+    keys = page_keys([50 + j for j in range(12)], PS)
+    assert all(k in s.pages.page_of for k in keys)  # the newest prompt's pages are still cached
+    assert page_keys(list(range(12)), PS)[0] not in s.pages.page_of  # the oldest's went first
+    assert len(s.cache.snapshots) <= 2
+
+
+def test_a_pool_without_snapshots_never_matches():
+    s = scheduler(snapshots=0, budget=64)
+    ranks = Ranks(s)
+    for rid in ("x", "y"):
+        ranks.prompts[rid] = list(range(20))
+        s.add(rid, 20, 2, prompt_ids=list(range(20)))
+        drain(ranks)
+    assert ranks.skipped == {"x": 0, "y": 0}
+
+
+# The engine ---------------------------------------------------------------------------------------------------------
+def _prompts():
+    rng = random.Random(5)
+    system = [rng.randrange(500) for _ in range(45)]
+    turn = system + [rng.randrange(500) for _ in range(30)]
+    return [
+        system + [1, 2, 3],  # a shared prefix, three ways
+        system + [4, 5, 6, 7, 8],
+        system[:37] + [9],  # a branch inside a page
+        turn,  # the next turn of a conversation
+        turn + [rng.randrange(500) for _ in range(21)],
+        turn,  # repeated, twice
+        turn,
+        [11, 12, 13],  # shorter than a page, then extended
+        [11, 12, 13, 14, 15],
+    ]
+
+
+async def _serve(ckpt, cache, tp=1, overlap=True):
+    args = EngineArgs(model=ckpt, max_model_len=256, max_batch=4, prefill_slots=2, cpu_memory_bytes=64 << 20,
+                      prefill_token_budget=32, tp=tp, enable_prefix_caching=cache, async_scheduling=overlap)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+    async with AsyncEngine(args) as engine:
+        outs = []
+        for prompt in _prompts():  # one after another: each finds what the ones before it left
+            out = None
+            async for out in engine.generate(prompt, params):
+                pass
+            outs.append(out)
+        together = await asyncio.gather(*[_last(engine.generate(p, params)) for p in _prompts()[:4]])
+        metrics = engine.metrics.render().decode()
+        assert engine.resources_free()
+        return outs + list(together), metrics
+
+
+async def _last(stream):
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_outputs_with_the_cache_equal_those_without(tiny_ckpt, tiny_tp_ckpt, tp):
+    ckpt = tiny_ckpt if tp == 1 else tiny_tp_ckpt
+    cached, metrics = asyncio.run(_serve(ckpt, True, tp))
+    plain, _ = asyncio.run(_serve(ckpt, False, tp))
+    for a, b in zip(cached, plain):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < 1e-5
+    hits = [o.num_cached_tokens for o in cached]
+    assert all(o.num_cached_tokens == 0 for o in plain)
+    # What must hit: the conversation's next turn resumes at the end of the turn before, the third repeat of a
+    # prompt at its last page boundary, the extended short prompt after its 3 tokens.
+    prompts = _prompts()
+    assert hits[4] == len(prompts[3]) and hits[6] == len(prompts[6]) - 1 - (len(prompts[6]) - 1) % 16
+    assert hits[8] == 3
+    assert sum(hits) > 0 and "deltaserve_prefix_cache_hits_total" in metrics
+    hit_line = [line for line in metrics.splitlines() if line.startswith("deltaserve_prefix_cache_hits_total")]
+    assert float(hit_line[0].split()[-1]) == sum(hits)
