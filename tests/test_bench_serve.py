@@ -126,3 +126,31 @@ def test_continuous_usage_stats_on_chat_and_the_command_line(tiny_ckpt, tmp_path
     assert chunks[-1]["usage"]["completion_tokens"] == 9
     assert code == 0 and saved["completed"] == 2 and saved["total_output_tokens"] == 10
     assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_shared_prefixes_and_multi_turn_conversations_hit_the_prefix_cache(tiny_ckpt):
+    """vLLM's prefix_repetition dataset and our --multi-turn: the server's cached-token counts come back per
+    request, as the hit rate and, per turn, the TTFT."""
+    shared = bench(tiny_ckpt, ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "40",
+                               "--prefix-repetition-suffix-len", "8", "--prefix-repetition-num-prefixes", "1",
+                               "--prefix-repetition-output-len", "3", "--num-prompts", "5", "--max-concurrency", "1",
+                               "--ignore-eos"])
+    assert shared["completed"] == 5 and shared["input_lens"] == [48] * 5 and shared["output_lens"] == [3] * 5
+    # The second request stops a chunk where its prompt leaves the first's cached pages (32 tokens, a page
+    # boundary below the 40 shared) and snapshots there; from the third on, each resumes at 32.
+    assert shared["cached_tokens"] == [0, 0, 32, 32, 32]
+    assert abs(shared["prefix_cache_hit_rate"] - 96 / 240) < 1e-9
+
+    talks = bench(tiny_ckpt, ["--multi-turn", "3", "--num-prompts", "2", "--max-concurrency", "2",
+                              "--random-input-len", "20", "--random-output-len", "5", "--ignore-eos"])
+    assert talks["completed"] == 6 and talks["turns"] == [0, 1, 2, 0, 1, 2]
+    assert talks["input_lens"] == [20, 45, 70] * 2  # history: the last prompt, its 5-token answer, 20 new tokens
+    assert talks["cached_tokens"] == [0, 20, 45] * 2  # each turn resumes where the turn before it ended
+    assert len(talks["median_ttft_ms_by_turn"]) == 3 and talks["mean_input_len_by_turn"] == [20, 45, 70]
+    assert "turn 3" in bench_serve.report(talks)
+
+    uncached = bench(tiny_ckpt, ["--random-prefix-len", "30", "--num-prompts", "3", "--max-concurrency", "1",
+                                 "--random-input-len", "8", "--random-output-len", "2", "--ignore-eos"],
+                     enable_prefix_caching=False)
+    assert uncached["input_lens"] == [38] * 3 and uncached["cached_tokens"] == [0, 0, 0]
+    assert uncached["prefix_cache_hit_rate"] == 0

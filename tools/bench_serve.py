@@ -5,7 +5,16 @@ OpenAI-compatible server, with `vllm bench serve`'s flags and metric names.
         --random-input-len 512 --random-output-len 256 --ignore-eos --result-file result.json
 
 Prompts are random token ids (so their lengths are exact on any server that takes token-id prompts), sent to
-`/v1/completions` streaming. Tokens are counted from `usage` on every chunk (`stream_options.
+`/v1/completions` streaming. Datasets for prefix caching:
+- `--random-prefix-len N` (vLLM's): the same N random tokens before every random prompt.
+- `--dataset-name prefix_repetition` (vLLM's flags): `--prefix-repetition-num-prefixes` shared prefixes of
+  `--prefix-repetition-prefix-len` tokens, each request one of them plus its own `--prefix-repetition-suffix-len`
+  tokens (a system prompt and different questions).
+- `--multi-turn T`: `--num-prompts` conversations of T turns, turns of a conversation one after another; each turn
+  resends the history (the last prompt, then the answer, then `--random-input-len` new tokens). The answer goes
+  back as random ids of its length, so prompts stay token ids on any server; an engine that caches generated
+  tokens would hit a little more with the real ones. The result gives TTFT per turn.
+The cached prompt tokens a server reports (`usage.prompt_tokens_details.cached_tokens`) give the hit rate. Tokens are counted from `usage` on every chunk (`stream_options.
 continuous_usage_stats`, as vLLM serves it), so a chunk held back for an incomplete UTF-8 sequence, or one that
 carries two tokens, still counts right; a server without it is counted by chunks, and the result says so.
 
@@ -42,7 +51,9 @@ class RequestResult:
     latency: float = 0.0  # E2EL, seconds
     itl: list[float] = field(default_factory=list)  # seconds between token-carrying chunks
     output_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server reports it
     counted_by_usage: bool = False
+    turn: int = 0  # --multi-turn: the turn's index in its conversation
     text: str = ""
 
 
@@ -59,6 +70,16 @@ def random_requests(n: int, input_len: int, output_len: int, range_ratio: float,
         prompt_len, max_tokens = length(input_len), length(output_len)
         out.append(([rng.randrange(vocab_size) for _ in range(prompt_len)], max_tokens))
     return out
+
+
+def prefix_requests(n: int, prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int, vocab_size: int,
+                    seed: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_tokens): each prompt one of `num_prefixes` shared prefixes (taken in turn) and a suffix
+    of its own."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(vocab_size) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    return [(prefixes[i % num_prefixes] + [rng.randrange(vocab_size) for _ in range(suffix_len)], output_len)
+            for i in range(n)]
 
 
 async def stream_one(session: aiohttp.ClientSession, url: str, model: str | None, prompt: list[int],
@@ -92,6 +113,9 @@ async def stream_one(session: aiohttp.ClientSession, url: str, model: str | None
                 text = "".join(c.get("text") or "" for c in chunk.get("choices", []))
                 pieces.append(text)
                 usage = chunk.get("usage")
+                cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+                if isinstance(cached, int):
+                    result.cached_tokens = cached
                 if usage and usage.get("completion_tokens") is not None:
                     result.counted_by_usage = True
                     total = usage["completion_tokens"]
@@ -146,6 +170,9 @@ def metrics(results: list[RequestResult], duration: float, percentiles: tuple[fl
         "request_throughput": len(done) / duration, "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "tokens_counted_by_usage": all(r.counted_by_usage for r in done),
+        # Prompt tokens the server reports it took from its prefix cache (None: it reports none).
+        "prefix_cache_hit_rate": sum(r.cached_tokens for r in done) / max(1, in_tokens)
+        if done and all(r.cached_tokens is not None for r in done) else None,
         "percentiles": list(percentiles), "percentile_metrics": list(names),
     }
     series = {
@@ -157,7 +184,28 @@ def metrics(results: list[RequestResult], duration: float, percentiles: tuple[fl
     for name in names:
         for stat, value in _summary(series[name], percentiles).items():
             summary[f"{stat}_{name}_ms"] = value
+    turns = sorted({r.turn for r in done})
+    if turns != [0]:
+        summary["median_ttft_ms_by_turn"] = [_summary([r.ttft for r in done if r.turn == t], ())["median"]
+                                             for t in turns]
+        summary["mean_input_len_by_turn"] = [statistics.fmean(r.prompt_len for r in done if r.turn == t)
+                                             for t in turns]
     return summary
+
+
+def dataset(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
+    """The requests (prompt ids, max_tokens) of --dataset-name; with --multi-turn, each conversation's first turn."""
+    if args.dataset_name == "prefix_repetition":
+        return prefix_requests(args.num_prompts, args.prefix_repetition_prefix_len,
+                               args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+                               args.prefix_repetition_output_len, vocab, args.seed)
+    requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                               args.random_range_ratio, vocab, args.seed)
+    if args.random_prefix_len:
+        rng = random.Random(args.seed + 2)
+        prefix = [rng.randrange(vocab) for _ in range(args.random_prefix_len)]
+        requests = [(prefix + prompt, max_tokens) for prompt, max_tokens in requests]
+    return requests
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -167,29 +215,39 @@ async def run(args: argparse.Namespace) -> dict:
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         vocab = args.vocab_size or _tokenizer_vocab_size(args.tokenizer) or await _served_vocab_size(
             session, base, headers)
-        requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                                   args.random_range_ratio, vocab, args.seed)
+        requests = dataset(args, vocab)
         url = base + args.endpoint
         gate = asyncio.Semaphore(args.max_concurrency or len(requests))
         rng = random.Random(args.seed + 1)
-        bar = _progress(len(requests), args.disable_tqdm)
+        turns = args.multi_turn or 1
+        bar = _progress(len(requests) * turns, args.disable_tqdm)
         sampling = sampling_fields(args)
 
-        async def limited(prompt, max_tokens):
+        async def conversation(index: int, prompt: list[int], max_tokens: int) -> list[RequestResult]:
+            """One request, or with --multi-turn the turns of one conversation, each resending the history."""
+            talk, results = random.Random(args.seed * 7919 + index), []
             async with gate:
-                result = await stream_one(session, url, args.model, prompt, max_tokens, sampling, headers)
-            bar.update(1)
-            return result
+                for turn in range(turns):
+                    if turn:
+                        answer = [talk.randrange(vocab) for _ in range(results[-1].output_tokens)]
+                        prompt = prompt + answer + [talk.randrange(vocab) for _ in range(args.random_input_len)]
+                    result = await stream_one(session, url, args.model, prompt, max_tokens, sampling, headers)
+                    result.turn = turn
+                    results.append(result)
+                    bar.update(1)
+                    if not result.success:
+                        break
+            return results
 
         for prompt, max_tokens in requests[: args.num_warmups]:
             await stream_one(session, url, args.model, prompt, max_tokens, sampling, headers)
         started = time.perf_counter()
         tasks = []
-        for prompt, max_tokens in requests:
-            tasks.append(asyncio.create_task(limited(prompt, max_tokens)))
+        for i, (prompt, max_tokens) in enumerate(requests):
+            tasks.append(asyncio.create_task(conversation(i, prompt, max_tokens)))
             if math.isfinite(args.request_rate):
                 await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
-        results = await asyncio.gather(*tasks)
+        results = [r for rs in await asyncio.gather(*tasks) for r in rs]
         duration = time.perf_counter() - started
         bar.close()
     summary = metrics(results, duration, tuple(float(p) for p in args.metric_percentiles.split(",")),
@@ -197,11 +255,13 @@ async def run(args: argparse.Namespace) -> dict:
     summary.update({
         "base_url": args.base_url, "model": args.model, "num_prompts": args.num_prompts,
         "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
+        "dataset_name": args.dataset_name, "multi_turn": args.multi_turn,
         "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
-        "random_range_ratio": args.random_range_ratio, "ignore_eos": args.ignore_eos,
-        "sampling": sampling,
+        "random_range_ratio": args.random_range_ratio, "random_prefix_len": args.random_prefix_len,
+        "ignore_eos": args.ignore_eos, "sampling": sampling,
         "errors": [r.error for r in results if not r.success],
         "input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
+        "cached_tokens": [r.cached_tokens for r in results], "turns": [r.turn for r in results],
         "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
     })
     return summary
@@ -272,6 +332,10 @@ def report(summary: dict) -> str:
         for stat in ("mean", "median", "std", *map(_pct_name, summary["percentiles"])):
             row(f"{stat.capitalize() if stat in ('mean', 'median') else stat.upper()} {name.upper()} (ms):",
                 summary[f"{stat}_{name}_ms"])
+    if summary["prefix_cache_hit_rate"] is not None:
+        row("Prefix cache hit rate (prompt tokens):", summary["prefix_cache_hit_rate"])
+    for turn, ttft in enumerate(summary.get("median_ttft_ms_by_turn", [])):
+        row(f"Median TTFT (ms), turn {turn + 1}:", ttft)
     if not summary["tokens_counted_by_usage"]:
         lines.append("note: the server sent no per-chunk usage; tokens were counted one per chunk")
     lines.append("=" * 50)
@@ -284,7 +348,8 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
     p.add_argument("--backend", default="openai", choices=["openai", "vllm", "sglang", "deltaserve"],
                    help="accepted for vllm bench serve's command lines: every backend is spoken to as OpenAI")
-    p.add_argument("--dataset-name", default="random", choices=["random"], help="only random token-id prompts")
+    p.add_argument("--dataset-name", default="random", choices=["random", "prefix_repetition"],
+                   help="random token-id prompts; prefix_repetition: shared prefixes with suffixes of their own")
     p.add_argument("--endpoint", default="/v1/completions", help="the completions route")
     p.add_argument("--model", default=None, help="model name sent with each request (none: the server's)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key (env OPENAI_API_KEY)")
@@ -296,6 +361,13 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p.add_argument("--random-output-len", type=int, default=128, help="max_tokens per request")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly within this fraction of the means")
+    p.add_argument("--random-prefix-len", type=int, default=0, help="the same random tokens before every prompt")
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256, help="tokens of each shared prefix")
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256, help="each request's own tokens after it")
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10, help="shared prefixes, taken in turn")
+    p.add_argument("--prefix-repetition-output-len", type=int, default=128, help="max_tokens per request")
+    p.add_argument("--multi-turn", type=int, default=0, metavar="T",
+                   help="conversations of T turns, each turn resending the history plus --random-input-len tokens")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids are drawn below this (none: --tokenizer's, else the vocab_size our server lists)")
     p.add_argument("--tokenizer", default=None, help="a folder with tokenizer.json: its vocabulary bounds the ids")
@@ -322,9 +394,15 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    for name in ("num_prompts", "random_input_len", "random_output_len"):
+    for name in ("num_prompts", "random_input_len", "random_output_len", "prefix_repetition_prefix_len",
+                 "prefix_repetition_suffix_len", "prefix_repetition_num_prefixes", "prefix_repetition_output_len"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("random_prefix_len", "multi_turn"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 0")
+    if args.multi_turn and args.dataset_name != "random":
+        raise SystemExit("--multi-turn takes random prompts (--dataset-name random)")
     if not 0 <= args.random_range_ratio < 1:
         raise SystemExit("--random-range-ratio must be in [0, 1)")
     if not args.request_rate > 0:
