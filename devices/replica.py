@@ -190,6 +190,8 @@ class Replica:
                 max_pages_per_seq=-(-spec.max_model_len // plan.page_size), device=r.backend.device, tp=spec.tp,
             )
             log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)
+            if r.runtime.sampling:
+                r.runtime.sampling.compile_kernels(plan.max_batch, self.dtype)
 
     def _capture(self, rank: int) -> None:
         r = self.ranks[rank]

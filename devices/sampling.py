@@ -11,14 +11,17 @@ its penalty counts). Only draws with a row the sampler could flag (sampled, with
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from deltaserve.kernels.sampling import SamplingTensors, draw_tokens, sample_reference
-from deltaserve.kernels.triton_sampling import top_p_alone
+from deltaserve.kernels.triton_sampling import compile_for_batches, top_p_alone
 
 from .commands import RowSampling, SampledToken, SlotProtocolError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +60,12 @@ class SlotSampling:
         # [slots, V]: allocated when the first request asks for a penalty.
         self.output_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
+
+    def compile_kernels(self, max_rows: int, dtype: torch.dtype) -> None:
+        """On CUDA, compile the sampler for every batch size up to `max_rows` now, not while serving."""
+        if self.device.type == "cuda":
+            classes = compile_for_batches(max_rows, self.vocab, dtype, self.device, self.pdl)
+            log.info("sampler compiled for %d batch size classes up to %d rows", classes, max_rows)
 
     # Slots ----------------------------------------------------------------------------------------------------------
     def start(self, slot: int, setup: RowSampling | None, prompt_ids: list[int]) -> None:

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sampling import SamplingTensors, apply_penalties, sample_reference, top_logprobs
+from .sampling import SamplingTensors, apply_penalties, lm_like_logits, sample_reference, top_logprobs
 from .launch import multiprocessors, pdl_options, wait_for_previous_kernel
 
 BINS = tl.constexpr(512)
@@ -747,6 +747,23 @@ def default_splits(rows: int, vocab: int, device: torch.device, top_p_rounds: bo
     threshold batch, which has no rounds, would lose 10 µs; docs/benchmarks/log/kernels.md, runs N6 and O1)."""
     want = max(1, triton.cdiv((8 if top_p_rounds else 4) * multiprocessors(device), rows))
     return min(MAX_SPLITS, triton.next_power_of_2(want), max(1, triton.next_power_of_2(triton.cdiv(vocab, 8 * BLOCK))))
+
+
+def compile_for_batches(max_rows: int, vocab: int, dtype: torch.dtype, device: torch.device, pdl: bool = True) -> int:
+    """Draw once for every batch size class up to `max_rows` that compiles the passes anew (the histogram pass's
+    BLOCK_S follows `default_splits`, which follows the rows), with and without the top-p rounds, so that a batch
+    growing while serving meets no compile. Returns the draws made."""
+    classes: dict[tuple[int, int], int] = {}
+    for rows in range(1, max_rows + 1):
+        for rounds in (0, TOP_P_ROUNDS):
+            splits = default_splits(rows, vocab, device, rounds > 0)
+            classes.setdefault((triton.next_power_of_2(splits), rounds), rows)
+    for (_, rounds), rows in classes.items():
+        logits = lm_like_logits(rows, vocab, device).to(dtype)
+        p = SamplingTensors.filled(rows, device, top_k=0 if rounds else 20, top_p=0.9 if rounds else 1.0)
+        draw(logits, p, top_p_rounds=rounds, pdl=pdl)
+    torch.cuda.current_stream(device).synchronize()
+    return len(classes)
 
 
 def later_round_programs(vocab: int, block: int = BLOCK) -> int:
