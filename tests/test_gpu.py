@@ -389,3 +389,47 @@ def test_server_starts_with_graphs_and_logs_the_capture_sweep(real_geometry_ckpt
         status, body = asyncio.run(main())
     assert status == 200 and body["usage"]["completion_tokens"] == 8
     assert any("captured" in m and "decode graphs" in m for m in caplog.messages)
+
+
+def test_prefix_cache_resumes_as_a_cold_prefill_computes(real_geometry_ckpt):
+    """At the 4B width: a shared system prompt, a conversation's next turns, repeats and a branch inside a page,
+    served one after another with the prefix cache on and off. In fp32, so that a mistake is not hidden in
+    rounding (a bf16 logit near 100 moves in steps of 0.5 whenever the GDN chunks fall elsewhere): the first
+    token's top-8 log-probs agree within 2e-3, and the expected prefixes hit."""
+    import random
+
+    from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+
+    rng = random.Random(3)
+    system = [rng.randrange(3000) for _ in range(700)]
+    turn = system + [rng.randrange(3000) for _ in range(300)]
+    prompts = [system + [rng.randrange(3000) for _ in range(40)] for _ in range(4)]
+    prompts += [turn, turn + [rng.randrange(3000) for _ in range(250)], turn, turn, system[:333] + [7] * 50]
+
+    async def run(cache: bool):
+        args = EngineArgs(model=real_geometry_ckpt, device="cuda", max_batch=8, max_model_len=2048,
+                          load_format="random", enable_prefix_caching=cache, prefill_token_budget=512,
+                          dtype="float32")
+        outs = []
+        async with AsyncEngine(args) as engine:
+            for prompt in prompts:
+                async for out in engine.generate(prompt, SamplingParams(max_tokens=1, logprobs=8, temperature=0)):
+                    pass
+                outs.append(out)
+            assert engine.resources_free()
+        return outs
+
+    cached, cold = asyncio.run(run(True)), asyncio.run(run(False))
+    gaps = []
+    for a, b in zip(cached, cold):
+        ref = dict(b.logprobs[0].top)
+        gaps += [abs(lp - ref[t]) for t, lp in a.logprobs[0].top if t in ref]
+    gaps = torch.tensor(gaps)
+    logging.getLogger(__name__).info("prefix cache on/off: |Δ log-prob| mean %.4f, max %.4f over %d; cached %s",
+                                     gaps.mean(), gaps.max(), len(gaps), [o.num_cached_tokens for o in cached])
+    assert len(gaps) >= 8 * len(prompts) * 3 // 4 and gaps.max() <= 2e-3
+    hits = [o.num_cached_tokens for o in cached]
+    # From the third question on, the system prompt's last page boundary (the second question's branch point);
+    # the conversation's next turn from the turn's end; its third repeat from the last boundary below its end.
+    assert hits[2] == hits[3] == 688 and hits[5] == len(turn) and hits[7] == (len(turn) - 1) // 16 * 16
+    assert all(o.num_cached_tokens == 0 for o in cold)
