@@ -2,7 +2,7 @@
 
 A backend checks the devices a replica asks for, makes the collective its ranks share, and opens one
 `RankBackend` per rank: the rank's device, its op set, its all-reduce, its memory and, where the device has
-them, its decode graphs. The replica drives every backend the same way and never asks which one it has.
+them, its decode and prefill graphs. The replica drives every backend the same way and never asks which one it has.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def kernel_cache_dir() -> str:
 
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
-DecodeProgram = Callable[[], torch.Tensor]  # one decode step over a bucket's fixed inputs; returns its logits
+GraphProgram = Callable[[], torch.Tensor]  # one step over a bucket's fixed inputs (decode or prefill); its logits
 
 
 class Collective(Protocol):
@@ -39,8 +39,11 @@ class Collective(Protocol):
     def close(self) -> None: ...
 
 
-class DecodeGraphs(Protocol):
+class StepGraphs(Protocol):
+    """Captured steps of one kind (decode rows, or prefill tokens), one per bucket."""
+
     stats: dict[int, dict]  # bucket -> {"nodes", "capture_s", "pool_bytes"}
+    buckets: list[int]  # the captured ones, ascending
 
     def captured(self, bucket: int) -> bool: ...
 
@@ -55,7 +58,8 @@ class RankBackend(Protocol):
     device: torch.device
     ops: ForwardOps
     all_reduce: AllReduce | None
-    graphs: DecodeGraphs | None
+    graphs: StepGraphs | None
+    prefill_graphs: StepGraphs | None
 
     def context(self) -> contextlib.AbstractContextManager: ...
 
@@ -64,8 +68,11 @@ class RankBackend(Protocol):
 
     def warm_up_collective(self) -> None: ...
 
-    def capture_decode(self, programs: dict[int, DecodeProgram], progress: bool) -> DecodeGraphs | None:
+    def capture_decode(self, programs: dict[int, GraphProgram], progress: bool) -> StepGraphs | None:
         """Capture each bucket's decode program (None: this device has no graphs)."""
+
+    def capture_prefill(self, programs: dict[int, GraphProgram], progress: bool) -> StepGraphs | None:
+        """Capture each bucket's padded one-chunk prefill program (None: this device has no graphs)."""
 
     def close(self) -> None: ...
 

@@ -1,5 +1,5 @@
-"""The CUDA device backend: a stream per rank made with cuda-python, the Triton ops, raw CUDA-graph decode, NCCL
-collectives.
+"""The CUDA device backend: a stream per rank made with cuda-python, the Triton ops, raw CUDA graphs of decode
+steps and of one-chunk prefill steps, NCCL collectives.
 
 Graph capture uses the runtime API directly (cudaStreamBeginCapture in thread-local mode, EndCapture,
 Instantiate, Launch): other ranks' threads keep allocating and launching while one captures. Torch allocations
@@ -21,7 +21,7 @@ from cuda.bindings import runtime as cudart
 
 from deltaserve.kernels.config import KernelConfig
 
-from .backend import DecodeProgram, kernel_cache_dir
+from .backend import GraphProgram, kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,8 @@ class CudaRankBackend:
                                  "cudaStreamCreateWithFlags")
         self.stream = torch.cuda.ExternalStream(int(self._raw_stream), device=self.device)
         self.all_reduce = collective.for_rank(rank) if collective is not None else None
-        self.graphs: CudaDecodeGraphs | None = None
+        self.graphs: CudaGraphs | None = None
+        self.prefill_graphs: CudaGraphs | None = None
 
     @contextlib.contextmanager
     def context(self):
@@ -146,14 +147,19 @@ class CudaRankBackend:
         if self.collective is not None:
             self.collective.warm_up(self.rank, self.device)
 
-    def capture_decode(self, programs: dict[int, DecodeProgram], progress: bool) -> "CudaDecodeGraphs":
-        self.graphs = CudaDecodeGraphs(self, programs, progress)
+    def capture_decode(self, programs: dict[int, GraphProgram], progress: bool) -> "CudaGraphs":
+        self.graphs = CudaGraphs(self, programs, progress, "decode")
         return self.graphs
 
+    def capture_prefill(self, programs: dict[int, GraphProgram], progress: bool) -> "CudaGraphs":
+        self.prefill_graphs = CudaGraphs(self, programs, progress, "prefill")
+        return self.prefill_graphs
+
     def close(self) -> None:
-        if self.graphs is not None:
-            self.graphs.destroy()  # graphs before the stream, the pool and the communicator
-            self.graphs = None
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.destroy()  # graphs before the stream, the pool and the communicator
+        self.graphs = self.prefill_graphs = None
         self.stream.synchronize()
         check(cudart.cudaStreamDestroy(self._raw_stream), "cudaStreamDestroy")
 
@@ -163,27 +169,33 @@ class CudaRankBackend:
         torch.cuda.empty_cache()
 
 
-class CudaDecodeGraphs:
-    """A captured decode step per bucket. Each is captured from a program (a function of the bucket's fixed inputs
-    and the state) and keeps only its executable graph and its logits; `graphs(bucket)` replays one."""
+class CudaGraphs:
+    """A captured step per bucket, of one kind (decode rows or prefill tokens). Each is captured from a program (a
+    function of the bucket's fixed inputs and the state) and keeps only its executable graph and its logits;
+    `graphs(bucket)` replays one. Each kind has its own memory pool."""
 
-    def __init__(self, backend: CudaRankBackend, programs: dict[int, DecodeProgram], progress: bool) -> None:
+    def __init__(self, backend: CudaRankBackend, programs: dict[int, GraphProgram], progress: bool,
+                 kind: str) -> None:
         from tqdm import tqdm
 
-        self.rank, self.device = backend.rank, backend.device
+        self.rank, self.device, self.kind = backend.rank, backend.device, kind
         self.torch_stream, self.stream = backend.stream, backend._raw_stream
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple] = {}  # bucket -> (graph, exec, logits)
         self.eager: set[int] = set()
         self.stats: dict[int, dict] = {}
-        for bucket in tqdm(sorted(programs, reverse=True), desc=f"capturing decode graphs (rank {self.rank})",
+        for bucket in tqdm(sorted(programs, reverse=True), desc=f"capturing {kind} graphs (rank {self.rank})",
                            disable=not progress, leave=False):
             self._capture(bucket, programs[bucket])
         if self.eager:
-            log.warning("rank %d: CUDA graphs were requested but buckets %s run eagerly (capture refused)",
-                        self.rank, sorted(self.eager))
+            log.warning("rank %d: CUDA graphs were requested but %s buckets %s run eagerly (capture refused)",
+                        self.rank, kind, sorted(self.eager))
 
-    def _capture(self, bucket: int, program: DecodeProgram) -> None:
+    @property
+    def buckets(self) -> list[int]:
+        return sorted(self.graphs)
+
+    def _capture(self, bucket: int, program: GraphProgram) -> None:
         # Two eager runs first compile every Triton kernel and initialise cuBLAS for these shapes on this thread
         # and stream.
         for _ in range(2):
@@ -202,7 +214,8 @@ class CudaDecodeGraphs:
             finally:
                 graph = check(cudart.cudaStreamEndCapture(self.stream), "cudaStreamEndCapture")
         except Exception as exc:
-            log.error("rank %d: capture of bucket %d failed (%s); it will run eagerly", self.rank, bucket, exc)
+            log.error("rank %d: capture of %s bucket %d failed (%s); it will run eagerly", self.rank, self.kind,
+                      bucket, exc)
             self.eager.add(bucket)
             if graph is not None:
                 cudart.cudaGraphDestroy(graph)

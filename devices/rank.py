@@ -1,8 +1,9 @@
 """What one rank does with a step: slot bookkeeping, the batched decode and prefill forwards, sampling (rank 0).
 
 Slots: state slots 0..max_batch-1 are the dense decode slots, max_batch.. the prefill slots, then the prefix
-cache's snapshot slots and the trash slot. The decode page table, positions and token inputs live in fixed-address buffers sized for the largest
-bucket, so a captured CUDA graph reads each step's inputs from the same addresses.
+cache's snapshot slots and the trash slot. The decode page table, positions and token inputs live in fixed-address
+buffers sized for the largest bucket, so a captured CUDA graph reads each step's inputs from the same addresses;
+so do a one-chunk prefill's, padded to a bucket of tokens (`PrefillInputs`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk
+from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk, PrefillInputs
 from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.state import ModelState
 
-from .backend import DecodeGraphs, DecodeProgram
+from .backend import GraphProgram, StepGraphs
 from .commands import UNKNOWN_TOKEN, SampledToken, SlotProtocolError, StepCommand, StepResult
 from .sampling import SlotSampling
 
@@ -94,7 +95,11 @@ class RankRuntime:
         self.device = device
         self.inputs = DecodeInputs(max_batch, max_pages_per_seq, state.trash_page, state.page_size, device)
         self.occupied = [False] * max_batch
-        self.graphs: DecodeGraphs | None = None  # captured decode buckets (CUDA); the others run eagerly
+        self.graphs: StepGraphs | None = None  # captured decode buckets (CUDA); the others run eagerly
+        # One-chunk prefills padded to a bucket of tokens, replayed from captured graphs (CUDA): a prefill of a few
+        # hundred tokens costs its ~450 launches on the host otherwise, more than its time on the GPU.
+        self.prefill_inputs: PrefillInputs | None = None
+        self.prefill_graphs: StepGraphs | None = None
         # Rank 0 only: what each state slot's request samples with.
         self.vocab = model.cfg.vocab_size
         kernels = model.ops.config
@@ -105,7 +110,22 @@ class RankRuntime:
         self.last_tokens = self.sampling.last_tokens if self.sampling else \
             torch.zeros(state.num_slots + 1, dtype=torch.long, device=device)
 
-    def decode_programs(self, buckets: list[int]) -> dict[int, DecodeProgram]:
+    def prefill_programs(self, buckets: list[int]) -> dict[int, GraphProgram]:
+        """For each bucket of tokens, a one-chunk prefill over the fixed inputs and the state, padded to the
+        bucket: what a prefill graph captures. The inputs are inert until filled (the trash slot and page)."""
+        state = self.state
+        self.prefill_inputs = PrefillInputs(max(buckets), self.inputs.width, state.trash_slot, state.trash_page,
+                                            state.page_size, self.device)
+        model = self.model
+        return {b: (lambda batch=self.prefill_inputs.batch(b): model.prefill(state, batch)) for b in buckets}
+
+    def _prefill_bucket(self, chunks: list[PrefillChunk]) -> int:
+        """The smallest captured bucket a step's prefill fits (one chunk), or 0."""
+        if self.prefill_graphs is None or len(chunks) != 1:
+            return 0
+        return next((b for b in self.prefill_graphs.buckets if self.prefill_inputs.fits(chunks[0], b)), 0)
+
+    def decode_programs(self, buckets: list[int]) -> dict[int, GraphProgram]:
         """For each bucket, its decode step over the fixed inputs and the state: what a graph captures. The inputs
         are set to inert padding first (every row reads and writes only the trash slot and page)."""
         self.inputs.fill([], [], max(buckets))
@@ -213,8 +233,15 @@ class RankRuntime:
             self.state.copy_page(src, dst)
         if cmd.prefill:
             chunks = [PrefillChunk(p.token_ids, p.start, p.slot, p.pages) for p in cmd.prefill]
-            batch = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
-            prefill_logits = self.model.prefill(self.state, batch)
+            bucket = self._prefill_bucket(chunks)
+            if bucket:
+                if chunks[0].start == 0:
+                    self.state.reset_slot(chunks[0].slot)
+                self.prefill_inputs.fill(chunks[0], bucket)
+                prefill_logits = self.prefill_graphs(bucket)  # row 0 is the chunk's, row 1 the padding's
+            else:
+                batch = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
+                prefill_logits = self.model.prefill(self.state, batch)
             for slot, snapshot in cmd.save_snapshots:
                 self._check_request_slot(slot)
                 self.state.copy_slot(slot, self.state.snapshot_slot(snapshot))

@@ -59,9 +59,20 @@ class ReplicaSpec:
     kernel_config: KernelConfig | None = None  # cuda: the Triton ops' launch choices (None: the defaults)
     # Per rank, for the prefix cache's state snapshots; None: SNAPSHOT_FRACTION of the memory after the weights.
     snapshot_bytes: int | None = 0
+    # With graphs: one-chunk prefills of up to this many tokens replay a graph captured per bucket (0: none).
+    prefill_graph_tokens: int = 1024
 
 
 SNAPSHOT_FRACTION = 0.1
+
+
+def prefill_graph_buckets(most_tokens: int) -> list[int]:
+    """Powers of two from 16 up to `most_tokens`: a chunk of n tokens replays the smallest bucket of at least n."""
+    buckets, b = [], 16
+    while b <= most_tokens:
+        buckets.append(b)
+        b *= 2
+    return buckets
 
 
 class _Rank:
@@ -123,7 +134,9 @@ class Replica:
             prefill_scratch_bytes=prefill_activation_bytes(spec.cfg, self.local, self.dtype, spec.prefill_token_budget)
             if spec.device == "cuda" else 0,
             buckets=spec.buckets,
-            graph_reserve=lambda b: decode_activation_bytes(spec.cfg, self.local, self.dtype, b) if self._graphs else 0,
+            graph_reserve=lambda b: decode_activation_bytes(spec.cfg, self.local, self.dtype, b) + (
+                prefill_activation_bytes(spec.cfg, self.local, self.dtype, max(self.prefill_buckets))
+                if self.prefill_buckets else 0) if self._graphs else 0,
             snapshot_bytes=snapshot_bytes,
         )
         if self.plan.max_batch < spec.max_batch:
@@ -148,10 +161,19 @@ class Replica:
                 raise RuntimeError(
                     f"CUDA graph capture did not complete (watchdog {spec.capture_timeout_s:.0f} s): {exc}; "
                     "start with --no-cuda-graph to serve eagerly") from exc
-            stats = self.ranks[0].backend.graphs.stats
-            log.info("captured %d decode graphs per rank in %.1f s (buckets %s; %d nodes in the largest)",
-                     len(stats), time.perf_counter() - started, sorted(stats),
-                     stats[max(stats)]["nodes"] if stats else 0)
+            captured = {tuple(r.runtime.prefill_graphs.buckets) for r in self.ranks if r.runtime.prefill_graphs}
+            if len(captured) > 1:  # a bucket eager on one rank only would all-reduce other sizes than the rest
+                log.warning("prefill graphs captured for different buckets on different ranks (%s): prefill eagerly",
+                            sorted(captured))
+                for r in self.ranks:
+                    r.runtime.prefill_graphs = None
+            backend = self.ranks[0].backend
+            for kind, graphs in (("decode", backend.graphs), ("prefill", backend.prefill_graphs)):
+                stats = graphs.stats if graphs is not None else {}
+                log.info("%d %s graphs per rank (buckets %s; %d nodes in the largest, %.0f MiB of pool)", len(stats),
+                         kind, sorted(stats), stats[max(stats)]["nodes"] if stats else 0,
+                         sum(st["pool_bytes"] for st in stats.values()) / 2**20)
+            log.info("graphs captured in %.1f s", time.perf_counter() - started)
 
     @property
     def _graphs(self) -> bool:
@@ -160,6 +182,13 @@ class Replica:
     @property
     def buckets(self) -> list[int]:
         return [b for b in self.spec.buckets if b <= self.plan.largest_bucket]
+
+    @property
+    def prefill_buckets(self) -> list[int]:
+        """Captured one-chunk prefill sizes (none without graphs): at most a step's prompt tokens."""
+        if not self._graphs:
+            return []
+        return prefill_graph_buckets(min(self.spec.prefill_graph_tokens, self.spec.prefill_token_budget))
 
     def _abort_collective(self) -> None:
         if self.collective is not None:
@@ -198,6 +227,9 @@ class Replica:
         with r.backend.context():
             r.backend.warm_up_collective()
             r.runtime.graphs = r.backend.capture_decode(r.runtime.decode_programs(self.buckets), progress=rank == 0)
+            if self.prefill_buckets:
+                r.runtime.prefill_graphs = r.backend.capture_prefill(
+                    r.runtime.prefill_programs(self.prefill_buckets), progress=rank == 0)
 
     # Steps ----------------------------------------------------------------------------------------------------------
     def start_step(self, cmd: StepCommand, overlapped: bool = False) -> Awaitable[StepResult]:

@@ -157,6 +157,8 @@ def gdn_prefill_reference(
     bounds = cu_seqlens.tolist()
     for r, slot in enumerate(slots.tolist()):
         s, e = bounds[r], bounds[r + 1]
+        if s == e:  # an empty request (a padded batch's padding, when the chunk fills the bucket)
+            continue
         out[s:e], ssm_state[slot] = gdn_chunked(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], ssm_state[slot])
     return out.to(mixed.dtype)
 

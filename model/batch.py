@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.kernels.gdn import GdnChunks
+from deltaserve.kernels.gdn import GDN_CHUNK, GdnChunks
 
 
 ALIGN = 16  # elements: each uploaded list starts 64- or 128-byte aligned
@@ -131,3 +131,88 @@ class DecodeBatch:
             seq_lens=t([p + 1 for p in positions]),
             slot_mapping=t(mapping),
         )
+
+
+class PrefillInputs:
+    """Fixed-address inputs of a one-chunk prefill padded to a bucket of tokens, what a prefill CUDA graph reads:
+    request 0 is the chunk, request 1 pads the bucket in the trash slot and page (no tokens when the chunk fills
+    it: the kernels skip an empty request). Each bucket's batch is a view of the same two buffers, so a graph
+    captured over `batch(bucket)` reads what `fill` writes."""
+
+    def __init__(self, tokens: int, width: int, trash_slot: int, trash_page: int, page_size: int, device) -> None:
+        self.tokens, self.width, self.page_size = tokens, width, page_size
+        self.trash_slot, self.trash_page = trash_slot, trash_page
+        # Each view's offset in its flat buffer (int64 or int32), the same for every bucket.
+        self._views: dict[str, tuple[torch.dtype, int]] = {}
+        sizes = {torch.long: 0, torch.int32: 0}
+        for name, dtype, n in (("input_ids", torch.long, tokens), ("positions", torch.long, tokens),
+                               ("slot_mapping", torch.long, tokens), ("slots", torch.long, 2),
+                               ("context_lens", torch.long, 2), ("last_token", torch.long, 2),
+                               ("cu_seqlens", torch.int32, 3), ("page_table", torch.int32, 2 * width),
+                               ("spans", torch.int32, 2 * self.chunks(tokens)), ("first", torch.int32, 3)):
+            self._views[name] = (dtype, sizes[dtype])
+            sizes[dtype] += -(-n // ALIGN) * ALIGN
+        self._flat = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
+        self._no_fresh = torch.zeros(0, dtype=torch.long, device=device)
+        self.fill(PrefillChunk([0], 0, trash_slot, [trash_page]), tokens)  # inert until the first real fill
+
+    @staticmethod
+    def chunks(bucket: int) -> int:
+        """GDN chunks of a padded batch: the chunk's ceil(L / 64) and the padding's ceil((bucket - L) / 64) add up
+        to at most this; the padding request takes the rest as empty chunks."""
+        return -(-bucket // GDN_CHUNK) + 1
+
+    def _view(self, name: str, n: int) -> torch.Tensor:
+        dtype, offset = self._views[name]
+        return self._flat[dtype][offset : offset + n]
+
+    def batch(self, bucket: int) -> PrefillBatch:
+        n = self.chunks(bucket)
+        return PrefillBatch(
+            input_ids=self._view("input_ids", bucket), positions=self._view("positions", bucket),
+            cu_seqlens=self._view("cu_seqlens", 3), slots=self._view("slots", 2),
+            context_lens=self._view("context_lens", 2),
+            page_table=self._view("page_table", 2 * self.width).view(2, self.width),
+            slot_mapping=self._view("slot_mapping", bucket), last_token=self._view("last_token", 2),
+            fresh_slots=self._no_fresh,
+            gdn_chunks=GdnChunks(self._view("spans", 2 * n).view(n, 2), self._view("first", 3)),
+        )
+
+    def fits(self, chunk: PrefillChunk, bucket: int) -> bool:
+        return 0 < len(chunk.token_ids) <= bucket <= self.tokens and len(chunk.pages) <= self.width
+
+    def fill(self, chunk: PrefillChunk, bucket: int) -> None:
+        """Write the chunk and the padding request up to `bucket`: one non-blocking copy per buffer, from pinned
+        memory made for this fill (a buffer reused while its last copy is in flight would change under it)."""
+        ps, n, pad = self.page_size, len(chunk.token_ids), bucket - len(chunk.token_ids)
+        if not self.fits(chunk, bucket):
+            raise ValueError(f"a chunk of {n} tokens and {len(chunk.pages)} pages does not fit bucket {bucket} "
+                             f"(at most {self.tokens} tokens and {self.width} pages)")
+        if (chunk.start + n + ps - 1) // ps > len(chunk.pages):
+            raise ValueError(f"chunk of {n} tokens at {chunk.start} needs more than its {len(chunk.pages)} pages")
+        host = {dtype: torch.zeros(flat.shape, dtype=dtype) for dtype, flat in self._flat.items()}
+
+        def put(name: str, values) -> None:
+            dtype, offset = self._views[name]
+            values = torch.as_tensor(values, dtype=dtype)
+            host[dtype][offset : offset + len(values)] = values
+
+        real = torch.arange(chunk.start, chunk.start + n)
+        padding = torch.arange(pad)
+        pages = torch.tensor(chunk.pages, dtype=torch.long)
+        put("input_ids", chunk.token_ids)
+        put("positions", torch.cat([real, padding]))
+        put("slot_mapping", torch.cat([pages[real // ps] * ps + real % ps, self.trash_page * ps + padding % ps]))
+        put("slots", [chunk.slot, self.trash_slot])
+        put("context_lens", [chunk.start, 0])
+        put("last_token", [n - 1, bucket - 1])  # the padding's row is computed, never read
+        put("cu_seqlens", [0, n, bucket])
+        put("page_table", list(chunk.pages) + [self.trash_page] * (2 * self.width - len(chunk.pages)))
+        spans, first = GdnChunks.layout([0, n, bucket])
+        spans += [bucket, bucket] * (self.chunks(bucket) - first[-1])
+        first[-1] = self.chunks(bucket)
+        put("spans", spans)
+        put("first", first)
+        for dtype, flat in self._flat.items():
+            staged = host[dtype].pin_memory() if flat.is_cuda else host[dtype]
+            flat.copy_(staged, non_blocking=True)

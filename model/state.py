@@ -76,6 +76,11 @@ class ModelState:
         self.conv[:, slots] = 0
         self.ssm[:, slots] = 0
 
+    def reset_slot(self, slot: int) -> None:
+        """`reset_slots` for one slot known on the host: no index tensor to upload."""
+        self.conv[:, slot].zero_()
+        self.ssm[:, slot].zero_()
+
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy one slot's GDN state to another, device to device."""
         self.conv[:, dst].copy_(self.conv[:, src])

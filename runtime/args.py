@@ -18,6 +18,8 @@ class EngineArgs:
     max_batch: int = 32  # decode rows (lowered at start-up if memory is short)
     max_model_len: int | None = None  # default: min(config max_position_embeddings, 32768)
     cuda_graph: bool = True
+    # With graphs, one-chunk prefills of up to this many tokens replay a graph (captured at 16, 32, ... tokens).
+    prefill_graph_tokens: int = 1024
     seed: int = 0
     prefill_token_budget: int = 2048  # prompt tokens per step at most (chunked prefill)
     # A step carrying prompt tokens beside decode rows takes at most this many times a decode-only step (the
@@ -71,5 +73,8 @@ class EngineArgs:
         if self.prefix_cache_state_gib is not None and not (
                 isinstance(self.prefix_cache_state_gib, (int, float)) and self.prefix_cache_state_gib >= 0):
             raise ValueError(f"prefix_cache_state_gib must be a number >= 0, got {self.prefix_cache_state_gib!r}")
+        if isinstance(self.prefill_graph_tokens, bool) or not isinstance(self.prefill_graph_tokens, int) or \
+                self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be an integer >= 0, got {self.prefill_graph_tokens!r}")
         if self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be positive")

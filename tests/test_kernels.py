@@ -425,3 +425,46 @@ def test_knockout_stand_in_skips_every_launch_of_its_kernel():
         norm._gated_rms_norm_kernel = original
     assert stand_in.calls == 1 and torch.isnan(out).all()
     assert rel(norm.gated_rms_norm(o, z, w, 1e-6), norm.gated_rms_norm_reference(o, z, w, 1e-6)) <= REDUCTION
+
+
+# The second pads with an empty GDN chunk; the third fills its bucket (the padding request has no token).
+@pytest.mark.parametrize("start,n,bucket", [(0, 37, 64), (16, 64, 128), (20, 32, 32)])
+def test_a_padded_one_chunk_prefill_equals_the_chunk_alone(tiny_ckpt, start, n, bucket):
+    """What a prefill graph replays: one chunk in `PrefillInputs`' fixed buffers, padded to a bucket of tokens by a
+    request in the trash slot and page whose GDN chunks end in empty ones, on the Triton ops (interpreted on the
+    CPU). The chunk's logits, its slot's state and its KV pages equal those of the chunk run alone; the padding
+    touches nothing but the trash slot and page."""
+    from helpers import CpuRunner
+
+    from deltaserve.model.batch import PrefillBatch, PrefillChunk, PrefillInputs
+    from deltaserve.model.state import PAGE_SIZE
+
+    runner = CpuRunner(tiny_ckpt, ops=triton_ops(), device=DEVICE)
+    prompt = [(7 * i) % 500 + 3 for i in range(start + n)]
+    if start:
+        runner.prefill({3: prompt[:start]})
+    state = runner.state
+    pages = runner._ensure_pages(3, start + n)
+    chunk = PrefillChunk(prompt[start:], start, 3, pages)
+    before = [t.clone() for t in (state.conv, state.ssm, state.k_cache, state.v_cache)]
+    alone = runner.model.prefill(state, PrefillBatch.build([chunk], PAGE_SIZE, state.trash_page, DEVICE))
+    after_alone = [t.clone() for t in (state.conv, state.ssm, state.k_cache, state.v_cache)]
+    for t, saved in zip((state.conv, state.ssm, state.k_cache, state.v_cache), before):
+        t.copy_(saved)
+
+    inputs = PrefillInputs(128, 12, state.trash_slot, state.trash_page, PAGE_SIZE, DEVICE)
+    assert not inputs.fits(PrefillChunk(list(range(bucket + 1)), 0, 3, pages), bucket)
+    if start == 0:
+        state.reset_slot(3)  # the rank does this before the replay (a graph's batch has no fresh slots)
+    inputs.fill(chunk, bucket)
+    padded = runner.model.prefill(state, inputs.batch(bucket))
+    assert padded.shape[0] == 2
+    assert rel(padded[0], alone[0]) <= REDUCTION
+    conv, ssm, k, v = (state.conv, state.ssm, state.k_cache, state.v_cache)
+    conv_a, ssm_a, k_a, v_a = after_alone
+    assert rel(conv[:, 3], conv_a[:, 3]) <= REDUCTION and rel(ssm[:, 3], ssm_a[:, 3]) <= REDUCTION
+    assert rel(k[:, pages], k_a[:, pages]) <= REDUCTION and rel(v[:, pages], v_a[:, pages]) <= REDUCTION
+    others = [s for s in range(state.num_slots) if s != 3]
+    assert torch.equal(ssm[:, others], ssm_a[:, others]) and torch.equal(conv[:, others], conv_a[:, others])
+    untouched = [p for p in range(state.num_pages) if p not in pages]
+    assert torch.equal(k[:, untouched], k_a[:, untouched])

@@ -129,6 +129,59 @@ def test_prompts_of_several_chunks_alone_and_packed_match_the_model_and_hf(tiny_
         assert_logprobs_match(out, teacher_forced_logprobs(theirs, prompt, out.token_ids), LOGPROB_ATOL_HF)
 
 
+class EagerPrograms:
+    """The CPU's stand-in for a rank's prefill graphs: each bucket's program run eagerly, so the padded fixed-input
+    path a graph replays (`RankRuntime.prefill_programs`) runs through the engine in CI."""
+
+    def __init__(self, programs) -> None:
+        self.programs, self.stats, self.buckets = programs, {}, sorted(programs)
+        self.replays = Counter()
+
+    def captured(self, bucket: int) -> bool:
+        return bucket in self.programs
+
+    def __call__(self, bucket: int):
+        self.replays[bucket] += 1
+        return self.programs[bucket]()
+
+    def destroy(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_one_chunk_prefills_padded_to_a_bucket_change_no_output(tiny_tp_ckpt, tp):
+    """Prefills of one chunk go through the padded fixed inputs a prefill graph reads, the others eagerly: the same
+    tokens and log-probs (1e-5) as every prefill eager. Prompts from 1 token to several chunks, some resuming after
+    a cached prefix, arriving together and one by one."""
+    prompts = [prompt_of(n, 700 + n) for n in (1, 15, 16, 40, 64, 100)]
+    prompts += [prompts[3] + prompt_of(20, 9), prompts[5][:50] + prompt_of(7, 10)]  # cached prefixes
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
+
+    async def serve_all(padded):
+        async with AsyncEngine(engine_args(tiny_tp_ckpt, tp=tp, max_batch=4, prefill_slots=2,
+                                           prefill_token_budget=48)) as engine:
+            programs = []
+            if padded:
+                for r in engine.replica.ranks:
+                    r.runtime.prefill_graphs = EagerPrograms(r.runtime.prefill_programs([16, 32, 64]))
+                    programs.append(r.runtime.prefill_graphs)
+            alone = [(await collect(engine.generate(p, params)))[0] for p in prompts]
+            together = await asyncio.gather(*[collect(engine.generate(p, params)) for p in prompts[:5]])
+            assert await wait_free(engine)
+        return alone + [out for out, _ in together], programs
+
+    padded, programs = run(serve_all(True))
+    eager, _ = run(serve_all(False))
+    for a, b in zip(padded, eager):
+        assert a.token_ids == b.token_ids and a.num_cached_tokens == b.num_cached_tokens
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) <= LOGPROB_ATOL_OURS
+    assert padded[6].num_cached_tokens == 40  # the resumed ones did resume
+    # Every rank replayed every bucket; a 48-token chunk or packed chunks went eagerly.
+    assert all(set(p.replays) == {16, 32, 64} for p in programs)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_overlap_scheduling_changes_no_output(tiny_tp_ckpt, tp):
     """The same requests, arriving at the same moments, with overlap scheduling off and on: the same tokens, text,
