@@ -36,12 +36,16 @@ def fill_live_rows(runtime, rows: int, bucket: int, context: int, seed: int = 0)
 
 
 def snapshot(state):
-    return state.conv.clone(), state.ssm.clone()
+    """The request slots' GDN state (not the prefix cache's snapshot pool, which the diagnostics never touch and
+    which may be a tenth of the GPU)."""
+    n = state.num_slots
+    return state.conv[:, :n].clone(), state.ssm[:, :n].clone()
 
 
 def restore(state, saved) -> None:
-    state.conv.copy_(saved[0])
-    state.ssm.copy_(saved[1])
+    n = state.num_slots
+    state.conv[:, :n].copy_(saved[0])
+    state.ssm[:, :n].copy_(saved[1])
 
 
 @contextlib.contextmanager
