@@ -236,9 +236,13 @@ def test_bad_compaction_from_the_engine_poisons_and_fails_requests(tiny_ckpt):
 def test_capture_check_cpu_mode_checks_the_eager_path(tiny_ckpt, capsys):
     from deltaserve.tools import capture_check
 
-    assert capture_check.main(["--model", tiny_ckpt, "--device", "cpu", "--buckets", "1,2,4"]) == 0
+    assert capture_check.main(["--model", tiny_ckpt, "--device", "cpu", "--buckets", "1,2,4",
+                               "--prefill-tokens", "64"]) == 0
     out = capsys.readouterr().out
     assert "CUDA graphs need a CUDA device" in out and out.strip().endswith("OK")
+    rows = [line.split()[:2] for line in out.splitlines() if line.split()[:1] in (["decode"], ["prefill"])]
+    assert rows == [["decode", "1"], ["decode", "2"], ["decode", "4"], ["prefill", "16"], ["prefill", "32"],
+                    ["prefill", "64"]]
 
 
 def test_live_decode_batch_leaves_the_state_as_it_found_it(tiny_ckpt):

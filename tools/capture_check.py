@@ -1,12 +1,15 @@
-"""Diagnostics for the decode CUDA graphs: capture every bucket and compare each replay with the eager step.
+"""Diagnostics for the CUDA graphs: capture every decode and prefill bucket and compare each replay with the
+eager step.
 
     python -m deltaserve.tools.capture_check --model DIR [--device cuda|cpu] [--tp N] [--buckets 1,2,4,...]
         [--load-format safetensors|random] [--context 512] [--dot DIR]
 
 Per bucket: graph nodes, graph memory (private pool growth), capture time, max |replay - eager| over the live
-rows' logits, eager and replay step times and the speed-up. Exit status 1 on any capture failure or mismatch.
-On the CPU there are no graphs: it says so and checks that each bucket's batched eager step equals running
-its rows one at a time.
+rows' logits, eager and replay step times and the speed-up. A prefill bucket replays a one-chunk prefill of 7/8
+of its tokens, padded to the bucket, against the same padded inputs run eagerly; its speed-up is against the
+chunk prefilled eagerly unpadded, as without the graph. Exit status 1 on any capture failure or mismatch. On the CPU there are no graphs: it says so and checks that each decode bucket's
+batched eager step equals running its rows one at a time, and each prefill bucket's padded inputs, run eagerly,
+the chunk alone.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from dataclasses import fields
 
 import torch
 
-from deltaserve.model.batch import DecodeBatch
+from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk
+from deltaserve.devices.replica import prefill_graph_buckets
 from deltaserve.runtime import AsyncEngine, EngineArgs
 from deltaserve.tools.live_rows import fill_live_rows, restore, snapshot
 
@@ -87,45 +91,97 @@ def check_bucket(rank_objs, bucket: int, context: int, dot_dir: str | None, rank
     return result
 
 
+def check_prefill_bucket(rank_objs, bucket: int, dot_dir: str | None, rank: int) -> dict:
+    """A one-chunk prefill of 7/8 of the bucket. With graphs: the replay against the same padded inputs run eagerly
+    (the same shapes, so the same rounding), timed against the chunk prefilled eagerly unpadded, as it would be
+    without the graph. On the CPU: the padded inputs run eagerly against the chunk alone."""
+    backend, model, runtime = rank_objs.backend, rank_objs.model, rank_objs.runtime
+    state = runtime.state
+    graphs = getattr(backend, "prefill_graphs", None)
+    programs = runtime.prefill_programs([bucket]) if graphs is None else None
+    slot, n = runtime.max_batch, max(1, bucket * 7 // 8)  # the first prefill slot; the padding request runs too
+    ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(bucket)).tolist()
+    chunk = PrefillChunk(ids, 0, slot, list(range(-(-n // state.page_size))))
+
+    def unpadded():
+        return model.prefill(state, PrefillBatch.build([chunk], state.page_size, state.trash_page, backend.device))
+
+    def padded(replay: bool):
+        state.reset_slot(slot)
+        runtime.prefill_inputs.fill(chunk, bucket)
+        if replay:
+            return graphs(bucket)
+        return programs[bucket]() if programs else model.prefill(state, runtime.prefill_inputs.batch(bucket))
+
+    result = {"bucket": bucket}
+    if graphs is not None and not graphs.captured(bucket):
+        result["failed"] = True
+        return result
+    saved = snapshot(state)
+    want = (unpadded() if graphs is None else padded(replay=False))[0].float().clone()
+    restore(state, saved)
+    got = padded(replay=graphs is not None)[0].float().clone()
+    restore(state, saved)
+    result["diff"] = (got - want).abs().max().item()
+    result["scale"] = want.abs().max().item()
+    result["eager_s"] = time_per_call(unpadded, backend.device, 3 if graphs is None else 20)
+    if graphs is not None:
+        result.update(graphs.stats[bucket])
+        result["replay_s"] = time_per_call(lambda: padded(replay=True), backend.device)
+        if dot_dir and rank == 0:
+            os.makedirs(dot_dir, exist_ok=True)
+            graphs.dot(bucket, os.path.join(dot_dir, f"prefill_bucket{bucket}.dot"))
+    restore(state, saved)
+    return result
+
+
+def report(kind: str, bucket: int, r: dict, tolerance: float) -> bool:
+    """Print a bucket's row; True when it failed (capture refused, or a mismatch)."""
+    if r.get("failed"):
+        print(f"{kind:>7} {bucket:>6}  CAPTURE FAILED (bucket runs eagerly)")
+        return True
+    rel = r["diff"] / max(r["scale"], 1e-12)
+    bad = rel > tolerance
+    nodes = r.get("nodes", "-")
+    mib = f"{r['pool_bytes'] / 2**20:.1f}" if "pool_bytes" in r else "-"
+    cap = f"{r['capture_s']:.3f}" if "capture_s" in r else "-"
+    replay = f"{r['replay_s'] * 1e3:.3f}" if "replay_s" in r else "-"
+    speed = f"{r['eager_s'] / r['replay_s']:.2f}x" if "replay_s" in r else "-"
+    print(f"{kind:>7} {bucket:>6} {nodes!s:>6} {mib:>9} {cap:>9} {r['diff']:>10.3g} {rel:>8.2g} "
+          f"{r['eager_s'] * 1e3:>9.3f} {replay:>9} {speed:>8}{'  MISMATCH' if bad else ''}")
+    return bad
+
+
 async def run(ns) -> int:
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     buckets = [int(b) for b in ns.buckets.split(",")] if ns.buckets else None
     args = EngineArgs(model=ns.model, device=device, tp=ns.tp, cuda_graph=True, buckets=buckets,
                       max_batch=max(buckets) if buckets else ns.max_batch, max_model_len=ns.context * 2,
-                      load_format=ns.load_format, dtype=ns.dtype, prefill_slots=1)
+                      load_format=ns.load_format, dtype=ns.dtype, prefill_slots=1,
+                      prefill_graph_tokens=ns.prefill_tokens, enable_prefix_caching=False)
     if device != "cuda":
         print("CUDA graphs need a CUDA device: checking the batched eager decode path only.")
     async with AsyncEngine(args) as engine:
         replica = engine.replica
         failures = 0
-        print(f"{'bucket':>6} {'nodes':>6} {'graph MiB':>9} {'capture s':>9} {'max|diff|':>10} {'rel':>8} "
-              f"{'eager ms':>9} {'replay ms':>9} {'speed-up':>8}")
+        print(f"{'kind':>7} {'bucket':>6} {'nodes':>6} {'graph MiB':>9} {'capture s':>9} {'max|diff|':>10} "
+              f"{'rel':>8} {'eager ms':>9} {'replay ms':>9} {'speed-up':>8}")
         for bucket in replica.buckets:
             results = await replica.group.call(
-                lambda rank: _on_rank(replica, rank, bucket, ns.context, ns.dot), timeout_s=600)
-            r = results[0]
-            if r.get("failed"):
-                failures += 1
-                print(f"{bucket:>6}  CAPTURE FAILED (bucket runs eagerly)")
-                continue
-            rel = r["diff"] / max(r["scale"], 1e-12)
-            bad = rel > ns.tolerance
-            failures += bad
-            nodes = r.get("nodes", "-")
-            mib = f"{r['pool_bytes'] / 2**20:.1f}" if "pool_bytes" in r else "-"
-            cap = f"{r['capture_s']:.3f}" if "capture_s" in r else "-"
-            replay = f"{r['replay_s'] * 1e3:.3f}" if "replay_s" in r else "-"
-            speed = f"{r['eager_s'] / r['replay_s']:.2f}x" if "replay_s" in r else "-"
-            print(f"{bucket:>6} {nodes!s:>6} {mib:>9} {cap:>9} {r['diff']:>10.3g} {rel:>8.2g} "
-                  f"{r['eager_s'] * 1e3:>9.3f} {replay:>9} {speed:>8}{'  MISMATCH' if bad else ''}")
+                lambda rank: _on_rank(replica, rank, check_bucket, bucket, ns.context, ns.dot), timeout_s=600)
+            failures += report("decode", bucket, results[0], ns.tolerance)
+        for bucket in replica.prefill_buckets or prefill_graph_buckets(ns.prefill_tokens):
+            results = await replica.group.call(
+                lambda rank: _on_rank(replica, rank, check_prefill_bucket, bucket, ns.dot), timeout_s=600)
+            failures += report("prefill", bucket, results[0], ns.tolerance)
     print("OK" if failures == 0 else f"FAILED: {failures} bucket(s)")
     return 1 if failures else 0
 
 
-def _on_rank(replica, rank, bucket, context, dot):
+def _on_rank(replica, rank, check, *args):
     r = replica.ranks[rank]
     with r.backend.context(), torch.inference_mode():
-        return check_bucket(r, bucket, context, dot, rank)
+        return check(r, *args, rank)
 
 
 def main(argv=None) -> int:
@@ -137,6 +193,8 @@ def main(argv=None) -> int:
     parser.add_argument("--buckets", default=None, help="comma-separated (default: the engine's buckets)")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=512, help="positions of the live rows are near this")
+    parser.add_argument("--prefill-tokens", type=int, default=EngineArgs.prefill_graph_tokens,
+                        help="prefill buckets up to this many tokens (0: none)")
     parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "random"])
     parser.add_argument("--tolerance", type=float, default=1e-3, help="max |diff| relative to max |logit|")
     parser.add_argument("--dot", default=None, help="write each bucket's graph as DOT into this folder")
