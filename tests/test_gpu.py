@@ -339,6 +339,22 @@ def test_graph_decode_equals_eager_through_the_engine(real_geometry_ckpt):
     assert len(eager[0]) == 128 and len({tuple(t) for t in eager}) > 1
 
 
+async def _last(stream):
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
+def first_token_gaps(ours, reference) -> torch.Tensor:
+    """|Δ log-prob| between two runs' first tokens, over the top-8 tokens both list, request by request."""
+    gaps = []
+    for a, b in zip(ours, reference):
+        ref = dict(b.logprobs[0].top)
+        gaps += [abs(lp - ref[t]) for t, lp in a.logprobs[0].top if t in ref]
+    return torch.tensor(gaps)
+
+
 def test_prefill_graphs_compute_what_the_eager_prefill_does(real_geometry_ckpt):
     """One-chunk prefills replay a graph padded to a bucket of tokens. In fp32 at the 4B width, each prompt's
     first-token top-8 log-probs agree with an all-eager engine's within 2e-3: prompts of 1 to 1500 tokens, fresh,
@@ -376,19 +392,9 @@ def test_prefill_graphs_compute_what_the_eager_prefill_does(real_geometry_ckpt):
             outs += await asyncio.gather(*[_last(engine.generate(p, params)) for p in prompts[:4]])
         return outs, runtime.prefill_graphs
 
-    async def _last(stream):
-        out = None
-        async for out in stream:
-            pass
-        return out
-
     graphed, counting = asyncio.run(run(True))
     eager, _ = asyncio.run(run(False))
-    gaps = []
-    for a, b in zip(graphed, eager):
-        ref = dict(b.logprobs[0].top)
-        gaps += [abs(lp - ref[t]) for t, lp in a.logprobs[0].top if t in ref]
-    gaps = torch.tensor(gaps)
+    gaps = first_token_gaps(graphed, eager)
     logging.getLogger(__name__).info("prefill graphs on/off: |Δ log-prob| max %.2e over %d; replays %s",
                                      gaps.max(), len(gaps), counting.replays)
     assert len(gaps) >= 8 * len(graphed) * 3 // 4 and gaps.max() <= 2e-3
@@ -474,18 +480,13 @@ def test_prefix_cache_resumes_as_a_cold_prefill_computes(real_geometry_ckpt):
         outs = []
         async with AsyncEngine(args) as engine:
             for prompt in prompts:
-                async for out in engine.generate(prompt, SamplingParams(max_tokens=1, logprobs=8, temperature=0)):
-                    pass
-                outs.append(out)
+                outs.append(await _last(engine.generate(prompt, SamplingParams(max_tokens=1, logprobs=8,
+                                                                               temperature=0))))
             assert engine.resources_free()
         return outs
 
     cached, cold = asyncio.run(run(True)), asyncio.run(run(False))
-    gaps = []
-    for a, b in zip(cached, cold):
-        ref = dict(b.logprobs[0].top)
-        gaps += [abs(lp - ref[t]) for t, lp in a.logprobs[0].top if t in ref]
-    gaps = torch.tensor(gaps)
+    gaps = first_token_gaps(cached, cold)
     logging.getLogger(__name__).info("prefix cache on/off: |Δ log-prob| mean %.4f, max %.4f over %d; cached %s",
                                      gaps.mean(), gaps.max(), len(gaps), [o.num_cached_tokens for o in cached])
     assert len(gaps) >= 8 * len(prompts) * 3 // 4 and gaps.max() <= 2e-3
