@@ -71,8 +71,10 @@ class RankBackend(Protocol):
     def capture_decode(self, programs: dict[int, GraphProgram], progress: bool) -> StepGraphs | None:
         """Capture each bucket's decode program (None: this device has no graphs)."""
 
-    def capture_prefill(self, programs: dict[int, GraphProgram], progress: bool) -> StepGraphs | None:
-        """Capture each bucket's padded one-chunk prefill program (None: this device has no graphs)."""
+    def capture_prefill(self, programs: dict[int, GraphProgram], progress: bool,
+                        prepare: Callable[[int], None]) -> StepGraphs | None:
+        """Capture each bucket's padded one-chunk prefill program, `prepare(bucket)` first (None: this device has
+        no graphs)."""
 
     def close(self) -> None: ...
 

@@ -74,7 +74,7 @@ class CpuRankBackend:
     def capture_decode(self, programs, progress: bool) -> None:
         return None
 
-    def capture_prefill(self, programs, progress: bool) -> None:
+    def capture_prefill(self, programs, progress: bool, prepare) -> None:
         return None
 
     def close(self) -> None:

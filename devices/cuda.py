@@ -151,8 +151,9 @@ class CudaRankBackend:
         self.graphs = CudaGraphs(self, programs, progress, "decode")
         return self.graphs
 
-    def capture_prefill(self, programs: dict[int, GraphProgram], progress: bool) -> "CudaGraphs":
-        self.prefill_graphs = CudaGraphs(self, programs, progress, "prefill")
+    def capture_prefill(self, programs: dict[int, GraphProgram], progress: bool,
+                        prepare: Callable[[int], None]) -> "CudaGraphs":
+        self.prefill_graphs = CudaGraphs(self, programs, progress, "prefill", prepare)
         return self.prefill_graphs
 
     def close(self) -> None:
@@ -175,7 +176,9 @@ class CudaGraphs:
     `graphs(bucket)` replays one. Each kind has its own memory pool."""
 
     def __init__(self, backend: CudaRankBackend, programs: dict[int, GraphProgram], progress: bool,
-                 kind: str) -> None:
+                 kind: str, prepare: Callable[[int], None] | None = None) -> None:
+        """`prepare(bucket)`, when given, sets the fixed inputs up for that bucket before its program first runs
+        (outside the capture)."""
         from tqdm import tqdm
 
         self.rank, self.device, self.kind = backend.rank, backend.device, kind
@@ -186,6 +189,8 @@ class CudaGraphs:
         self.stats: dict[int, dict] = {}
         for bucket in tqdm(sorted(programs, reverse=True), desc=f"capturing {kind} graphs (rank {self.rank})",
                            disable=not progress, leave=False):
+            if prepare is not None:
+                prepare(bucket)
             self._capture(bucket, programs[bucket])
         if self.eager:
             log.warning("rank %d: CUDA graphs were requested but %s buckets %s run eagerly (capture refused)",

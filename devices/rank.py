@@ -112,7 +112,8 @@ class RankRuntime:
 
     def prefill_programs(self, buckets: list[int]) -> dict[int, GraphProgram]:
         """For each bucket of tokens, a one-chunk prefill over the fixed inputs and the state, padded to the
-        bucket: what a prefill graph captures. The inputs are inert until filled (the trash slot and page)."""
+        bucket: what a prefill graph captures. A program reads what a fill for its bucket wrote
+        (`prefill_inputs.fill`, or `fill_inert` before a capture)."""
         state = self.state
         self.prefill_inputs = PrefillInputs(max(buckets), self.inputs.width, state.trash_slot, state.trash_page,
                                             state.page_size, self.device)

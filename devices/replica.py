@@ -228,8 +228,9 @@ class Replica:
             r.backend.warm_up_collective()
             r.runtime.graphs = r.backend.capture_decode(r.runtime.decode_programs(self.buckets), progress=rank == 0)
             if self.prefill_buckets:
-                r.runtime.prefill_graphs = r.backend.capture_prefill(
-                    r.runtime.prefill_programs(self.prefill_buckets), progress=rank == 0)
+                programs = r.runtime.prefill_programs(self.prefill_buckets)
+                r.runtime.prefill_graphs = r.backend.capture_prefill(programs, progress=rank == 0,
+                                                                     prepare=r.runtime.prefill_inputs.fill_inert)
 
     # Steps ----------------------------------------------------------------------------------------------------------
     def start_step(self, cmd: StepCommand, overlapped: bool = False) -> Awaitable[StepResult]:

@@ -154,7 +154,7 @@ class PrefillInputs:
             sizes[dtype] += -(-n // ALIGN) * ALIGN
         self._flat = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
         self._no_fresh = torch.zeros(0, dtype=torch.long, device=device)
-        self.fill(PrefillChunk([0], 0, trash_slot, [trash_page]), tokens)  # inert until the first real fill
+        self.fill_inert(tokens)
 
     @staticmethod
     def chunks(bucket: int) -> int:
@@ -177,6 +177,11 @@ class PrefillInputs:
             fresh_slots=self._no_fresh,
             gdn_chunks=GdnChunks(self._view("spans", 2 * n).view(n, 2), self._view("first", 3)),
         )
+
+    def fill_inert(self, bucket: int) -> None:
+        """Inputs for `bucket` that touch only the trash slot and page (a program's runs before its capture). Each
+        bucket's batch reads what only a fill for that bucket writes: the request bounds and GDN chunks."""
+        self.fill(PrefillChunk([0], 0, self.trash_slot, [self.trash_page]), bucket)
 
     def fits(self, chunk: PrefillChunk, bucket: int) -> bool:
         return 0 < len(chunk.token_ids) <= bucket <= self.tokens and len(chunk.pages) <= self.width
