@@ -762,7 +762,8 @@ def compile_for_batches(max_rows: int, vocab: int, dtype: torch.dtype, device: t
         logits = lm_like_logits(rows, vocab, device).to(dtype)
         p = SamplingTensors.filled(rows, device, top_k=0 if rounds else 20, top_p=0.9 if rounds else 1.0)
         draw(logits, p, top_p_rounds=rounds, pdl=pdl)
-    torch.cuda.current_stream(device).synchronize()
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
     return len(classes)
 
 

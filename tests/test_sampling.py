@@ -362,3 +362,26 @@ def test_more_splits_than_the_passes_combine_is_refused():
     T = _draw_module()
     with pytest.raises(ValueError, match="MAX_SPLITS"):
         T.draw(torch.randn(2, 500, device=DEVICE), params(2, device=DEVICE), splits=T.MAX_SPLITS + 1)
+
+
+def test_the_sampler_compiles_every_batch_size_class_once(monkeypatch):
+    """At start-up the engine draws once per class of batch sizes that compiles the passes anew (the splits per
+    row, a power of two, follow the rows), with and without the race rounds: every batch size up to the most is
+    covered, none twice."""
+    T = _draw_module()
+    dev = torch.device(DEVICE)
+    vocab = 64 * T.BLOCK  # enough blocks that the rows decide the splits
+    drawn, real_draw = [], T.draw
+
+    def recording(logits, p, top_p_rounds, pdl):
+        if not drawn:  # one real draw: the arguments are the sampler's (narrowed: the interpreter is slow)
+            real_draw(logits[:, :3000].contiguous(), p, top_p_rounds=top_p_rounds, pdl=pdl)
+        drawn.append((logits.shape[0], top_p_rounds))
+
+    monkeypatch.setattr(T, "draw", recording)
+    count = T.compile_for_batches(40, vocab, torch.float32, dev)
+    assert count == len(drawn) == len(set(drawn))
+    for rounds in (0, T.TOP_P_ROUNDS):
+        wanted = {T.triton.next_power_of_2(T.default_splits(n, vocab, dev, rounds > 0)) for n in range(1, 41)}
+        got = {T.triton.next_power_of_2(T.default_splits(n, vocab, dev, rounds > 0)) for n, r in drawn if r == rounds}
+        assert got == wanted and len(wanted) > 1
