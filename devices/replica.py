@@ -60,7 +60,7 @@ class ReplicaSpec:
     # Per rank, for the prefix cache's state snapshots; None: SNAPSHOT_FRACTION of the memory after the weights.
     snapshot_bytes: int | None = 0
     # With graphs: one-chunk prefills of up to this many tokens replay a graph captured per bucket (0: none).
-    prefill_graph_tokens: int = 1024
+    prefill_graph_tokens: int = 0
 
 
 SNAPSHOT_FRACTION = 0.1

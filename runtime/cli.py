@@ -125,6 +125,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="launch each step before the last one's tokens are back (overlap scheduling)")
     parser.add_argument("--enforce-eager", "--no-cuda-graph", dest="enforce_eager", action="store_true",
                         help="decode eagerly, without CUDA graphs")
+    parser.add_argument("--prefill-graph-tokens", type=_int_in(0), metavar="N", default=defaults.prefill_graph_tokens,
+                        help="one-chunk prefills of up to N tokens replay CUDA graphs captured at 16, 32, ... N "
+                             "tokens (0: none; not yet measured on a GPU, so off by default)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                         help="skip the start-up warm-up requests that compile every kernel (cuda) before serving")
     parser.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=defaults.seed,
@@ -183,6 +186,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=checkpoint_folder(ns), device=ns.device, tp=ns.tp, dtype=None if ns.dtype == "auto" else ns.dtype,
         max_batch=ns.max_batch, max_model_len=ns.max_model_len, cuda_graph=not ns.enforce_eager,
+        prefill_graph_tokens=ns.prefill_graph_tokens,
         served_model_name=ns.served_model_name, seed=ns.seed, prefill_token_budget=ns.prefill_token_budget,
         step_latency_ratio=ns.step_latency_ratio,
         max_waiting=ns.max_waiting, memory_fraction=ns.memory_fraction, load_format=ns.load_format,
