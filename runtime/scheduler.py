@@ -301,6 +301,8 @@ class Scheduler:
             if not self.free_prefill_slots or self.num_running >= self.max_batch:
                 return
             match = self.cache.match(req.prompt_ids, req.keys) if req.prompt_ids else None
+            if match is not None and self._waits_for_a_shared_prefix(req, match.position):
+                return
             shared = match.pages if match else []
             need = self.pages_for(req.lifetime_tokens) - len(shared)
             # Holding a cached page nobody holds takes it out of what the fresh pages may come from.
@@ -323,6 +325,26 @@ class Scheduler:
                 req.prefilled = req.cached = match.position
             if match is not None:
                 req.branch = match.branch
+
+    def _waits_for_a_shared_prefix(self, req: SchedRequest, position: int) -> bool:
+        """Whether `req` waits for a prompt now being prefilled that shares more of its full pages than the cache
+        holds: that prompt gets a branch point where they part, and `req` resumes from its snapshot there instead of
+        computing the same tokens beside it (prompts arriving together with one system prompt). The wait costs
+        little: the older prompt takes the step's prefill budget first anyway."""
+        if self.cache.snapshots.capacity == 0:
+            return False
+        ps, usable = self.page_size, (req.prompt_len - 1) // self.page_size
+        for rid in self.prefilling:
+            other = self.requests[rid]
+            n, limit = 0, min(usable, len(other.keys))
+            while n < limit and other.keys[n] == req.keys[n]:
+                n += 1
+            boundary = n * ps
+            if boundary > position and other.prefilled < boundary:
+                if not other.prefilled < other.branch < boundary:  # an earlier branch point stays first
+                    other.branch = boundary
+                return True
+        return False
 
     def _prefill_chunks(self, bucket: int) -> tuple[list[PrefillWork], list[SnapshotCopy]]:
         # The oldest prompt first: prompts arriving together finish in order, not all at the end.

@@ -3,6 +3,7 @@ engine's outputs with the cache on against the cache off (greedy tokens identica
 
 import asyncio
 import random
+from collections import deque
 
 import pytest
 from hypothesis import settings
@@ -155,6 +156,32 @@ def test_repeats_extensions_branches_and_short_prompts_hit_where_they_should():
     assert serve("b'", a[:13] + [9, 9, 9]) == 12  # the branch point b left at its divergence page boundary
     assert serve("short", [5, 6]) == 0
     assert serve("short+", [5, 6, 8]) == 2  # shorter than a page: the tail alone
+
+
+def test_prompts_arriving_together_resume_where_the_first_leaves_their_shared_prefix():
+    """Three prompts with one 30-token system prompt (7 full pages) arrive at once: the first computes it and
+    snapshots where they part (page boundary 28, between its page-aligned chunk ends); the others wait for that
+    and resume there, instead of computing the same tokens beside it."""
+    s = scheduler(num_pages=120, snapshots=8, budget=12)
+    ranks = Ranks(s)
+    system = list(range(100, 130))
+    for i in range(3):
+        prompt = system + [200 + i, 300 + i, 400 + i]
+        ranks.prompts[f"q{i}"] = prompt
+        s.add(f"q{i}", len(prompt), 2, prompt_ids=prompt)
+    plan = ranks.step()
+    assert [w.request_id for w in plan.prefill] == ["q0"]  # the others wait (no slot, no pages taken)
+    assert s.waiting == deque(["q1", "q2"]) and len(s.free_prefill_slots) == 1
+    drain(ranks)
+    assert ranks.skipped == {"q0": 0, "q1": 28, "q2": 28}
+    # Unrelated prompts never wait for each other.
+    for i in range(2):
+        prompt = [500 + 10 * i + j for j in range(30)]
+        ranks.prompts[f"u{i}"] = prompt
+        s.add(f"u{i}", len(prompt), 2, prompt_ids=prompt)
+    ranks.step()
+    assert not s.waiting and set(s.prefilling) == {"u0", "u1"}  # both admitted at once
+    drain(ranks)
 
 
 def test_a_cached_page_is_evicted_least_recently_used_and_never_while_held():
