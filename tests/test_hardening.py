@@ -295,7 +295,7 @@ def test_auth_scheme_is_case_insensitive_and_a_full_queue_says_when_to_retry(tin
 
 def test_large_prompts_never_stall_the_event_loop(tiny_ckpt):
     """4 MB prompts are refused by their length alone; 200 kB ones are tokenised on worker threads. Either way a
-    heartbeat on the server's loop never waits 50 ms, and a stream running beside them keeps its pace."""
+    heartbeat on the server's loop never waits 80 ms, and a stream running beside them keeps its pace."""
     text = "the quick brown fox jumps over the lazy dog. " * 100_000
     huge = [post(COMPLETIONS, {"prompt": text[: 4_000_000 - i]}) for i in range(4)]
     large = [post(COMPLETIONS, {"prompt": text[: 200_000 - i]}) for i in range(4)]
@@ -324,7 +324,9 @@ def test_large_prompts_never_stall_the_event_loop(tiny_ckpt):
         beat.cancel()
         codes = [json.loads(b)["error"]["code"] for _, _, b in replies]
         assert [s for s, _, _ in replies] == [400] * 12 and codes == ["context_length_exceeded"] * 12
-        assert max(gaps) < 0.050, f"the loop stalled for {max(gaps) * 1000:.0f} ms"
+        # One 200 kB prompt tokenised on the loop would stall it ~110 ms (2 cores); the two text threads sharing
+        # those cores with it already cost gaps of up to ~60 ms (one run of the full suite).
+        assert max(gaps) < 0.080, f"the loop stalled for {max(gaps) * 1000:.0f} ms"
         return True
 
     assert with_server(tiny_ckpt, body, max_model_len=4096)
