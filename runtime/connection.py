@@ -21,7 +21,8 @@ from .openai_protocol import ApiError
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("deltaserve.access")
 
-# request[USAGE_KEY] = (prompt tokens, completion tokens, cached prompt tokens), for the access log (RequestKey: aiohttp >= 3.13)
+# request[USAGE_KEY] = (prompt tokens, completion tokens, cached prompt tokens), for the access log (RequestKey:
+# aiohttp >= 3.13)
 USAGE_KEY = web.RequestKey("usage", tuple) if hasattr(web, "RequestKey") else "deltaserve_usage"
 
 
@@ -104,10 +105,13 @@ class AppRunner(web.AppRunner):
 
 
 class AccessLogger(AbstractAccessLogger):
-    """`127.0.0.1 "POST /v1/completions" 200 0.412s prompt=12 completion=64`"""
+    """`127.0.0.1 "POST /v1/completions" 200 0.412s prompt=12 completion=64` (and `cached=N` when a cached prefix
+    spared N prompt tokens)"""
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         usage = request.get(USAGE_KEY)
         tokens = f" prompt={usage[0]} completion={usage[1]}" if usage else ""
+        if usage and usage[2]:
+            tokens += f" cached={usage[2]}"
         self.logger.info('%s "%s %s" %d %.3fs%s', request.remote, request.method, request.path, response.status,
                          time, tokens)

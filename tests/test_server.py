@@ -284,8 +284,9 @@ def test_booleans_are_refused_for_numeric_fields(tiny_ckpt):
     assert with_server(tiny_ckpt, body)
 
 
-def test_usage_reports_the_prompt_tokens_a_cached_prefix_spared(tiny_ckpt):
-    """The next turn of a conversation resends the last prompt: usage says how much of it was not prefilled."""
+def test_usage_reports_the_prompt_tokens_a_cached_prefix_spared(tiny_ckpt, caplog):
+    """The next turn of a conversation resends the last prompt: usage (and the access log) says how much of it was
+    not prefilled."""
     async def body(engine, url):
         first, turn = list(range(3, 40)), list(range(3, 40)) + [5, 6, 7]
         async with aiohttp.ClientSession() as session:
@@ -297,7 +298,10 @@ def test_usage_reports_the_prompt_tokens_a_cached_prefix_spared(tiny_ckpt):
                 cached.append(got["usage"]["prompt_tokens_details"]["cached_tokens"])
         return cached
 
-    assert with_server(tiny_ckpt, body) == [0, 37]
+    with caplog.at_level(logging.INFO, logger="deltaserve.access"):
+        assert with_server(tiny_ckpt, body) == [0, 37]
+    lines = [r.getMessage() for r in caplog.records if r.name == "deltaserve.access"]
+    assert len(lines) == 2 and "cached" not in lines[0] and lines[1].endswith("prompt=40 completion=2 cached=37")
 
 
 def test_a_prompt_at_the_context_length_is_refused_and_one_token_under_is_served(tiny_ckpt):
