@@ -44,6 +44,11 @@ class PrefillChunk:
     slot: int
     pages: list[int]
 
+    def check_pages(self, page_size: int) -> None:
+        n = len(self.token_ids)
+        if (self.start + n + page_size - 1) // page_size > len(self.pages):
+            raise ValueError(f"chunk of {n} tokens at {self.start} needs more than its {len(self.pages)} pages")
+
 
 @dataclass
 class PrefillBatch:
@@ -67,8 +72,7 @@ class PrefillBatch:
             n = len(c.token_ids)
             if n == 0:
                 raise ValueError("a prefill chunk needs at least one token")
-            if (c.start + n + page_size - 1) // page_size > len(c.pages):
-                raise ValueError(f"chunk of {n} tokens at {c.start} needs more than its {len(c.pages)} pages")
+            c.check_pages(page_size)
             ids.extend(c.token_ids)
             pos = range(c.start, c.start + n)
             positions.extend(pos)
@@ -193,8 +197,7 @@ class PrefillInputs:
         if not self.fits(chunk, bucket):
             raise ValueError(f"a chunk of {n} tokens and {len(chunk.pages)} pages does not fit bucket {bucket} "
                              f"(at most {self.tokens} tokens and {self.width} pages)")
-        if (chunk.start + n + ps - 1) // ps > len(chunk.pages):
-            raise ValueError(f"chunk of {n} tokens at {chunk.start} needs more than its {len(chunk.pages)} pages")
+        chunk.check_pages(ps)
         host = {dtype: torch.zeros(flat.shape, dtype=dtype) for dtype, flat in self._flat.items()}
 
         def put(name: str, values) -> None:

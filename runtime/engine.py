@@ -633,14 +633,11 @@ class AsyncEngine:
         self.metrics.slot_usage.set(len(s.decode_slots) / s.max_batch)
 
     # Introspection (tests, /metrics) ----------------------------------------------------------------------------
-    def _snapshot_pages(self) -> int:
-        return sum(snap.tail_page is not None for snap in self.scheduler.cache.snapshots.lru.values())
-
     def resources_free(self) -> bool:
         """True when no page, prefill slot or decode slot is held (all requests gone): the only pages held are
         the tails of prefix-cache snapshots."""
         s = self.scheduler
-        return (s.held_pages == self._snapshot_pages() and not s.decode_slots
+        return (s.held_pages == s.cache.snapshots.held_pages and not s.decode_slots
                 and len(s.free_prefill_slots) == s.max_prefill_slots and not s.requests)
 
 

@@ -173,6 +173,11 @@ class SnapshotPool:
         self.lru[index] = snap
         return snap
 
+    @property
+    def held_pages(self) -> int:
+        """KV pages the snapshots hold (their tails')."""
+        return sum(snap.tail_page is not None for snap in self.lru.values())
+
     def touch(self, snap: Snapshot) -> None:
         self.lru.move_to_end(snap.index)
 

@@ -116,8 +116,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.ranks.step()
         assert not self.s.requests and not self.s.has_work
         # Only the snapshots' tail pages are held; nothing else leaked.
-        tails = sum(snap.tail_page is not None for snap in self.s.cache.snapshots.lru.values())
-        assert self.s.held_pages == tails and len(self.s.free_prefill_slots) == self.s.max_prefill_slots
+        assert self.s.held_pages == self.s.cache.snapshots.held_pages and len(self.s.free_prefill_slots) == self.s.max_prefill_slots
         self.s.cache.clear()
         assert self.s.held_pages == 0 and self.s.pages.refs == [0] * self.s.num_pages
 
