@@ -58,6 +58,13 @@ class KernelConfig:
     # BLOCK_N gate rows and as many up rows; a shorter K tile with a third stage beat (8, 512, 4, 2) on the H200.
     norm_gemv_silu_tile: Tile = Tile(8, 256, 4, 3)
 
+    # Few-row projections (2 to `few_rows` rows: decode batches, a speculative verify): the Triton kernel that reads
+    # each weight tile once for all rows, instead of cuBLAS; 0 keeps them on cuBLAS. Off until measured on a GPU
+    # against cuBLAS (`tools/bench_kernels --only few_rows`).
+    few_rows: int = 0
+    few_rows_tile: Tile = Tile(32, 256, 4, 3)
+    few_rows_silu_tile: Tile = Tile(32, 128, 4, 3)
+
     # Prefill attention (BLOCK_M, BLOCK_N, warps, stages): the fastest of the H200 sweep at head dim 256.
     prefill_attention_tile: tuple[int, int, int, int] = (128, 64, 8, 3)
 

@@ -339,6 +339,39 @@ def test_one_row_gemv_and_its_routing(k, n, monkeypatch):
     assert calls == [w.shape, wide.shape]
 
 
+@pytest.mark.parametrize("m", [2, 3, 8, 16])
+@pytest.mark.parametrize("n, k", [(48, 256), (5, 200)])
+def test_few_row_projections_and_their_routing(m, n, k, monkeypatch):
+    """The few-row kernel against the reference, alone and with silu(gate) * up: whole and ragged K tiles and
+    output rows, in fp32 and in bf16 (its products are exact; only the sum's order differs)."""
+    tile = Tile(16, 128, 4, 1)
+    for dtype, limit in ((torch.float32, REDUCTION), (torch.bfloat16, 1e-2)):
+        x, w = randn(m, k, dtype=dtype), (randn(2 * n, k) * 0.1).to(dtype)
+        strided = torch.cat([x, x], dim=1)[:, :k]
+        with poisoned_outputs():
+            got, got_strided = gemv.few_rows(x, w, config=tile), gemv.few_rows(strided, w, config=tile)
+            act = gemv.few_rows(x, w, silu_mul_rows=n, config=tile)
+        ref = gemv.linear_reference(x.float(), w.float())
+        assert rel(got, ref) <= limit and rel(got_strided, ref) <= limit, dtype
+        # bf16: gate and up rounded, then their product: a few bf16 steps of the largest output
+        assert rel(act, norm.silu_mul_reference(ref.to(dtype))) <= (3e-2 if dtype == torch.bfloat16 else limit)
+    with pytest.raises(ValueError, match="1 to 16"):
+        gemv.few_rows(randn(17, k), w.float())
+    on = KernelConfig(few_rows=16)
+    bf = randn(m, k, dtype=torch.bfloat16)
+    assert gemv.few_rows_takes(bf, w, on) and not gemv.few_rows_takes(bf, w, KernelConfig(few_rows=0))
+    assert not gemv.few_rows_takes(randn(m, k), w.float(), on)  # fp32 models stay on cuBLAS
+    assert not gemv.few_rows_takes(randn(17, k, dtype=torch.bfloat16), w, on)
+    calls = []
+    monkeypatch.setattr(gemv, "few_rows", lambda x, w, silu_mul_rows=0, cfg=DEFAULT, config=None:
+                        calls.append(silu_mul_rows) or torch.zeros(x.shape[0], silu_mul_rows or w.shape[0]))
+    monkeypatch.setattr(gemv, "add_rms_norm", lambda x, r, nw, eps, cfg: (x, x))
+    gemv.linear(bf, w, on)
+    gemv.add_rms_norm_gate_up(bf, None, None, 1e-6, w, on)
+    gemv.linear(bf, w)  # the default: cuBLAS until measured
+    assert calls == [0, n]
+
+
 @pytest.mark.parametrize("k, rows", [(256, 16), (256, 10), (320, 16), (200, 16)])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("folded", [False, True])

@@ -173,6 +173,9 @@ def add_engine_args(parser: argparse.ArgumentParser, batches: str) -> None:
     parser.add_argument("--whole-rows", **on_off, help="one-row GEMVs over whole weight rows a program where K "
                         f"splits into two spans, or all by the loop over K tiles (default "
                         f"{'on' if DEFAULT.whole_rows else 'off'})")
+    parser.add_argument("--few-rows", type=int, default=None, metavar="N",
+                        help="projections of 2 to N rows by the few-row kernel, 0: cuBLAS (default "
+                        f"{DEFAULT.few_rows})")
 
 
 def kernel_config(ns) -> KernelConfig:
@@ -180,6 +183,8 @@ def kernel_config(ns) -> KernelConfig:
     changes = {field: getattr(ns, flag) == "on" for flag, field in
                (("pdl", "pdl"), ("gemv", "gemv_one_row"), ("fused_norm", "fused_norm"), ("whole_rows", "whole_rows"))
                if getattr(ns, flag, None) is not None}
+    if getattr(ns, "few_rows", None) is not None:
+        changes["few_rows"] = ns.few_rows
     return KernelConfig(**changes)
 
 
