@@ -54,6 +54,7 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
+    mtp_num_hidden_layers: int = 0  # layers of the multi-token-prediction head (Qwen3.5 ships one)
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def __post_init__(self) -> None:
@@ -95,6 +96,9 @@ class ModelConfig:
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         if self.rms_norm_eps <= 0:
             raise ConfigError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        mtp = self.mtp_num_hidden_layers
+        if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
+            raise ConfigError(f"config field 'mtp_num_hidden_layers' must be a non-negative integer, got {mtp!r}")
 
     # Derived sizes -------------------------------------------------------------------------------------------------
     @property
@@ -210,6 +214,7 @@ class ModelConfig:
             max_position_embeddings=text.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(tie),
             hidden_act=text.get("hidden_act", "silu"),
+            mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
             generation=generation,
         )
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from .config import ModelConfig
 
 
-# "layers.<i>.<module path>.<leaf>": the module path decides the plan.
-_LAYER_TENSOR = re.compile(r"^layers\.\d+\.(.+)\.[^.]+$")
+# "layers.<i>.<module path>.<leaf>" (or the MTP head's "mtp.layers.<i>. ..."): the module path decides the plan.
+_LAYER_TENSOR = re.compile(r"^(?:mtp\.)?layers\.\d+\.(.+)\.[^.]+$")
 
 
 @dataclass(frozen=True)
@@ -94,4 +94,4 @@ def shard_plan(name: str, cfg: ModelConfig, rank: int, tp: int) -> ShardPlan | N
         return ShardPlan(0, (_part(cfg.intermediate_size, rank, tp),))
     if module == "mlp.down_proj":
         return ShardPlan(1, (_part(cfg.intermediate_size, rank, tp),))
-    return None  # norms, embedding, lm_head, q_norm/k_norm, the GDN norm: replicated
+    return None  # norms, embedding, lm_head, q_norm/k_norm, the GDN norm, the MTP head's fc: replicated

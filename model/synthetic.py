@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from .config import ModelConfig
-from .weights import expected_shapes, random_tensor
+from .weights import MTP_PREFIX, model_shapes, random_tensor
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ def text_config(size: str, vocab_size: int, layers: int | None = None, tied: boo
     return {
         "model_type": "qwen3_5_text",
         **geometry,
+        "mtp_num_hidden_layers": 1,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 4096 if size.startswith("tiny") else 262144,
@@ -111,11 +112,12 @@ def text_config(size: str, vocab_size: int, layers: int | None = None, tied: boo
     }
 
 
-def random_tensors(cfg: dict, seed: int, dtype: torch.dtype):
-    """Yield (canonical name, tensor) for every tensor the config needs (weights.random_tensor's init)."""
+def random_tensors(cfg: dict, seed: int, dtype: torch.dtype, mtp: bool = True):
+    """Yield (canonical name, tensor) for every tensor the config needs (weights.random_tensor's init), with mtp
+    the multi-token-prediction head's too."""
     mc = ModelConfig.from_dict(cfg)
     gen = torch.Generator().manual_seed(seed)
-    for name, shape in expected_shapes(mc).items():
+    for name, shape in model_shapes(mc, mtp).items():
         yield name, random_tensor(name, shape, mc.num_hidden_layers, gen).to(dtype)
 
 
@@ -131,7 +133,10 @@ def write_checkpoint(
     seed: int = 0,
     generation: dict | None = None,
     weights: bool = True,
+    mtp: bool = True,
 ) -> str:
+    """A random checkpoint in `out_dir` (see the module doc); mtp: with the multi-token-prediction head's tensors
+    (`mtp.*`, as Qwen3.5 checkpoints ship them)."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     if layout not in ("wrapper", "plain"):
@@ -173,12 +178,11 @@ def write_checkpoint(
         return out_dir
     torch_dtype = getattr(torch, dtype)
     tensors = {}
-    for name, t in random_tensors(text, seed, torch_dtype):
-        stored = "lm_head.weight" if name == "lm_head.weight" else prefix + name
+    for name, t in random_tensors(text, seed, torch_dtype, mtp):
+        stored = name if name == "lm_head.weight" or name.startswith(MTP_PREFIX) else prefix + name
         tensors[stored] = t
-    if layout == "wrapper":  # towers the text runtime must skip
+    if layout == "wrapper":  # a tower the text runtime must skip
         tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, dtype=torch_dtype)
-        tensors["mtp.fc.weight"] = torch.zeros(4, 4, dtype=torch_dtype)
     _save(tensors, out_dir, sharded)
     log.info("wrote a random %s checkpoint (%s, %s layout) to %s", size, dtype, layout, out_dir)
     return out_dir

@@ -23,8 +23,10 @@ log = logging.getLogger(__name__)
 
 # Prefixes under which checkpoints store the text model; the first one that matches is stripped.
 _TEXT_PREFIXES = ("model.language_model.", "model.")
-# Tensors of other towers that the text runtime ignores (kept in mind for MTP speculative decoding later).
-_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+# Tensors of other towers that the text runtime ignores. The multi-token-prediction head (`mtp.*`, at the top
+# level in both layouts) is read only for speculative decoding.
+_SKIPPED_PREFIXES = ("model.visual.", "visual.")
+MTP_PREFIX = "mtp."
 
 
 class WeightError(ValueError):
@@ -33,37 +35,51 @@ class WeightError(ValueError):
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every text-model tensor, by its canonical name (no prefix), with its full unsharded shape."""
-    H, D = cfg.hidden_size, cfg.head_dim
+    H = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, H), "norm.weight": (H,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, H)
     for i, kind in enumerate(cfg.layer_types):
-        p = f"layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (H,)
-        shapes[p + "post_attention_layernorm.weight"] = (H,)
-        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, H)
-        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, H)
-        shapes[p + "mlp.down_proj.weight"] = (H, cfg.intermediate_size)
-        if kind == "full_attention":
-            a = p + "self_attn."
-            shapes[a + "q_proj.weight"] = (cfg.num_attention_heads * D * 2, H)
-            shapes[a + "k_proj.weight"] = (cfg.num_key_value_heads * D, H)
-            shapes[a + "v_proj.weight"] = (cfg.num_key_value_heads * D, H)
-            shapes[a + "o_proj.weight"] = (H, cfg.num_attention_heads * D)
-            shapes[a + "q_norm.weight"] = (D,)
-            shapes[a + "k_norm.weight"] = (D,)
-        else:
-            g = p + "linear_attn."
-            hv = cfg.linear_num_value_heads
-            shapes[g + "in_proj_qkv.weight"] = (cfg.gdn_conv_dim, H)
-            shapes[g + "in_proj_z.weight"] = (cfg.gdn_value_dim, H)
-            shapes[g + "in_proj_b.weight"] = (hv, H)
-            shapes[g + "in_proj_a.weight"] = (hv, H)
-            shapes[g + "conv1d.weight"] = (cfg.gdn_conv_dim, 1, cfg.linear_conv_kernel_dim)
-            shapes[g + "dt_bias"] = (hv,)
-            shapes[g + "A_log"] = (hv,)
-            shapes[g + "norm.weight"] = (cfg.linear_value_head_dim,)
-            shapes[g + "out_proj.weight"] = (H, cfg.gdn_value_dim)
+        shapes.update(_decoder_layer_shapes(cfg, f"layers.{i}.", kind))
+    return shapes
+
+
+def _decoder_layer_shapes(cfg: ModelConfig, p: str, kind: str) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's tensors under prefix p ("layers.i." or "mtp.layers.i.")."""
+    H, D = cfg.hidden_size, cfg.head_dim
+    shapes = {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+              p + "mlp.gate_proj.weight": (cfg.intermediate_size, H), p + "mlp.up_proj.weight": (cfg.intermediate_size, H),
+              p + "mlp.down_proj.weight": (H, cfg.intermediate_size)}
+    if kind == "full_attention":
+        a = p + "self_attn."
+        shapes[a + "q_proj.weight"] = (cfg.num_attention_heads * D * 2, H)
+        shapes[a + "k_proj.weight"] = (cfg.num_key_value_heads * D, H)
+        shapes[a + "v_proj.weight"] = (cfg.num_key_value_heads * D, H)
+        shapes[a + "o_proj.weight"] = (H, cfg.num_attention_heads * D)
+        shapes[a + "q_norm.weight"] = (D,)
+        shapes[a + "k_norm.weight"] = (D,)
+    else:
+        g = p + "linear_attn."
+        hv = cfg.linear_num_value_heads
+        shapes[g + "in_proj_qkv.weight"] = (cfg.gdn_conv_dim, H)
+        shapes[g + "in_proj_z.weight"] = (cfg.gdn_value_dim, H)
+        shapes[g + "in_proj_b.weight"] = (hv, H)
+        shapes[g + "in_proj_a.weight"] = (hv, H)
+        shapes[g + "conv1d.weight"] = (cfg.gdn_conv_dim, 1, cfg.linear_conv_kernel_dim)
+        shapes[g + "dt_bias"] = (hv,)
+        shapes[g + "A_log"] = (hv,)
+        shapes[g + "norm.weight"] = (cfg.linear_value_head_dim,)
+        shapes[g + "out_proj.weight"] = (H, cfg.gdn_value_dim)
+    return shapes
+
+
+def mtp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The multi-token-prediction head's tensors: two input norms, fc over [embedding | hidden], one full-attention
+    decoder layer, the final norm (the embedding and lm_head are the model's)."""
+    H = cfg.hidden_size
+    shapes = {"mtp.pre_fc_norm_embedding.weight": (H,), "mtp.pre_fc_norm_hidden.weight": (H,),
+              "mtp.fc.weight": (H, 2 * H), "mtp.norm.weight": (H,)}
+    shapes.update(_decoder_layer_shapes(cfg, "mtp.layers.0.", "full_attention"))
     return shapes
 
 
@@ -132,16 +148,27 @@ def _read(handle, stored: str, plan) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=plan.dim)
 
 
+def model_shapes(cfg: ModelConfig, mtp: bool) -> dict[str, tuple[int, ...]]:
+    """`expected_shapes`, and with mtp the head's."""
+    return {**expected_shapes(cfg), **(mtp_shapes(cfg) if mtp else {})}
+
+
 def iter_rank_tensors(
-    checkpoint_dir: str | os.PathLike, cfg: ModelConfig, rank: int = 0, tp: int = 1, progress: bool = True
+    checkpoint_dir: str | os.PathLike, cfg: ModelConfig, rank: int = 0, tp: int = 1, progress: bool = True,
+    mtp: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (canonical name, this rank's slice on the CPU) for every tensor the model needs, checked first."""
-    shapes = expected_shapes(cfg)
+    """Yield (canonical name, this rank's slice on the CPU) for every tensor the model needs (with mtp, the
+    multi-token-prediction head's too), checked first."""
+    shapes = model_shapes(cfg, mtp)
     located = _locate(checkpoint_files(checkpoint_dir))
+    if mtp and any(n.startswith(MTP_PREFIX) and n not in located for n in shapes):
+        missing = next(n for n in shapes if n.startswith(MTP_PREFIX) and n not in located)
+        raise WeightError(f"checkpoint {checkpoint_dir} has no complete MTP head (tensor {missing!r} is missing), "
+                          "which speculative decoding needs; serve it with --speculative-tokens 0")
     missing = [n for n in shapes if n not in located]
     if missing:
         raise WeightError(f"checkpoint {checkpoint_dir} is missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-    unknown = sorted(n for n in located if n not in shapes and n != "lm_head.weight")
+    unknown = sorted(n for n in located if n not in shapes and n != "lm_head.weight" and not n.startswith(MTP_PREFIX))
     if unknown:
         log.warning("ignoring %d tensors the config does not use, e.g. %s", len(unknown), unknown[0])
     if cfg.tie_word_embeddings and "lm_head.weight" in located:
@@ -193,10 +220,12 @@ def load_rank_weights(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
+    mtp: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """This rank's weights by canonical name, on `device`, in `dtype` (A_log and dt_bias stay fp32)."""
+    """This rank's weights by canonical name, on `device`, in `dtype` (A_log and dt_bias stay fp32); with mtp the
+    multi-token-prediction head's too."""
     weights = {name: _as_model_tensor(name, tensor, device, dtype)
-               for name, tensor in iter_rank_tensors(checkpoint_dir, cfg, rank, tp, progress)}
+               for name, tensor in iter_rank_tensors(checkpoint_dir, cfg, rank, tp, progress, mtp)}
     return _tie(cfg, weights)
 
 
@@ -239,10 +268,10 @@ def random_tensor(name: str, shape: tuple[int, ...], num_layers: int, generator:
         return torch.rand(shape, generator=generator, device=device) * 0.5
     if name.endswith("linear_attn.norm.weight"):
         return normal(0.1, 1.0)  # a plain weight
-    if name == "norm.weight":
+    if name in ("norm.weight", "mtp.norm.weight"):
         final_scale = 2.0 / math.sqrt(shape[0])
         return normal(0.2 * final_scale, final_scale - 1.0)  # zero-centred: (1 + w) about final_scale
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "norm_embedding.weight", "norm_hidden.weight")):
         return normal(0.1)  # zero-centred: the model uses (1 + w)
     if name.endswith("conv1d.weight"):
         return normal(0.3)
@@ -255,7 +284,7 @@ def random_tensor(name: str, shape: tuple[int, ...], num_layers: int, generator:
 
 def random_rank_weights(
     cfg: ModelConfig, *, rank: int = 0, tp: int = 1, device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.bfloat16, seed: int = 0, progress: bool = True,
+    dtype: torch.dtype = torch.bfloat16, seed: int = 0, progress: bool = True, mtp: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Random weights generated on `device` (no checkpoint files): for benchmarks at real sizes.
 
@@ -263,7 +292,7 @@ def random_rank_weights(
     """
     weights: dict[str, torch.Tensor] = {}
     generator = torch.Generator(device=device)
-    shapes = expected_shapes(cfg)
+    shapes = model_shapes(cfg, mtp)
     for i, (name, shape) in enumerate(tqdm(shapes.items(), desc=f"random weights (rank {rank}/{tp})",
                                            disable=not progress, leave=False)):
         generator.manual_seed(seed * 1_000_003 + i)

@@ -35,7 +35,7 @@ def hf_model(checkpoint_dir: str, dtype=torch.float32):
     for path in checkpoint_files(checkpoint_dir):
         for stored, tensor in load_file(path).items():
             name = canonical_name(stored)
-            if name is None:
+            if name is None or name.startswith("mtp."):  # HF's model has no MTP head
                 continue
             state[name if name == "lm_head.weight" else "model." + name] = tensor.to(dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)

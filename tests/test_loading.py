@@ -34,6 +34,36 @@ def test_layouts_load_to_the_same_model(tmp_path, layout, sharded, tied):
     assert rel_err(CpuRunner(other).prefill({0: ids}), CpuRunner(reference).prefill({0: ids})) <= 1e-6
 
 
+@pytest.mark.parametrize("layout", ["wrapper", "plain"])
+def test_the_mtp_head_loads_from_both_layouts_and_shards_like_an_attention_layer(tmp_path, layout):
+    ckpt = write_checkpoint(str(tmp_path / layout), "tiny-tp", layout=layout, seed=5)
+    stored = load_file(os.path.join(ckpt, "model.safetensors"))
+    assert "mtp.fc.weight" in stored and "mtp.layers.0.self_attn.q_proj.weight" in stored  # at the top level
+    cfg = load_model_config(ckpt)
+    assert cfg.mtp_num_hidden_layers == 1
+    plain = load_rank_weights(ckpt, cfg, progress=False)
+    assert not any(n.startswith("mtp.") for n in plain)  # only speculative decoding reads the head
+    full = load_rank_weights(ckpt, cfg, progress=False, mtp=True)
+    head = {n: t for n, t in full.items() if n.startswith("mtp.")}
+    assert len(head) == 15
+    assert torch.equal(head["mtp.fc.weight"], stored["mtp.fc.weight"])
+    halves = [load_rank_weights(ckpt, cfg, rank=r, tp=2, progress=False, mtp=True) for r in range(2)]
+    for name in ("mtp.layers.0.self_attn.k_proj.weight", "mtp.layers.0.mlp.gate_proj.weight"):
+        assert torch.equal(torch.cat([h[name] for h in halves]), head[name]), name
+    for name in ("mtp.layers.0.self_attn.o_proj.weight", "mtp.layers.0.mlp.down_proj.weight"):
+        assert torch.equal(torch.cat([h[name] for h in halves], dim=1), head[name]), name
+    for name in ("mtp.fc.weight", "mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight"):  # replicated
+        assert all(torch.equal(h[name], head[name]) for h in halves), name
+
+
+def test_a_checkpoint_without_the_mtp_head_is_refused_for_speculation(tmp_path):
+    ckpt = write_checkpoint(str(tmp_path / "no-mtp"), "tiny", mtp=False)
+    cfg = load_model_config(ckpt)
+    load_rank_weights(ckpt, cfg, progress=False)  # serves without speculation
+    with pytest.raises(WeightError, match="no complete MTP head .*mtp.pre_fc_norm_embedding.weight.*--speculative-tokens 0"):
+        load_rank_weights(ckpt, cfg, progress=False, mtp=True)
+
+
 def test_config_fields_are_parsed(tiny_ckpt):
     cfg = load_model_config(tiny_ckpt)
     assert cfg.layer_types[3] == "full_attention" and cfg.layer_types[0] == "linear_attention"

@@ -3,7 +3,9 @@
 
     python -m deltaserve.tools.make_checkpoint OUT_DIR [--size tiny|tiny-tp|0.8b|4b|9b|27b] [--layers N]
         [--dtype float32|bfloat16] [--sharded N] [--layout wrapper|plain] [--tied|--untied] [--seed S]
-        [--config-only]
+        [--config-only] [--no-mtp]
+
+The checkpoint holds the multi-token-prediction head (`mtp.*`, random like the rest) unless --no-mtp.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config-only", action="store_true",
                         help="write config and tokenizer but no weights (serve with load_format='random')")
+    parser.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True,
+                        help="write the multi-token-prediction head's tensors (mtp.*), as Qwen3.5 checkpoints ship it")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     write_checkpoint(args.out_dir, args.size, layers=args.layers, dtype=args.dtype, sharded=args.sharded,
-                     layout=args.layout, tied=args.tied, seed=args.seed, weights=not args.config_only)
+                     layout=args.layout, tied=args.tied, seed=args.seed, weights=not args.config_only,
+                     mtp=args.mtp)
 
 
 if __name__ == "__main__":
