@@ -20,6 +20,9 @@ from .sharding import LocalSizes
 from .state import ModelState
 
 
+MTP_LAYER = "mtp.layers.0."  # the head's decoder layer (Qwen3.5 ships one)
+
+
 def _no_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -43,13 +46,20 @@ class Qwen35Shard:
             cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, device=self.device
         )
         self.scale = cfg.head_dim**-0.5
+        # The multi-token-prediction head, when its weights were loaded (speculative decoding): its decoder layer
+        # is fused and folded like the model's, and its KV is the attention pools' last layer.
+        self.has_mtp = MTP_LAYER + "self_attn.q_proj.weight" in weights
+        self.layer_prefixes = [f"layers.{i}." for i in range(cfg.num_hidden_layers)] + [MTP_LAYER] * self.has_mtp
         self._fuse_projections()
         self._fold_block_norms()
+        if self.has_mtp:
+            self._fold_mtp_input_norms()
         # Layer index -> its index among the layers of its kind (row of the state pools).
         self.state_index = {}
         for kind_layers in (cfg.gdn_layers, cfg.attention_layers):
             for j, i in enumerate(kind_layers):
                 self.state_index[i] = j
+        self.mtp_kv_index = len(cfg.attention_layers)
 
     # Projections that read the same input run as one GEMM: fewer, larger matmuls and fewer graph nodes.
     _FUSED = {
@@ -62,8 +72,7 @@ class Qwen35Shard:
     def _fuse_projections(self) -> None:
         """Concatenate each layer's same-input projections (this rank's shards) into one weight, in place."""
         w = self.w
-        for i in range(self.cfg.num_hidden_layers):
-            p = f"layers.{i}."
+        for p in self.layer_prefixes:
             for fused, parts in self._FUSED.items():
                 if p + parts[0] in w:
                     w[p + fused] = torch.cat([w.pop(p + part) for part in parts], dim=0)
@@ -81,13 +90,21 @@ class Qwen35Shard:
         """Scale each block's first (fused) projection by its input norm's (1 + w), in place, in fp32; drop the
         norm weight."""
         w = self.w
-        for i in range(self.cfg.num_hidden_layers):
-            p = f"layers.{i}."
+        for p in self.layer_prefixes:
             for norm, readers in self._BLOCK_NORMS.items():
                 (reader,) = [p + r for r in readers if p + r in w]
                 scale = 1.0 + w.pop(p + norm).float()
                 for rows in w[reader].split(4096):  # the fused weight is this shard's own copy; bounds the fp32 one
                     rows.copy_(rows.float() * scale)
+
+    def _fold_mtp_input_norms(self) -> None:
+        """The head's fc reads [norm(embedding) | norm(hidden)], each zero-centred: their (1 + w) scale fc's two
+        column halves, in place, as `_fold_block_norms` does."""
+        w, H = self.w, self.cfg.hidden_size
+        fc = w["mtp.fc.weight"]
+        for half, norm in enumerate(("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")):
+            cols = fc[:, half * H : (half + 1) * H]
+            cols.copy_(cols.float() * (1.0 + w.pop(norm).float()))
 
     # Layers: each takes the layer's input x and the residual stream, p the layer's prefix ("layers.i."), and
     # returns (its output, the new residual). The add-and-norm before a block goes with the block's first
@@ -170,6 +187,7 @@ class Qwen35Shard:
 
     # Whole model --------------------------------------------------------------------------------------------------
     def _run(self, input_ids, state, batch, prefill: bool) -> torch.Tensor:
+        """The final-normed hidden state of every token: what lm_head reads, and what the MTP head takes."""
         cfg, w, ops = self.cfg, self.w, self.ops
         x = w["embed_tokens.weight"][input_ids]
         residual = None
@@ -190,14 +208,44 @@ class Qwen35Shard:
         return self.ops.linear(hidden, self.w["lm_head.weight"])
 
     @torch.inference_mode()
-    def prefill(self, state: ModelState, batch: PrefillBatch, all_logits: bool = False) -> torch.Tensor:
-        """Run packed chunks; logits [R, V] at each request's last token (or [T, V] for every token)."""
+    def prefill_hidden(self, state: ModelState, batch: PrefillBatch) -> torch.Tensor:
+        """Run packed chunks; the final-normed hidden state of every token, [T, H]."""
         if batch.fresh_slots.numel():
             state.reset_slots(batch.fresh_slots)
-        hidden = self._run(batch.input_ids, state, batch, prefill=True)
+        return self._run(batch.input_ids, state, batch, prefill=True)
+
+    @torch.inference_mode()
+    def prefill(self, state: ModelState, batch: PrefillBatch, all_logits: bool = False) -> torch.Tensor:
+        """Run packed chunks; logits [R, V] at each request's last token (or [T, V] for every token)."""
+        hidden = self.prefill_hidden(state, batch)
         return self.logits(hidden if all_logits else hidden[batch.last_token])
+
+    @torch.inference_mode()
+    def decode_hidden(self, state: ModelState, batch: DecodeBatch) -> torch.Tensor:
+        """One token for each row; the final-normed hidden states [N, H]."""
+        return self._run(batch.input_ids, state, batch, prefill=False)
 
     @torch.inference_mode()
     def decode(self, state: ModelState, batch: DecodeBatch) -> torch.Tensor:
         """One token for each row; logits [N, V]."""
-        return self.logits(self._run(batch.input_ids, state, batch, prefill=False))
+        return self.logits(self.decode_hidden(state, batch))
+
+    # The multi-token-prediction head ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def mtp(self, token_ids: torch.Tensor, hidden: torch.Tensor, state: ModelState, batch: PrefillBatch | DecodeBatch,
+            prefill: bool) -> torch.Tensor:
+        """The head at each token of `batch`: at position i it takes the model's final-normed hidden state at i and
+        the token at i + 1 (`token_ids`), and returns its own final-normed hidden state, from which lm_head gives
+        the token at i + 2. Its attention layer reads and writes its KV at the batch's positions (the pools' last
+        layer). `batch.input_ids` is not read."""
+        if not self.has_mtp:
+            raise RuntimeError("the model was loaded without its MTP head")
+        cfg, w, ops, p = self.cfg, self.w, self.ops, MTP_LAYER
+        embedded, _ = ops.add_rms_norm(w["embed_tokens.weight"][token_ids], None, None, cfg.rms_norm_eps)
+        normed, _ = ops.add_rms_norm(hidden, None, None, cfg.rms_norm_eps)  # both (1 + w) are folded into fc
+        x = ops.linear(torch.cat([embedded, normed], dim=1), w["mtp.fc.weight"])
+        mix = self._attn_prefill if prefill else self._attn_decode
+        x, residual = mix(x, None, p, state, batch, self.mtp_kv_index)
+        x, residual = self._mlp(x, residual, p)
+        out, _ = ops.add_rms_norm(x, residual, w["mtp.norm.weight"], cfg.rms_norm_eps)
+        return out

@@ -30,9 +30,11 @@ class StateSizes:
         return self.conv_bytes_per_slot + self.ssm_bytes_per_slot
 
     @classmethod
-    def of(cls, cfg: ModelConfig, local: LocalSizes, dtype: torch.dtype, page_size: int = PAGE_SIZE) -> "StateSizes":
+    def of(cls, cfg: ModelConfig, local: LocalSizes, dtype: torch.dtype, page_size: int = PAGE_SIZE,
+           mtp: bool = False) -> "StateSizes":
+        """With mtp, the KV pages hold the multi-token-prediction head's attention layer too."""
         elem = torch.tensor([], dtype=dtype).element_size()
-        n_gdn, n_attn = len(cfg.gdn_layers), len(cfg.attention_layers)
+        n_gdn, n_attn = len(cfg.gdn_layers), len(cfg.attention_layers) + (1 if mtp else 0)
         conv = n_gdn * (cfg.linear_conv_kernel_dim - 1) * local.gdn_conv_dim * elem
         ssm = n_gdn * local.gdn_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
         kv = n_attn * 2 * page_size * local.num_kv_heads * cfg.head_dim * elem
@@ -42,7 +44,8 @@ class StateSizes:
 class ModelState:
     """Fixed-address state of one rank: `num_slots` request slots, then `num_snapshots` snapshot slots (the prefix
     cache's copies of a request slot's GDN state), then the trash slot (the last entry: the kernels send slot -1
-    there); `num_pages` KV pages and the trash page."""
+    there); `num_pages` KV pages and the trash page. With mtp, the KV pools have one layer more, the last: the
+    multi-token-prediction head's, whose keys and values sit in the same pages at the same positions."""
 
     def __init__(
         self,
@@ -54,11 +57,12 @@ class ModelState:
         device: torch.device | str = "cpu",
         page_size: int = PAGE_SIZE,
         num_snapshots: int = 0,
+        mtp: bool = False,
     ) -> None:
         self.num_slots, self.num_pages, self.page_size = num_slots, num_pages, page_size
         self.num_snapshots = num_snapshots
         self.trash_slot, self.trash_page = num_slots + num_snapshots, num_pages
-        n_gdn, n_attn = len(cfg.gdn_layers), len(cfg.attention_layers)
+        n_gdn, n_attn = len(cfg.gdn_layers), len(cfg.attention_layers) + (1 if mtp else 0)
         entries = num_slots + 1 + num_snapshots
         self.conv = torch.zeros(
             n_gdn, entries, cfg.linear_conv_kernel_dim - 1, local.gdn_conv_dim, dtype=dtype, device=device

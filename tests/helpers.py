@@ -62,14 +62,14 @@ class CpuRunner:
     is named."""
 
     def __init__(self, checkpoint_dir: str, dtype=torch.float32, num_slots: int = 16, num_pages: int = 256, tp=1,
-                 rank=0, all_reduce=None, ops=None, device="cpu"):
+                 rank=0, all_reduce=None, ops=None, device="cpu", mtp=False):
         self.cfg = load_model_config(checkpoint_dir)
         self.device = device
         weights = load_rank_weights(checkpoint_dir, self.cfg, rank=rank, tp=tp, dtype=dtype, device=device,
-                                    progress=False)
+                                    progress=False, mtp=mtp)
         local = LocalSizes.of(self.cfg, tp)
         self.model = Qwen35Shard(self.cfg, weights, local, ops=ops, all_reduce=all_reduce)
-        self.state = ModelState(self.cfg, local, num_slots, num_pages, dtype, device)
+        self.state = ModelState(self.cfg, local, num_slots, num_pages, dtype, device, mtp=mtp)
         self.next_page = 0
         self.pages: dict[int, list[int]] = {}
 
@@ -90,12 +90,18 @@ class CpuRunner:
         batch = PrefillBatch.build(chunks, PAGE_SIZE, self.state.trash_page, self.device)
         return self.model.prefill(self.state, batch, all_logits=all_logits)
 
-    def decode(self, tokens: dict[int, int], positions: dict[int, int]):
+    def prefill_batch(self, slot: int, ids: list[int], start: int = 0) -> PrefillBatch:
+        chunk = PrefillChunk(list(ids), start, slot, self._ensure_pages(slot, start + len(ids)))
+        return PrefillBatch.build([chunk], PAGE_SIZE, self.state.trash_page, self.device)
+
+    def decode_batch(self, tokens: dict[int, int], positions: dict[int, int]) -> DecodeBatch:
         slots = list(tokens)
         pages = [self._ensure_pages(s, positions[s] + 1) for s in slots]
-        batch = DecodeBatch.build([tokens[s] for s in slots], [positions[s] for s in slots], slots, pages,
-                                  PAGE_SIZE, self.state.trash_page, self.device)
-        return self.model.decode(self.state, batch)
+        return DecodeBatch.build([tokens[s] for s in slots], [positions[s] for s in slots], slots, pages,
+                                 PAGE_SIZE, self.state.trash_page, self.device)
+
+    def decode(self, tokens: dict[int, int], positions: dict[int, int]):
+        return self.model.decode(self.state, self.decode_batch(tokens, positions))
 
 
 def top8_logprob_gaps(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
