@@ -137,6 +137,46 @@ class DecodeBatch:
         )
 
 
+@dataclass
+class VerifyBatch:
+    """A speculative decoding step: T = k + 1 tokens per row (the last accepted token and k drafts), at positions
+    start .. start + k. Attention runs as a prefill over each row's context; the GDN layers step token by token
+    and keep the state after each of the first k tokens (`ModelState.commit_verified` rolls back to it)."""
+
+    input_ids: torch.Tensor  # [R*T] long, row-major
+    positions: torch.Tensor  # [R*T] long
+    slots: torch.Tensor  # [R] long, -1 for padding rows
+    cu_seqlens: torch.Tensor  # [R+1] int32: multiples of T
+    context_lens: torch.Tensor  # [R] long: tokens cached before the row's first
+    page_table: torch.Tensor  # [R, P] int32
+    slot_mapping: torch.Tensor  # [R*T] long
+    tokens_per_row: int
+
+    @classmethod
+    def build(cls, token_rows: list[list[int]], starts: list[int], slots: list[int], pages: list[list[int]],
+              page_size: int, trash_page: int, device, width: int | None = None) -> "VerifyBatch":
+        T = len(token_rows[0])
+        width = width or max(len(p) for p in pages)
+        ids, positions, mapping, table = [], [], [], []
+        for tokens, start, row_pages in zip(token_rows, starts, pages):
+            if len(tokens) != T:
+                raise ValueError(f"every verify row needs {T} tokens, one has {len(tokens)}")
+            if (start + T - 1) // page_size >= len(row_pages) or len(row_pages) > width:
+                raise ValueError(f"a verify row at {start} needs pages for {T} tokens within the table width "
+                                 f"{width}; it has {len(row_pages)}")
+            ids.extend(tokens)
+            positions.extend(range(start, start + T))
+            mapping.extend(row_pages[p // page_size] * page_size + p % page_size for p in range(start, start + T))
+            table.append(row_pages + [trash_page] * (width - len(row_pages)))
+        R = len(token_rows)
+        longs = upload({"input_ids": ids, "positions": positions, "slots": slots, "context_lens": starts,
+                        "slot_mapping": mapping}, torch.long, device)
+        ints = upload({"cu_seqlens": [r * T for r in range(R + 1)], "page_table": [p for row in table for p in row]},
+                      torch.int32, device)
+        return cls(**longs, cu_seqlens=ints["cu_seqlens"], page_table=ints["page_table"].view(R, width),
+                   tokens_per_row=T)
+
+
 class PrefillInputs:
     """Fixed-address inputs of a one-chunk prefill padded to a bucket of tokens, what a prefill CUDA graph reads:
     request 0 is the chunk, request 1 pads the bucket in the trash slot and page (no tokens when the chunk fills

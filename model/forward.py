@@ -14,7 +14,7 @@ import torch
 
 from deltaserve.kernels.ops import ForwardOps, reference_ops
 
-from .batch import DecodeBatch, PrefillBatch
+from .batch import DecodeBatch, PrefillBatch, VerifyBatch
 from .config import ModelConfig
 from .sharding import LocalSizes
 from .state import ModelState
@@ -154,6 +154,23 @@ class Qwen35Shard:
         )
         return self._gdn_output(o, z, p), residual
 
+    def _gdn_verify(self, x, residual, p, state: ModelState, batch: VerifyBatch, j: int):
+        """T tokens a row, stepped one at a time through the decode ops; the state after each of the first T - 1
+        is kept for the roll-back."""
+        cfg, w, la, T = self.cfg, self.w, p + "linear_attn.", batch.tokens_per_row
+        mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
+        outs = []
+        for t in range(T):
+            m = self.ops.conv1d_decode(mixed[t::T], w[la + "conv1d.weight"], state.conv[j], batch.slots)
+            outs.append(self.ops.gdn_decode(
+                m, a[t::T], b[t::T], w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], batch.slots,
+                self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+            ))
+            if t < T - 1:
+                state.save_verify_step(j, batch.slots, t)
+        o = torch.stack(outs, dim=1).flatten(0, 1)  # back to row-major [R*T, Hv, dv]
+        return self._gdn_output(o, z, p), residual
+
     def _attn_inputs(self, x, residual, p, state: ModelState, j: int, positions, slot_mapping):
         """The fused q/k/v projection, then q/k norms, RoPE and the paged K/V write; (rotated q, gate view, new
         residual)."""
@@ -186,17 +203,15 @@ class Qwen35Shard:
         return self._attn_output(o, p), residual
 
     # Whole model --------------------------------------------------------------------------------------------------
-    def _run(self, input_ids, state, batch, prefill: bool) -> torch.Tensor:
+    def _run(self, input_ids, state, batch: PrefillBatch | DecodeBatch | VerifyBatch) -> torch.Tensor:
         """The final-normed hidden state of every token: what lm_head reads, and what the MTP head takes."""
         cfg, w, ops = self.cfg, self.w, self.ops
         x = w["embed_tokens.weight"][input_ids]
         residual = None
+        attn, gdn = self._mixers(batch)
         for i, kind in enumerate(cfg.layer_types):
             p = f"layers.{i}."
-            if kind == "full_attention":
-                mix = self._attn_prefill if prefill else self._attn_decode
-            else:
-                mix = self._gdn_prefill if prefill else self._gdn_decode
+            mix = attn if kind == "full_attention" else gdn
             x, residual = mix(x, residual, p, state, batch, self.state_index[i])
             x, residual = self._mlp(x, residual, p)
         hidden, _ = ops.add_rms_norm(x, residual, w["norm.weight"], cfg.rms_norm_eps)
@@ -207,12 +222,26 @@ class Qwen35Shard:
         made (at batch 64 on the 248k vocabulary, 96 MB of traffic a step)."""
         return self.ops.linear(hidden, self.w["lm_head.weight"])
 
+    def _mixers(self, batch):
+        """(attention, GDN) layer functions for the batch's kind."""
+        if isinstance(batch, PrefillBatch):
+            return self._attn_prefill, self._gdn_prefill
+        if isinstance(batch, VerifyBatch):  # causal queries over the paged context, as a prefill's
+            return self._attn_prefill, self._gdn_verify
+        return self._attn_decode, self._gdn_decode
+
     @torch.inference_mode()
     def prefill_hidden(self, state: ModelState, batch: PrefillBatch) -> torch.Tensor:
         """Run packed chunks; the final-normed hidden state of every token, [T, H]."""
         if batch.fresh_slots.numel():
             state.reset_slots(batch.fresh_slots)
-        return self._run(batch.input_ids, state, batch, prefill=True)
+        return self._run(batch.input_ids, state, batch)
+
+    @torch.inference_mode()
+    def verify_hidden(self, state: ModelState, batch: VerifyBatch) -> torch.Tensor:
+        """A speculative step's T tokens a row; the final-normed hidden states [R*T, H], row-major. Each slot's
+        GDN state ends after all T tokens; `ModelState.commit_verified` rolls it back to the accepted ones."""
+        return self._run(batch.input_ids, state, batch)
 
     @torch.inference_mode()
     def prefill(self, state: ModelState, batch: PrefillBatch, all_logits: bool = False) -> torch.Tensor:
@@ -223,7 +252,7 @@ class Qwen35Shard:
     @torch.inference_mode()
     def decode_hidden(self, state: ModelState, batch: DecodeBatch) -> torch.Tensor:
         """One token for each row; the final-normed hidden states [N, H]."""
-        return self._run(batch.input_ids, state, batch, prefill=False)
+        return self._run(batch.input_ids, state, batch)
 
     @torch.inference_mode()
     def decode(self, state: ModelState, batch: DecodeBatch) -> torch.Tensor:
@@ -232,8 +261,8 @@ class Qwen35Shard:
 
     # The multi-token-prediction head ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def mtp(self, token_ids: torch.Tensor, hidden: torch.Tensor, state: ModelState, batch: PrefillBatch | DecodeBatch,
-            prefill: bool) -> torch.Tensor:
+    def mtp(self, token_ids: torch.Tensor, hidden: torch.Tensor, state: ModelState,
+            batch: PrefillBatch | DecodeBatch | VerifyBatch) -> torch.Tensor:
         """The head at each token of `batch`: at position i it takes the model's final-normed hidden state at i and
         the token at i + 1 (`token_ids`), and returns its own final-normed hidden state, from which lm_head gives
         the token at i + 2. Its attention layer reads and writes its KV at the batch's positions (the pools' last
@@ -244,8 +273,8 @@ class Qwen35Shard:
         embedded, _ = ops.add_rms_norm(w["embed_tokens.weight"][token_ids], None, None, cfg.rms_norm_eps)
         normed, _ = ops.add_rms_norm(hidden, None, None, cfg.rms_norm_eps)  # both (1 + w) are folded into fc
         x = ops.linear(torch.cat([embedded, normed], dim=1), w["mtp.fc.weight"])
-        mix = self._attn_prefill if prefill else self._attn_decode
-        x, residual = mix(x, None, p, state, batch, self.mtp_kv_index)
+        attn, _ = self._mixers(batch)
+        x, residual = attn(x, None, p, state, batch, self.mtp_kv_index)
         x, residual = self._mlp(x, residual, p)
         out, _ = ops.add_rms_norm(x, residual, w["mtp.norm.weight"], cfg.rms_norm_eps)
         return out

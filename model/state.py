@@ -58,6 +58,7 @@ class ModelState:
         page_size: int = PAGE_SIZE,
         num_snapshots: int = 0,
         mtp: bool = False,
+        verify_steps: int = 0,
     ) -> None:
         self.num_slots, self.num_pages, self.page_size = num_slots, num_pages, page_size
         self.num_snapshots = num_snapshots
@@ -71,6 +72,15 @@ class ModelState:
             n_gdn, entries, local.gdn_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
             dtype=torch.float32, device=device,
         )
+        # Speculative decoding: each request slot's GDN state after each of a verify step's first `verify_steps`
+        # tokens (the state after its last token is the slot itself), and a trash entry last.
+        self.verify_steps = verify_steps
+        self.conv_steps = self.ssm_steps = None
+        if verify_steps:
+            self.conv_steps = torch.zeros((n_gdn, num_slots + 1, verify_steps) + self.conv.shape[2:], dtype=dtype,
+                                          device=device)
+            self.ssm_steps = torch.zeros((n_gdn, num_slots + 1, verify_steps) + self.ssm.shape[2:],
+                                         dtype=torch.float32, device=device)
         kv_shape = (n_attn, num_pages + 1, page_size, local.num_kv_heads, cfg.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
@@ -100,8 +110,33 @@ class ModelState:
         self.k_cache[:, dst].copy_(self.k_cache[:, src])
         self.v_cache[:, dst].copy_(self.v_cache[:, src])
 
+    def _rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request slots (-1: padding) as rows of the state pools and of the verify-step pools (each its trash)."""
+        pad = slots < 0
+        return (torch.where(pad, torch.full_like(slots, self.trash_slot), slots),
+                torch.where(pad, torch.full_like(slots, self.num_slots), slots))
+
+    def save_verify_step(self, layer: int, slots: torch.Tensor, step: int) -> None:
+        """Keep GDN layer `layer`'s state of these slots as it stands after a verify step's token `step`."""
+        rows, step_rows = self._rows(slots)
+        self.conv_steps[layer, step_rows, step] = self.conv[layer, rows]
+        self.ssm_steps[layer, step_rows, step] = self.ssm[layer, rows]
+
+    def commit_verified(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After a verify step of verify_steps + 1 tokens a row: each slot keeps the state after its first
+        `accepted` tokens (1 .. verify_steps + 1; the last needs no copy). Device tensors, no host sync."""
+        rows, step_rows = self._rows(slots)
+        rolled = accepted <= self.verify_steps
+        step = (accepted - 1).clamp(0, self.verify_steps - 1)
+        for pool, steps in ((self.conv, self.conv_steps), (self.ssm, self.ssm_steps)):
+            kept = steps[:, step_rows, step]  # [layers, R, ...]
+            mask = rolled.view((1, -1) + (1,) * (kept.dim() - 2))
+            pool[:, rows] = torch.where(mask, kept, pool[:, rows])
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm, self.k_cache, self.v_cache))
+        pools = [self.conv, self.ssm, self.k_cache, self.v_cache] + (
+            [self.conv_steps, self.ssm_steps] if self.verify_steps else [])
+        return sum(t.numel() * t.element_size() for t in pools)
 
 
 # Activation memory: what the forward needs beside the state, which the capacity plan keeps free.

@@ -6,7 +6,7 @@ import asyncio
 
 import torch
 
-from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk
+from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk, VerifyBatch
 from deltaserve.model.config import load_model_config
 from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.sharding import LocalSizes
@@ -62,14 +62,15 @@ class CpuRunner:
     is named."""
 
     def __init__(self, checkpoint_dir: str, dtype=torch.float32, num_slots: int = 16, num_pages: int = 256, tp=1,
-                 rank=0, all_reduce=None, ops=None, device="cpu", mtp=False):
+                 rank=0, all_reduce=None, ops=None, device="cpu", mtp=False, verify_steps=0):
         self.cfg = load_model_config(checkpoint_dir)
         self.device = device
         weights = load_rank_weights(checkpoint_dir, self.cfg, rank=rank, tp=tp, dtype=dtype, device=device,
                                     progress=False, mtp=mtp)
         local = LocalSizes.of(self.cfg, tp)
         self.model = Qwen35Shard(self.cfg, weights, local, ops=ops, all_reduce=all_reduce)
-        self.state = ModelState(self.cfg, local, num_slots, num_pages, dtype, device, mtp=mtp)
+        self.state = ModelState(self.cfg, local, num_slots, num_pages, dtype, device, mtp=mtp,
+                                verify_steps=verify_steps)
         self.next_page = 0
         self.pages: dict[int, list[int]] = {}
 
@@ -98,6 +99,14 @@ class CpuRunner:
         slots = list(tokens)
         pages = [self._ensure_pages(s, positions[s] + 1) for s in slots]
         return DecodeBatch.build([tokens[s] for s in slots], [positions[s] for s in slots], slots, pages,
+                                 PAGE_SIZE, self.state.trash_page, self.device)
+
+    def verify_batch(self, rows: dict[int, list[int]], starts: dict[int, int]) -> VerifyBatch:
+        """rows: slot -> the step's tokens (slot -1: a padding row, in the trash page)."""
+        slots = list(rows)
+        T = len(rows[slots[0]])
+        pages = [self._ensure_pages(s, starts[s] + T) if s >= 0 else [self.state.trash_page] for s in slots]
+        return VerifyBatch.build([rows[s] for s in slots], [starts[s] if s >= 0 else 0 for s in slots], slots, pages,
                                  PAGE_SIZE, self.state.trash_page, self.device)
 
     def decode(self, tokens: dict[int, int], positions: dict[int, int]):

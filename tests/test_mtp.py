@@ -53,11 +53,11 @@ def test_the_mtp_head_matches_its_oracle_over_chunks_and_decode(tiny_ckpt):
     for start, stop in ((0, 23), (23, L)):  # a chunk boundary inside a page
         batch = runner.prefill_batch(0, seq[start:stop].tolist(), start)
         hidden = model.prefill_hidden(state, batch)
-        ours.append(model.logits(model.mtp(seq[start + 1 : stop + 1], hidden, state, batch, prefill=True)))
+        ours.append(model.logits(model.mtp(seq[start + 1 : stop + 1], hidden, state, batch)))
     for pos in (L, L + 1):
         batch = runner.decode_batch({0: int(seq[pos])}, {0: pos})
         hidden = model.decode_hidden(state, batch)
-        ours.append(model.logits(model.mtp(seq[pos + 1 : pos + 2], hidden, state, batch, prefill=False)))
+        ours.append(model.logits(model.mtp(seq[pos + 1 : pos + 2], hidden, state, batch)))
     oracle = mtp_oracle(tiny_ckpt, hf_model(tiny_ckpt), seq[: L + 2], int(seq[L + 2]))
     assert rel_err(torch.cat(ours), oracle) <= 1e-4
 
@@ -67,4 +67,50 @@ def test_a_model_without_its_head_refuses_to_draft(tiny_ckpt):
     batch = runner.prefill_batch(0, [1, 2, 3])
     hidden = runner.model.prefill_hidden(runner.state, batch)
     with pytest.raises(RuntimeError, match="without its MTP head"):
-        runner.model.mtp(torch.tensor([2, 3, 4]), hidden, runner.state, batch, prefill=True)
+        runner.model.mtp(torch.tensor([2, 3, 4]), hidden, runner.state, batch)
+
+
+@pytest.mark.parametrize("accepted", [(1, 4), (2, 3), (4, 1)])
+def test_a_verify_step_computes_what_decoding_its_tokens_does_and_rolls_back_to_the_accepted(tiny_ckpt, accepted):
+    """Two requests and a padding row verify four tokens each; every position's logits equal one-token decodes,
+    and after keeping `accepted` tokens a row decodes on as a request that decoded only those."""
+    k = 3
+    spec = CpuRunner(tiny_ckpt, verify_steps=k)
+    g = torch.Generator().manual_seed(9)
+    prompts = {0: torch.randint(0, 200, (21,), generator=g).tolist(), 1: torch.randint(0, 200, (32,), generator=g).tolist()}
+    steps = {s: torch.randint(0, 200, (k + 1,), generator=g).tolist() for s in prompts}
+    for s, ids in prompts.items():
+        spec.prefill({s: ids})
+    starts = {s: len(ids) for s, ids in prompts.items()}
+    batch = spec.verify_batch({0: steps[0], -1: [5] * (k + 1), 1: steps[1]}, {**starts, -1: 0})
+    verified = spec.model.logits(spec.model.verify_hidden(spec.state, batch)).view(3, k + 1, -1)
+    spec.state.commit_verified(batch.slots, torch.tensor([accepted[0], 1, accepted[1]]))
+    for row, s in ((0, 0), (2, 1)):
+        plain = CpuRunner(tiny_ckpt)
+        plain.prefill({s: prompts[s]})
+        for t, token in enumerate(steps[s]):
+            expected = plain.decode({s: token}, {s: starts[s] + t})
+            assert rel_err(verified[row, t], expected[0]) <= 1e-5, (s, t)
+        # Roll-back: the next token after the accepted ones, on both.
+        plain = CpuRunner(tiny_ckpt)
+        plain.prefill({s: prompts[s] + steps[s][: accepted[row // 2]]})
+        nxt, pos = 7, starts[s] + accepted[row // 2]
+        assert rel_err(spec.decode({s: nxt}, {s: pos}), plain.decode({s: nxt}, {s: pos})) <= 1e-5, s
+
+
+def test_the_verify_step_and_the_head_on_the_triton_ops_match_the_references(tiny_ckpt):
+    """The Triton ops (interpreted on the CPU) take the verify's strided token views and the head's layer."""
+    from deltaserve.kernels.ops import triton_ops
+
+    k, prompt, step = 2, list(range(3, 22)), [40, 41, 42]
+    results = []
+    for ops in (None, triton_ops()):
+        runner = CpuRunner(tiny_ckpt, ops=ops, mtp=True, verify_steps=k)
+        runner.prefill({0: prompt})
+        batch = runner.verify_batch({0: step, -1: [1] * (k + 1)}, {0: len(prompt), -1: 0})
+        hidden = runner.model.verify_hidden(runner.state, batch)
+        head = runner.model.mtp(batch.input_ids.roll(-1), hidden, runner.state, batch)
+        runner.state.commit_verified(batch.slots, torch.tensor([2, 1]))
+        results.append((runner.model.logits(hidden), runner.model.logits(head), runner.state.ssm[:, 0].clone()))
+    for ours, ref in zip(results[1], results[0]):
+        assert rel_err(ours, ref) <= 1e-4
