@@ -42,12 +42,15 @@ def plan_capacity(
     buckets: list[int],
     graph_reserve: Callable[[int], int],
     snapshot_bytes: int = 0,
+    bytes_per_snapshot: int | None = None,
 ) -> CapacityPlan:
     """Fit the largest batch <= requested_batch such that every row can hold a full-length context, after
-    `snapshot_bytes` for the prefix cache's state snapshots (as many as fit)."""
+    `snapshot_bytes` for the prefix cache's state snapshots (as many as fit; each `bytes_per_snapshot`, by default
+    a request slot's)."""
     buckets = sorted(buckets)
-    snapshots = max(0, snapshot_bytes) // bytes_per_slot
-    budget = free_bytes - prefill_scratch_bytes - snapshots * bytes_per_slot
+    per_snapshot = bytes_per_snapshot or bytes_per_slot
+    snapshots = max(0, snapshot_bytes) // per_snapshot
+    budget = free_bytes - prefill_scratch_bytes - snapshots * per_snapshot
     pages_per_request = -(-max_model_len // page_size)
     # Each decode row needs its slot and a full context of pages; prefill slots need state but share those pages.
     per_row = bytes_per_slot + pages_per_request * bytes_per_page
@@ -65,7 +68,7 @@ def plan_capacity(
                 raise CapacityRefused(
                     f"not even one request fits: {free_bytes / 2**20:.0f} MiB free, minus "
                     f"{prefill_scratch_bytes / 2**20:.0f} MiB prefill scratch, "
-                    f"{snapshots * bytes_per_slot / 2**20:.0f} MiB of prefix-cache snapshots and "
+                    f"{snapshots * per_snapshot / 2**20:.0f} MiB of prefix-cache snapshots and "
                     f"{reserve / 2**20:.0f} MiB graph "
                     f"reserve (bucket {buckets[0]}), leaves less than one row "
                     f"({per_row / 2**20:.1f} MiB: state {bytes_per_slot / 2**20:.1f} MiB + {pages_per_request} KV "
@@ -83,5 +86,5 @@ def plan_capacity(
     slots_bytes = (batch + prefill_slots + 1) * bytes_per_slot
     num_pages = (budget - reserve - slots_bytes) // bytes_per_page - 1
     assert num_pages >= batch * pages_per_request
-    state = slots_bytes + (num_pages + 1) * bytes_per_page + snapshots * bytes_per_slot
+    state = slots_bytes + (num_pages + 1) * bytes_per_page + snapshots * per_snapshot
     return CapacityPlan(batch, prefill_slots, num_pages, page_size, buckets[index], reserve, state, snapshots)

@@ -58,6 +58,9 @@ class PrefillCommand:
     # With the first chunk of a request resuming after a cached prefix whose penalties count prompt ids: the
     # prefix's ids (the chunks never carry them).
     prefix_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: the prompt token after the chunk (the MTP head reads each position's next token); 0 for
+    # a prompt's last chunk, whose next token is drawn from this step.
+    next_token: int = 0
 
 
 UNKNOWN_TOKEN = -1
@@ -80,6 +83,12 @@ class StepCommand:
     restore_snapshots: list[tuple[int, int]] = field(default_factory=list)
     copy_pages: list[tuple[int, int]] = field(default_factory=list)
     save_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding (k drafts a row): for each decode row, how many of its last verify step's k + 1 tokens
+    # were kept (1 .. k + 1; the state rolls back to them), 0 for a row promoted this step (nothing to roll back;
+    # it drafts from its prompt's last hidden state). Test drafters may send each row's k drafts instead of the
+    # head's.
+    verify_accepted: list[int] = field(default_factory=list)
+    draft_tokens: list[list[int]] | None = None
     step_seed: int = 0  # randomness for unseeded rows
     seq: int = 0  # the step's number, in hand-over order
 
@@ -95,6 +104,8 @@ class SampledToken:
 class StepResult:
     decode: list[SampledToken]  # one per decode slot
     prefill: list[SampledToken | None]  # one per prefill command; None for chunks that do not end a prompt
+    # Speculative decoding: per decode slot, the tokens after decode[i] that its accepted drafts add (in order)
+    decode_more: list[list[SampledToken]] = field(default_factory=list)
 
 
 class SlotProtocolError(RuntimeError):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk, PrefillInputs
+from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk, PrefillInputs, VerifyBatch
 from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.state import ModelState
 
@@ -142,6 +142,7 @@ class RankRuntime:
                 f"(occupied: {self.occupied[src]}, {self.occupied[dst]})"
             )
         self.state.copy_slot(src, dst)
+        self.state.move_verify_slot(src, dst)
         self.inputs.table_host[dst] = self.inputs.table_host[src]
         if self.sampling:
             self.sampling.move(src, dst)
@@ -165,6 +166,7 @@ class RankRuntime:
             if len(p.pages) > self.inputs.width:
                 raise SlotProtocolError(f"rank {self.rank}: {len(p.pages)} pages exceed the table width")
             self.state.copy_slot(p.from_slot, p.to_slot)
+            self.state.move_verify_slot(p.from_slot, p.to_slot)
             row = self.inputs.table_host[p.to_slot]
             row[:] = self.state.trash_page
             row[: len(p.pages)] = p.pages
@@ -202,9 +204,11 @@ class RankRuntime:
             for p in cmd.prefill:
                 self.sampling.start(p.slot, p.sampling, p.prefix_ids + p.token_ids if p.prefix_ids else p.token_ids)
 
-        decode_draw = prefill_draw = None
+        decode_draw = prefill_draw = speculation = None
         n = len(cmd.decode_tokens)
-        if n:
+        if n and self.state.verify_steps:
+            decode_draw, speculation = self._speculative_decode(cmd)
+        elif n:
             self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
             if self.sampling:
                 # Before this step reads them: a row the step before drew may have been flagged (the logits it is
@@ -242,7 +246,10 @@ class RankRuntime:
                 prefill_logits = self.prefill_graphs(bucket)  # row 0 is the chunk's, row 1 the padding's
             else:
                 batch = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
-                prefill_logits = self.model.prefill(self.state, batch)
+                if self.state.verify_steps:
+                    prefill_logits = self._prefill_with_head(cmd, batch)
+                else:
+                    prefill_logits = self.model.prefill(self.state, batch)
             for slot, snapshot in cmd.save_snapshots:
                 self._check_request_slot(slot)
                 self.state.copy_slot(slot, self.state.snapshot_slot(snapshot))
@@ -253,7 +260,92 @@ class RankRuntime:
                 prefill_draw = self.sampling.draw(prefill_logits[last], setup)
         if not self.sampling:
             return None
-        return LaunchedStep(self, cmd, decode_draw, prefill_draw)
+        return LaunchedStep(self, cmd, decode_draw, prefill_draw, speculation)
+
+    # Speculative decoding (k drafts a row; eager) ---------------------------------------------------------------
+    def _prefill_with_head(self, cmd: StepCommand, batch: PrefillBatch) -> torch.Tensor:
+        """A prefill whose chunks the MTP head also runs over (its KV at every prompt position; a prompt's last
+        position, whose next token this step draws, is run again when the request first drafts). Keeps each
+        finished prompt's last hidden state, what its first draft starts from. Logits at the last tokens."""
+        model, state = self.model, self.state
+        hidden = model.prefill_hidden(state, batch)
+        following = [t for p in cmd.prefill for t in p.token_ids[1:] + [p.next_token]]
+        model.mtp(torch.tensor(following, device=self.device), hidden, state, batch)
+        last_hidden = hidden[batch.last_token]
+        for i, p in enumerate(cmd.prefill):
+            if p.last:
+                state.verify_hidden[p.slot, 0] = last_hidden[i]
+        return model.logits(last_hidden)
+
+    def _speculative_decode(self, cmd: StepCommand) -> tuple:
+        """One speculative step for every decode row: roll the GDN state back to the tokens the last step kept,
+        draft k tokens with the MTP head (from the hidden state before the row's input token), and verify the
+        input token and the drafts in one forward (k + 1 tokens a row). Rank 0 draws every row's first token as a
+        plain decode step would, and the drafts' positions for the rows without penalties (whose counts would
+        see the drafts); `finish` keeps the drafts up to the first that differs from the token drawn before it."""
+        model, state, k, dev = self.model, self.state, self.state.verify_steps, self.device
+        n, T, ps, trash = len(cmd.decode_tokens), self.state.verify_steps + 1, state.page_size, state.trash_page
+        slots, rows = list(range(n)), torch.arange(n, device=dev)
+        pages = [self.inputs.table_host[i].tolist() for i in slots]
+        positions = cmd.decode_positions
+        accepted = [a or 1 for a in cmd.verify_accepted]  # a promoted row drafts from its prompt's last position
+        tokens = torch.tensor(cmd.decode_tokens, device=dev)
+        state.commit_verified(rows, torch.tensor([a or T for a in cmd.verify_accepted], device=dev))
+        # The head over the last verify step's positions, each with the token after it (the kept drafts, then the
+        # row's input token): the output before the input token drafts the token after it.
+        before = torch.tensor([a - 1 for a in accepted], device=dev)
+        following = torch.cat([state.drafts[:n], tokens[:, None]], dim=1).scatter(1, before[:, None], tokens[:, None])
+        batch = VerifyBatch.build([[0] * T] * n, [p - a for p, a in zip(positions, accepted)], slots, pages, ps,
+                                  trash, dev)
+        h = model.mtp(following.flatten(), state.verify_hidden[:n].flatten(0, 1), state, batch).view(n, T, -1)
+        h = h[rows, before]
+        drafts = [model.logits(h).argmax(-1)]
+        for j in range(1, k):  # the head's chain: its own output and its last draft
+            batch = DecodeBatch.build([0] * n, [p + j - 1 for p in positions], slots, pages, ps, trash, dev)
+            h = model.mtp(drafts[-1], h, state, batch)
+            drafts.append(model.logits(h).argmax(-1))
+        drafted = torch.stack(drafts, dim=1)
+        if cmd.draft_tokens is not None:
+            drafted = torch.tensor(cmd.draft_tokens, device=dev).view(n, k)
+        batch = VerifyBatch.build([[0] * T] * n, positions, slots, pages, ps, trash, dev)
+        batch.input_ids.copy_(torch.cat([tokens[:, None], drafted], dim=1).flatten())
+        hidden = model.verify_hidden(state, batch).view(n, T, -1)
+        state.verify_hidden[:n] = hidden
+        state.drafts[:n] = drafted
+        if not self.sampling:
+            return None, None
+        self.sampling.settle()
+        first = self.sampling.draw(model.logits(hidden[:, 0]),
+                                   self.sampling.prepare(slots, cmd.decode_token_index, cmd.step_seed))
+        free = [i for i in slots if not self.sampling.settings[i].needs_counts]
+        extra = None
+        if free:
+            extra = self.sampling.draw(
+                model.logits(hidden[free, 1:].flatten(0, 1)),
+                self.sampling.prepare([i for i in free for _ in range(k)],
+                                      [cmd.decode_token_index[i] + j for i in free for j in range(1, T)],
+                                      cmd.step_seed))
+        return first, (extra, free, drafted)
+
+    def _accept(self, first: list[SampledToken], speculation) -> list[list[SampledToken]]:
+        """Each row's drafts kept: draft j while it equals the token drawn at the position before it, and with
+        it the token drawn at its own position. A draft of one token kept or dropped on whether it equals an
+        independent draw from the target's distribution is exactly that distribution's rejection sampling."""
+        extra, free, drafted = speculation
+        k = drafted.shape[1]
+        more: list[list[SampledToken]] = [[] for _ in first]
+        if extra is None:
+            return more
+        drawn, drafted = self.sampling.collect(extra), drafted.tolist()
+        for n, i in enumerate(free):
+            previous = first[i].token
+            for j in range(k):
+                if previous != drafted[i][j]:
+                    break
+                token = drawn[n * k + j]
+                more[i].append(token)
+                previous = token.token
+        return more
 
     def finish(self, step: "LaunchedStep") -> StepResult:
         """Rank 0: the launched step's tokens, once they are on the host."""
@@ -264,17 +356,20 @@ class RankRuntime:
             last = [i for i, p in enumerate(cmd.prefill) if p.last]
             for i, s in zip(last, sampling.collect(step.prefill)):
                 prefill[i] = s
-        return StepResult(decode, prefill)
+        more = self._accept(decode, step.speculation) if step.speculation else []
+        return StepResult(decode, prefill, more)
 
 
 class LaunchedStep:
     """Rank 0's step, queued on the device; `finish()` waits for its tokens (the worker's deferred result)."""
 
-    def __init__(self, runtime: RankRuntime, cmd: StepCommand, decode, prefill) -> None:
+    def __init__(self, runtime: RankRuntime, cmd: StepCommand, decode, prefill, speculation=None) -> None:
         self.runtime, self.cmd, self.decode, self.prefill = runtime, cmd, decode, prefill
+        self.speculation = speculation  # (the drafts' draw, its rows, the drafts) of a speculative step
 
     def ready(self) -> bool:
-        return all(d is None or d.ready() for d in (self.decode, self.prefill))
+        extra = self.speculation[0] if self.speculation else None
+        return all(d is None or d.ready() for d in (self.decode, self.prefill, extra))
 
     @torch.inference_mode()
     def finish(self) -> StepResult:

@@ -61,6 +61,8 @@ class ReplicaSpec:
     snapshot_bytes: int | None = 0
     # With graphs: one-chunk prefills of up to this many tokens replay a graph captured per bucket (0: none).
     prefill_graph_tokens: int = 0
+    # Speculative decoding with the checkpoint's MTP head: k drafts a decode row (0: off). Its steps run eagerly.
+    speculative_tokens: int = 0
 
 
 SNAPSHOT_FRACTION = 0.1
@@ -111,7 +113,7 @@ class Replica:
         self.collective = None
         self.group: WorkerGroup | None = None
         self.plan: CapacityPlan | None = None
-        self.sizes = StateSizes.of(spec.cfg, self.local, self.dtype)
+        self.sizes = StateSizes.of(spec.cfg, self.local, self.dtype, speculative_tokens=spec.speculative_tokens)
 
     # Start-up -------------------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -124,10 +126,11 @@ class Replica:
         snapshot_bytes = int(SNAPSHOT_FRACTION * min(free)) if spec.snapshot_bytes is None else spec.snapshot_bytes
         self.plan = plan_capacity(
             free_bytes=min(free),
-            bytes_per_slot=self.sizes.bytes_per_slot,
+            bytes_per_slot=self.sizes.bytes_per_request_slot,
+            bytes_per_snapshot=self.sizes.bytes_per_slot,
             bytes_per_page=self.sizes.kv_bytes_per_page,
             page_size=self.sizes.page_size,
-            max_model_len=spec.max_model_len,
+            max_model_len=spec.max_model_len + spec.speculative_tokens,  # a verify step writes k past the end
             requested_batch=spec.max_batch,
             prefill_slots=spec.prefill_slots,
             # The CPU budget counts state only; on a GPU the prefill activations come out of the same memory.
@@ -142,10 +145,11 @@ class Replica:
         if self.plan.max_batch < spec.max_batch:
             log.warning("max_batch lowered from %d to %d to fit memory", spec.max_batch, self.plan.max_batch)
         log.info(
-            "per rank: %.1f MiB state per slot (conv %.2f + recurrent %.2f), %.3f MiB per KV page of %d tokens; "
-            "%d decode slots + %d prefill slots, %d KV pages (%d tokens), largest graph bucket %d",
-            self.sizes.bytes_per_slot / 2**20, self.sizes.conv_bytes_per_slot / 2**20,
-            self.sizes.ssm_bytes_per_slot / 2**20, self.sizes.kv_bytes_per_page / 2**20, self.plan.page_size,
+            "per rank: %.1f MiB state per slot (conv %.2f + recurrent %.2f + speculative %.2f), %.3f MiB per KV "
+            "page of %d tokens; %d decode slots + %d prefill slots, %d KV pages (%d tokens), largest graph bucket %d",
+            self.sizes.bytes_per_request_slot / 2**20, self.sizes.conv_bytes_per_slot / 2**20,
+            self.sizes.ssm_bytes_per_slot / 2**20, self.sizes.verify_bytes_per_slot / 2**20,
+            self.sizes.kv_bytes_per_page / 2**20, self.plan.page_size,
             self.plan.max_batch, self.plan.prefill_slots, self.plan.num_pages, self.plan.num_pages * self.plan.page_size,
             self.plan.largest_bucket,
         )
@@ -177,7 +181,8 @@ class Replica:
 
     @property
     def _graphs(self) -> bool:
-        return self.backend.has_graphs and self.spec.cuda_graph
+        """Graphs are captured (speculative steps are not captured yet: with them every step runs eagerly)."""
+        return self.backend.has_graphs and self.spec.cuda_graph and not self.spec.speculative_tokens
 
     @property
     def buckets(self) -> list[int]:
@@ -198,12 +203,13 @@ class Replica:
         spec, r = self.spec, self.ranks[rank]
         r.backend = self.backend.open_rank(rank, self.collective)
         with r.backend.context():
+            mtp = spec.speculative_tokens > 0
             if spec.random_weights:
                 weights = random_rank_weights(spec.cfg, rank=rank, tp=spec.tp, device=r.backend.device,
-                                              dtype=self.dtype, seed=spec.seed, progress=rank == 0)
+                                              dtype=self.dtype, seed=spec.seed, progress=rank == 0, mtp=mtp)
             else:
                 weights = load_rank_weights(spec.checkpoint, spec.cfg, rank=rank, tp=spec.tp,
-                                            device=r.backend.device, dtype=self.dtype, progress=rank == 0)
+                                            device=r.backend.device, dtype=self.dtype, progress=rank == 0, mtp=mtp)
             r.model = Qwen35Shard(spec.cfg, weights, self.local, ops=r.backend.ops, all_reduce=r.backend.all_reduce)
             log.info("rank %d/%d: %.1f MiB of weights on %s", rank, spec.tp, weight_bytes(weights) / 2**20,
                      r.backend.device)
@@ -212,11 +218,14 @@ class Replica:
     def _allocate(self, rank: int) -> None:
         spec, r, plan = self.spec, self.ranks[rank], self.plan
         with r.backend.context():
+            k = spec.speculative_tokens
             state = ModelState(spec.cfg, self.local, plan.max_batch + plan.prefill_slots, plan.num_pages,
-                               self.dtype, r.backend.device, page_size=plan.page_size, num_snapshots=plan.snapshots)
+                               self.dtype, r.backend.device, page_size=plan.page_size, num_snapshots=plan.snapshots,
+                               mtp=k > 0, verify_steps=k)
             r.runtime = RankRuntime(
                 r.model, state, rank=rank, max_batch=plan.max_batch,
-                max_pages_per_seq=-(-spec.max_model_len // plan.page_size), device=r.backend.device, tp=spec.tp,
+                max_pages_per_seq=-(-(spec.max_model_len + k) // plan.page_size), device=r.backend.device,
+                tp=spec.tp,
             )
             log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)
             if r.runtime.sampling:

@@ -24,21 +24,30 @@ class StateSizes:
     ssm_bytes_per_slot: int
     kv_bytes_per_page: int
     page_size: int
+    verify_bytes_per_slot: int = 0  # speculative decoding: the verify-step pools, hidden states and drafts
 
     @property
     def bytes_per_slot(self) -> int:
+        """A snapshot's bytes, and a request slot's without speculation."""
         return self.conv_bytes_per_slot + self.ssm_bytes_per_slot
+
+    @property
+    def bytes_per_request_slot(self) -> int:
+        return self.bytes_per_slot + self.verify_bytes_per_slot
 
     @classmethod
     def of(cls, cfg: ModelConfig, local: LocalSizes, dtype: torch.dtype, page_size: int = PAGE_SIZE,
-           mtp: bool = False) -> "StateSizes":
-        """With mtp, the KV pages hold the multi-token-prediction head's attention layer too."""
+           speculative_tokens: int = 0) -> "StateSizes":
+        """With speculative_tokens k > 0, the KV pages hold the multi-token-prediction head's attention layer too,
+        and a request slot its k verify-step states, k + 1 hidden states and k drafts."""
         elem = torch.tensor([], dtype=dtype).element_size()
-        n_gdn, n_attn = len(cfg.gdn_layers), len(cfg.attention_layers) + (1 if mtp else 0)
+        n_gdn, n_attn = len(cfg.gdn_layers), len(cfg.attention_layers) + (1 if speculative_tokens else 0)
         conv = n_gdn * (cfg.linear_conv_kernel_dim - 1) * local.gdn_conv_dim * elem
         ssm = n_gdn * local.gdn_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
         kv = n_attn * 2 * page_size * local.num_kv_heads * cfg.head_dim * elem
-        return cls(conv, ssm, kv, page_size)
+        k = speculative_tokens
+        verify = k * (conv + ssm) + (k + 1) * cfg.hidden_size * elem + k * 8 if k else 0
+        return cls(conv, ssm, kv, page_size, verify)
 
 
 class ModelState:
@@ -60,6 +69,7 @@ class ModelState:
         mtp: bool = False,
         verify_steps: int = 0,
     ) -> None:
+        """mtp: KV for the multi-token-prediction head; verify_steps k: the pools of speculative steps of k drafts."""
         self.num_slots, self.num_pages, self.page_size = num_slots, num_pages, page_size
         self.num_snapshots = num_snapshots
         self.trash_slot, self.trash_page = num_slots + num_snapshots, num_pages
@@ -74,13 +84,18 @@ class ModelState:
         )
         # Speculative decoding: each request slot's GDN state after each of a verify step's first `verify_steps`
         # tokens (the state after its last token is the slot itself), and a trash entry last.
+        # Per request slot, what a speculative step drafts from: the last verify step's final-normed hidden
+        # states (k + 1) and the k tokens drafted for the next one.
         self.verify_steps = verify_steps
-        self.conv_steps = self.ssm_steps = None
+        self.conv_steps = self.ssm_steps = self.verify_hidden = self.drafts = None
         if verify_steps:
             self.conv_steps = torch.zeros((n_gdn, num_slots + 1, verify_steps) + self.conv.shape[2:], dtype=dtype,
                                           device=device)
             self.ssm_steps = torch.zeros((n_gdn, num_slots + 1, verify_steps) + self.ssm.shape[2:],
                                          dtype=torch.float32, device=device)
+            self.verify_hidden = torch.zeros(num_slots + 1, verify_steps + 1, cfg.hidden_size, dtype=dtype,
+                                             device=device)
+            self.drafts = torch.zeros(num_slots + 1, verify_steps, dtype=torch.long, device=device)
         kv_shape = (n_attn, num_pages + 1, page_size, local.num_kv_heads, cfg.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
@@ -133,9 +148,18 @@ class ModelState:
             mask = rolled.view((1, -1) + (1,) * (kept.dim() - 2))
             pool[:, rows] = torch.where(mask, kept, pool[:, rows])
 
+    def move_verify_slot(self, src: int, dst: int) -> None:
+        """A request slot's last verify step (its states, to roll back to before the next one, hidden states and
+        drafts) follows its request into another slot (promotion, compaction)."""
+        if self.verify_steps:
+            self.conv_steps[:, dst].copy_(self.conv_steps[:, src])
+            self.ssm_steps[:, dst].copy_(self.ssm_steps[:, src])
+            self.verify_hidden[dst].copy_(self.verify_hidden[src])
+            self.drafts[dst].copy_(self.drafts[src])
+
     def nbytes(self) -> int:
         pools = [self.conv, self.ssm, self.k_cache, self.v_cache] + (
-            [self.conv_steps, self.ssm_steps] if self.verify_steps else [])
+            [self.conv_steps, self.ssm_steps, self.verify_hidden, self.drafts] if self.verify_steps else [])
         return sum(t.numel() * t.element_size() for t in pools)
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from deltaserve.kernels.config import KernelConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
+MAX_SPECULATIVE_TOKENS = 8
 
 
 @dataclass
@@ -40,6 +42,12 @@ class EngineArgs:
     enable_prefix_caching: bool = True  # share cached prompt prefixes (KV pages and recurrent-state snapshots)
     prefix_cache_state_gib: float | None = None  # per rank, for the snapshots; None: a tenth of what the weights leave
     async_scheduling: bool = True  # launch each step before the last one's tokens are back (overlap)
+    # Speculative decoding with the checkpoint's MTP head: k tokens drafted and verified a step (0: off). For now
+    # its steps run without overlap scheduling and without CUDA graphs.
+    speculative_tokens: int = 0
+    # Tests and benchmarks: drafts proposed on the host, (prompt ids, output ids so far, k) -> k token ids, in place
+    # of the head's (which still runs). None: the head's.
+    speculative_drafter: Callable[[list[int], list[int], int], list[int]] | None = None
     warmup: bool | None = None  # serve warm-up requests before "engine ready" (None: on cuda, to compile kernels)
     stats_interval_s: float = 10.0  # a throughput and usage log line this often while busy (0: never)
 
@@ -77,5 +85,9 @@ class EngineArgs:
         if isinstance(self.prefill_graph_tokens, bool) or not isinstance(self.prefill_graph_tokens, int) or \
                 self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be an integer >= 0, got {self.prefill_graph_tokens!r}")
+        if isinstance(self.speculative_tokens, bool) or not isinstance(self.speculative_tokens, int) or \
+                not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got "
+                             f"{self.speculative_tokens!r}")
         if self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be positive")

@@ -11,6 +11,7 @@ engine ends the process with status 1, so a supervisor restarts it.
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 import logging
 import os
@@ -20,7 +21,7 @@ import sys
 
 from deltaserve import __version__
 
-from .args import EngineArgs
+from .args import MAX_SPECULATIVE_TOKENS, EngineArgs
 
 log = logging.getLogger("deltaserve")
 
@@ -128,6 +129,11 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--prefill-graph-tokens", type=_int_in(0), metavar="N", default=defaults.prefill_graph_tokens,
                         help="one-chunk prefills of up to N tokens replay CUDA graphs captured at 16, 32, ... N "
                              "tokens (0: none; not yet measured on a GPU, so off by default)")
+    parser.add_argument("--speculative-tokens", type=_int_in(0, MAX_SPECULATIVE_TOKENS), metavar="K", default=None,
+                        help="speculative decoding: K tokens drafted a step by the checkpoint's MTP head and verified "
+                             "in one forward (default 0: off)")
+    parser.add_argument("--speculative-config", type=_speculative_config, metavar="JSON", default=None,
+                        help='vLLM\'s form of --speculative-tokens: \'{"method": "mtp", "num_speculative_tokens": K}\'')
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                         help="skip the start-up warm-up requests that compile every kernel (cuda) before serving")
     parser.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=defaults.seed,
@@ -182,6 +188,36 @@ def checkpoint_folder(ns: argparse.Namespace) -> str | None:
     return model
 
 
+def _speculative_config(text: str) -> int:
+    """vLLM's --speculative-config, of which only the MTP method is served: its number of tokens."""
+    try:
+        config = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a JSON object") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"field {unknown[0]!r} is not supported (only method and "
+                                         "num_speculative_tokens)")
+    if config.get("method", "mtp") != "mtp":
+        raise argparse.ArgumentTypeError(f"method {config['method']!r} is not supported (only 'mtp', the "
+                                         "checkpoint's own head)")
+    k = config.get("num_speculative_tokens")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise argparse.ArgumentTypeError(f"num_speculative_tokens must be an integer in [1, "
+                                         f"{MAX_SPECULATIVE_TOKENS}], got {k!r}")
+    return k
+
+
+def speculative_tokens(ns: argparse.Namespace) -> int:
+    if ns.speculative_tokens is not None and ns.speculative_config is not None \
+            and ns.speculative_tokens != ns.speculative_config:
+        raise StartupError(f"--speculative-tokens {ns.speculative_tokens} and --speculative-config's "
+                           f"num_speculative_tokens {ns.speculative_config} disagree")
+    return ns.speculative_config or ns.speculative_tokens or 0
+
+
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=checkpoint_folder(ns), device=ns.device, tp=ns.tp, dtype=None if ns.dtype == "auto" else ns.dtype,
@@ -192,6 +228,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         max_waiting=ns.max_waiting, memory_fraction=ns.memory_fraction, load_format=ns.load_format,
         stats_interval_s=ns.stats_interval, warmup=ns.warmup, async_scheduling=ns.async_scheduling,
         enable_prefix_caching=ns.enable_prefix_caching, prefix_cache_state_gib=ns.prefix_cache_state_gib,
+        speculative_tokens=speculative_tokens(ns),
     )
 
 

@@ -128,6 +128,7 @@ class _Request:
     text: str = ""
     finished: bool = False
     cached_tokens: int = 0  # prompt tokens a cached prefix spared the prefill
+    verify_accepted: int = 0  # speculative decoding: tokens its last step kept (0 before its first decode step)
     arrival: float = field(default_factory=time.perf_counter)
     last_token_time: float | None = None
 
@@ -177,11 +178,18 @@ class AsyncEngine:
         self.max_model_len = args.max_model_len or min(self.cfg.max_position_embeddings, 32768)
         self.model_name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         buckets = sorted(args.buckets) if args.buckets else default_buckets(args.max_batch)
+        self.speculative = args.speculative_tokens
+        if self.speculative:
+            if self.cfg.mtp_num_hidden_layers < 1:
+                raise ValueError("speculative_tokens needs the checkpoint's MTP head; its config has "
+                                 "mtp_num_hidden_layers 0")
+            log.info("speculative decoding: %d tokens drafted a step by the MTP head; its steps run eagerly and "
+                     "without overlap scheduling", self.speculative)
         spec = ReplicaSpec(
             checkpoint=args.model, cfg=self.cfg, device=args.device, tp=args.tp, dtype=args.dtype,
             max_batch=args.max_batch, max_model_len=self.max_model_len, prefill_slots=args.prefill_slots,
             prefill_token_budget=args.prefill_token_budget, buckets=buckets, cuda_graph=args.cuda_graph,
-            prefill_graph_tokens=args.prefill_graph_tokens,
+            prefill_graph_tokens=args.prefill_graph_tokens, speculative_tokens=args.speculative_tokens,
             memory_fraction=args.memory_fraction, cpu_memory_bytes=args.cpu_memory_bytes,
             step_timeout_s=args.step_timeout_s, capture_timeout_s=args.capture_timeout_s, use_nccl=args.use_nccl,
             random_weights=args.load_format == "random", seed=args.seed, kernel_config=args.kernel_config,
@@ -201,6 +209,7 @@ class AsyncEngine:
             max_model_len=self.max_model_len, buckets=self.replica.buckets,
             step_budget=self._step_budget(),
             prefix_cache=PrefixCache(plan.num_pages, plan.page_size, plan.snapshots, args.enable_prefix_caching),
+            lookahead=self.speculative,
         )
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="deltaserve-step-loop")
         if args.warmup if args.warmup is not None else args.device == "cuda":
@@ -415,7 +424,8 @@ class AsyncEngine:
         applying a step, a cancellation) poisons the replica and ends every live request with an error: no
         request is left waiting on a loop that is gone."""
         try:
-            await (self._run_steps_overlapped() if self.args.async_scheduling else self._run_steps())
+            overlap = self.args.async_scheduling and not self.speculative
+            await (self._run_steps_overlapped() if overlap else self._run_steps())
         except ReplicaPoisoned as exc:
             self._poison(str(exc))
         except asyncio.CancelledError:  # the ranks may be anywhere in a step
@@ -457,7 +467,7 @@ class AsyncEngine:
                 self._emit(outputs)  # the tokens drawn before the failure still reach their streams
                 raise
             self._observe_step(plan, time.perf_counter() - started)
-            self._count(plan)
+            self._count(plan, result)
             outputs = self._apply(plan, result)
         self._emit(outputs)  # closing: the last step's outputs come before `close` ends the requests
 
@@ -520,24 +530,41 @@ class AsyncEngine:
             cmd.decode_tokens.append(req.output_ids[-1] if len(req.output_ids) == n else UNKNOWN_TOKEN)
             cmd.decode_positions.append(len(req.prompt_ids) + n - 1)
             cmd.decode_token_index.append(n)
+        if self.speculative and plan.decode_ids:
+            promoted = {p.request_id for p in plan.promotions}
+            cmd.verify_accepted = [0 if rid in promoted else reqs[rid].verify_accepted for rid in plan.decode_ids]
+            drafter = self.args.speculative_drafter
+            if drafter is not None:
+                cmd.draft_tokens = [list(drafter(reqs[rid].prompt_ids, list(reqs[rid].output_ids), self.speculative))
+                                    for rid in plan.decode_ids]
         for w in plan.prefill:
             req = reqs[w.request_id]
+            end = w.start + w.length
             cmd.prefill.append(PrefillCommand(
-                req.prompt_ids[w.start : w.start + w.length], w.start, w.slot, w.pages, w.last,
+                req.prompt_ids[w.start : end], w.start, w.slot, w.pages, w.last,
                 sampling=req.sampling if w.first else None,
                 prefix_ids=req.prompt_ids[: w.start] if w.first and req.sampling.needs_counts else [],
+                next_token=req.prompt_ids[end] if end < len(req.prompt_ids) else 0,
             ))
             if w.first:
                 req.cached_tokens = w.start
                 self.metrics.count_prefix(len(req.prompt_ids), w.start)
         return cmd
 
-    def _count(self, plan) -> None:
-        """The scheduler's bookkeeping of a step: what the next plan depends on, none of it the tokens."""
+    def _count(self, plan, result: StepResult | None = None) -> None:
+        """The scheduler's bookkeeping of a step: what the next plan depends on. Without speculation none of it
+        is the tokens (overlap scheduling counts before they are back); a speculative step's `result` says how
+        many tokens each row kept."""
+        counts = [1 + len(more) for more in result.decode_more] if result and result.decode_more else None
         self.scheduler.on_prefill_done(plan.prefill)
-        self.scheduler.on_decode_done(plan.decode_ids)
+        self.scheduler.on_decode_done(plan.decode_ids, counts)
         self.metrics.count_tokens(sum(w.length for w in plan.prefill),
-                                  len(plan.decode_ids) + sum(1 for w in plan.prefill if w.last))
+                                  sum(counts or [1] * len(plan.decode_ids)) + sum(1 for w in plan.prefill if w.last))
+        if counts:
+            self.metrics.spec_drafts.inc(self.speculative * len(counts))
+            self.metrics.spec_accepted.inc(sum(counts) - len(counts))
+            for position in range(max(counts) - 1):
+                self.metrics.spec_accepted_at.labels(str(position)).inc(sum(1 for c in counts if c > position + 1))
 
     def _apply(self, plan, result: StepResult) -> list:
         """Each token appended, and every request that ends here finished (stop token, stop string, length).
@@ -548,9 +575,16 @@ class AsyncEngine:
         for w, sampled in zip(plan.prefill, result.prefill):
             if sampled is not None and w.request_id in self.requests:
                 self._on_token(self.requests[w.request_id], sampled, now, later)
-        for rid, sampled in zip(plan.decode_ids, result.decode):
-            if rid in self.requests:
-                self._on_token(self.requests[rid], sampled, now, later)
+        more = result.decode_more or [[]] * len(result.decode)
+        for rid, sampled, extra in zip(plan.decode_ids, result.decode, more):
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            req.verify_accepted = 1 + len(extra)
+            for token in [sampled, *extra]:  # in order, until one ends the request
+                if req.finished:
+                    break
+                self._on_token(req, token, now, later)
         return later
 
     def _on_token(self, req: _Request, sampled, now: float, later: list) -> None:

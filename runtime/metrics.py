@@ -30,6 +30,13 @@ class EngineMetrics:
                                    registry=r)
         self.snapshot_usage = Gauge("deltaserve_prefix_cache_snapshots_usage_ratio",
                                     "Fraction of the prefix cache's state snapshots in use", registry=r)
+        self.spec_drafts = Counter("deltaserve_spec_decode_num_draft_tokens", "Tokens drafted by speculation",
+                                   registry=r)
+        self.spec_accepted = Counter("deltaserve_spec_decode_num_accepted_tokens", "Drafted tokens accepted",
+                                     registry=r)
+        self.spec_accepted_at = Counter("deltaserve_spec_decode_num_accepted_tokens_per_pos",
+                                        "Drafted tokens accepted, by draft position (0: the first)", ["position"],
+                                        registry=r)
         self.step_seconds = Histogram("deltaserve_step_seconds", "Device step time", registry=r,
                                       buckets=_LATENCY_BUCKETS)
         self.healthy = Gauge("deltaserve_healthy", "1 while the engine serves, 0 once poisoned", registry=r)

@@ -132,7 +132,9 @@ class Scheduler:
         buckets: list[int] | None = None,
         step_budget: StepBudget | None = None,
         prefix_cache: PrefixCache | None = None,
+        lookahead: int = 0,
     ) -> None:
+        """lookahead: KV positions a request writes past its last token (a speculative step's k drafts)."""
         if min(num_pages, page_size, max_batch, max_prefill_slots, prefill_token_budget, max_model_len) < 1:
             raise ValueError("scheduler sizes must all be positive")
         self.page_size, self.max_batch, self.max_model_len = page_size, max_batch, max_model_len
@@ -140,6 +142,7 @@ class Scheduler:
         # The prompt tokens of a step beside decode rows; without one, every step carries up to the most.
         self.step_budget = step_budget
         self.num_pages = num_pages
+        self.lookahead = lookahead
         self.cache = prefix_cache or PrefixCache(num_pages, page_size, 0, enabled=False)
         if self.cache.pages.num_pages != num_pages or self.cache.page_size != page_size:
             raise ValueError("the prefix cache's pages are not the scheduler's")
@@ -199,9 +202,9 @@ class Scheduler:
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the context "
                 f"length {self.max_model_len}"
             )
-        if self.pages_for(total) > self.num_pages:
+        if self.pages_for(total + self.lookahead) > self.num_pages:
             raise CapacityError(
-                f"prompt + max_tokens = {total} tokens needs {self.pages_for(total)} KV pages; "
+                f"prompt + max_tokens = {total} tokens needs {self.pages_for(total + self.lookahead)} KV pages; "
                 f"this engine has {self.num_pages}"
             )
         if prompt_ids is not None and len(prompt_ids) != prompt_len:
@@ -243,10 +246,11 @@ class Scheduler:
                     self.prefilling.remove(w.request_id)
                     self.ready_for_decode.append(w.request_id)
 
-    def on_decode_done(self, decode_ids: list[str]) -> None:
-        for rid in decode_ids:
+    def on_decode_done(self, decode_ids: list[str], counts: list[int] | None = None) -> None:
+        """Each decode row drew one token, or `counts[i]` (a speculative step's kept drafts and the token after)."""
+        for i, rid in enumerate(decode_ids):
             req = self.requests[rid]
-            req.generated += 1
+            req.generated += counts[i] if counts else 1
             self._finish_at_max_tokens(req)
 
     def _finish_at_max_tokens(self, req: SchedRequest) -> None:
@@ -304,7 +308,7 @@ class Scheduler:
             if match is not None and self._waits_for_a_shared_prefix(req, match.position):
                 return
             shared = match.pages if match else []
-            need = self.pages_for(req.lifetime_tokens) - len(shared)
+            need = self.pages_for(req.lifetime_tokens + self.lookahead) - len(shared)
             # Holding a cached page nobody holds takes it out of what the fresh pages may come from.
             if need > self.pages.available - sum(1 for p in shared if self.pages.refs[p] == 0):
                 return

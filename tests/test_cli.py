@@ -82,7 +82,10 @@ def test_start_up_mistakes_end_in_one_line_naming_them(tiny_ckpt, tmp_path, capl
     (["--port", "80000"], "80000 is out of range"), (["--port", "x"], "not a port number"),
     (["--max-model-len", "1"], "out of range"), (["--gpu-memory-utilization", "1.5"], "out of range"),
     (["--tensor-parallel-size", "0"], "out of range"), (["--shutdown-timeout", "nan"], "out of range"),
-    (["--no-such-flag"], "unrecognized arguments"),
+    (["--no-such-flag"], "unrecognized arguments"), (["--speculative-tokens", "9"], "out of range"),
+    (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "only 'mtp'"),
+    (["--speculative-config", '{"num_speculative_tokens": 0}'], "num_speculative_tokens must be"),
+    (["--speculative-config", "[2]"], "JSON object"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(capsys, argv, words):
     with pytest.raises(SystemExit) as exit_:
@@ -122,6 +125,13 @@ def test_help_version_and_vllm_names(capsys):
     assert cli.engine_args(parser.parse_args(["--step-latency-ratio", "3"])).step_latency_ratio == 3.0
     with pytest.raises(SystemExit):
         parser.parse_args(["--step-latency-ratio", "0.5"])
+    assert cli.engine_args(parser.parse_args([])).speculative_tokens == 0  # off by default
+    assert cli.engine_args(parser.parse_args(["--speculative-tokens", "3"])).speculative_tokens == 3
+    vllm_form = parser.parse_args(["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
+    assert cli.engine_args(vllm_form).speculative_tokens == 2
+    with pytest.raises(cli.StartupError, match="disagree"):
+        cli.engine_args(parser.parse_args(["--speculative-tokens", "3", "--speculative-config",
+                                           '{"method": "mtp", "num_speculative_tokens": 2}']))
     old = parser.parse_args(["--tp", "2", "--max-batch", "3", "--no-cuda-graph"])
     assert (old.tp, old.max_batch, old.enforce_eager) == (2, 3, True)
 

@@ -495,3 +495,39 @@ def test_prefix_cache_resumes_as_a_cold_prefill_computes(real_geometry_ckpt):
     # the conversation's next turn from the turn's end; its third repeat from the last boundary below its end.
     assert hits[2] == hits[3] == 688 and hits[5] == len(turn) and hits[7] == (len(turn) - 1) // 16 * 16
     assert all(o.num_cached_tokens == 0 for o in cold)
+
+
+def test_speculative_decoding_keeps_the_tokens_of_plain_decoding(real_geometry_ckpt):
+    """At the 4B width on the GPU (the Triton ops, eager): greedy tokens with the head drafting (random weights:
+    drafts mostly rejected) and with drafts of the model's own continuation (all kept but the last step's), in
+    fp32, equal plain decoding's; the verify path's log-probs within 2e-3 of the decode path's."""
+    from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+
+    prompts = [[(7 * i + 13 * j) % 3000 for j in range(40 + 37 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+
+    async def run(k: int, drafter=None):
+        args = EngineArgs(model=real_geometry_ckpt, device="cuda", max_batch=4, max_model_len=1024,
+                          load_format="random", dtype="float32", speculative_tokens=k, speculative_drafter=drafter)
+        async with AsyncEngine(args) as engine:
+            outs = await asyncio.gather(*[_last(engine.generate(p, params)) for p in prompts])
+            accepted = engine.metrics.spec_accepted._value.get()
+            assert engine.resources_free()
+        return outs, accepted
+
+    plain, _ = asyncio.run(run(0))
+    known = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+
+    def drafter(prompt, output, k):
+        full = known[tuple(prompt)] + [0] * k
+        return full[len(output) : len(output) + k]
+
+    for k, draft in ((3, None), (3, drafter), (1, drafter)):
+        spec, accepted = asyncio.run(run(k, draft))
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain], (k, draft)
+        gap = max(abs(a.logprob - b.logprob) for s, p in zip(spec, plain) for a, b in zip(s.logprobs, p.logprobs))
+        logging.getLogger(__name__).info("speculation k=%d (%s drafts): %d accepted, |Δ log-prob| max %.2e", k,
+                                         "own" if draft else "head", accepted, gap)
+        assert gap <= 2e-3
+        if draft:
+            assert accepted >= len(prompts) * (24 - 1 - -(-23 // (k + 1)))

@@ -114,3 +114,134 @@ def test_the_verify_step_and_the_head_on_the_triton_ops_match_the_references(tin
         results.append((runner.model.logits(hidden), runner.model.logits(head), runner.state.ssm[:, 0].clone()))
     for ours, ref in zip(results[1], results[0]):
         assert rel_err(ours, ref) <= 1e-4
+
+
+# The engine ---------------------------------------------------------------------------------------------------------
+
+import asyncio  # noqa: E402
+
+from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams  # noqa: E402
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 23, 40, 17, 64, 9)]
+
+
+async def _serve(ckpt, prompts, params, tp=1, **kw):
+    """Every prompt at once (staggered finishes: slots are promoted and compacted under the others); the outputs
+    and the engine's speculative counters."""
+    args = EngineArgs(model=ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20, tp=tp, **kw)
+    async with AsyncEngine(args) as engine:
+        async def one(i, ids):
+            p = params(i)
+            last = None
+            async for out in engine.generate(ids, p):
+                last = out
+            return last.token_ids, [e.logprob for e in last.logprobs or []], last.finish_reason
+        outs = await asyncio.gather(*[one(i, ids) for i, ids in enumerate(prompts)])
+        m = engine.metrics
+        return outs, (m.spec_drafts._value.get(), m.spec_accepted._value.get())
+
+
+def _greedy(i):
+    return SamplingParams(temperature=0.0, max_tokens=7 + 5 * i, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny_tp_ckpt):
+    return asyncio.run(_serve(tiny_tp_ckpt, _prompts(), _greedy))[0]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_output_is_identical_with_the_head_drafting(tiny_tp_ckpt, plain_greedy, k, tp):
+    """The real head (random weights: its drafts are mostly rejected) at tp 1 and 2: tokens, log-probs and the
+    lengths as without speculation."""
+    outs, (drafted, _) = asyncio.run(_serve(tiny_tp_ckpt, _prompts(), _greedy, tp=tp, speculative_tokens=k))
+    for (ids, lps, reason), (ref_ids, ref_lps, ref_reason) in zip(outs, plain_greedy):
+        assert ids == ref_ids and reason == ref_reason
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
+    assert drafted > 0
+
+
+def _continuation_drafter(plain, prompts, corrupt_at=()):
+    """Drafts the target's own greedy continuation (from a run without speculation), wrong at the chosen output
+    positions: every draft before a corrupted one is accepted."""
+    by_prompt = {tuple(p): ids for p, (ids, _, _) in zip(prompts, plain)}
+
+    def drafter(prompt, output, k):
+        full = by_prompt[tuple(prompt)] + [0] * (k + 1)
+        n = len(output)
+        return [(full[n + j] + 1) % 300 if n + j in corrupt_at else full[n + j] for j in range(k)]
+    return drafter
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("corrupt_at", [(), (3, 4, 9, 20, 21, 22)])
+def test_controlled_drafts_are_accepted_exactly_where_they_are_right(tiny_tp_ckpt, plain_greedy, k, corrupt_at):
+    prompts = _prompts()
+    drafter = _continuation_drafter(plain_greedy, prompts, set(corrupt_at))
+    outs, (drafted, accepted) = asyncio.run(_serve(tiny_tp_ckpt, prompts, _greedy, speculative_tokens=k,
+                                                   speculative_drafter=drafter))
+    assert [o[0] for o in outs] == [o[0] for o in plain_greedy]
+    for (_, lps, _), (_, ref_lps, _) in zip(outs, plain_greedy):
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
+    if not corrupt_at:  # every step keeps all k drafts (the last one's past the known continuation aside)
+        steps = [-(-(len(o[0]) - 1) // (k + 1)) for o in plain_greedy]  # the first token comes from the prefill
+        assert drafted == k * sum(steps)
+        assert accepted >= sum(len(o[0]) - 1 - n for o, n in zip(plain_greedy, steps))
+    else:
+        assert 0 < accepted < drafted
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_speculation(tiny_tp_ckpt):
+    """A seeded row's token i is drawn from the same distribution with the same key (seed, i) whether it is a
+    verify row or a plain decode row; drafts that equal the draw are kept. With penalties a row keeps no drafts."""
+    prompts = _prompts()
+
+    def sampled(i):
+        extra = dict(presence_penalty=0.5) if i == 2 else {}
+        return SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=12, ignore_eos=True, **extra)
+
+    plain, _ = asyncio.run(_serve(tiny_tp_ckpt, prompts, sampled))
+    drafter = _continuation_drafter(plain, prompts)
+    spec, (drafted, accepted) = asyncio.run(_serve(tiny_tp_ckpt, prompts, sampled, speculative_tokens=3,
+                                                   speculative_drafter=drafter))
+    assert [o[0] for o in spec] == [o[0] for o in plain]
+    assert accepted > 0
+
+
+def test_max_tokens_and_stop_ids_hold_on_the_kept_drafts(tiny_tp_ckpt, plain_greedy):
+    """A step keeping several tokens stops exactly at max_tokens and at a stop id inside them."""
+    prompts = _prompts()
+    stop = plain_greedy[1][0][5]  # the sixth greedy token of prompt 1
+
+    def params(i):
+        if i == 1:
+            return SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop], ignore_eos=True, logprobs=1)
+        return SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True, logprobs=1)
+
+    drafter = _continuation_drafter(plain_greedy, prompts)
+    outs, _ = asyncio.run(_serve(tiny_tp_ckpt, prompts, params, speculative_tokens=4, speculative_drafter=drafter))
+    for i, (ids, _, reason) in enumerate(outs):
+        ref = plain_greedy[i][0]
+        if i == 1:
+            cut = ref.index(stop)
+            assert ids == ref[:cut] and reason == "stop"
+        else:
+            assert ids == ref[: 4 + i] and reason == "length"
+
+
+def test_speculation_needs_the_head(tmp_path):
+    from deltaserve.model.synthetic import write_checkpoint
+
+    ckpt = write_checkpoint(str(tmp_path / "no-mtp"), "tiny", mtp=False)
+
+    async def start():
+        async with AsyncEngine(EngineArgs(model=ckpt, speculative_tokens=2, cpu_memory_bytes=64 << 20)):
+            pass
+    with pytest.raises(Exception, match="MTP head"):
+        asyncio.run(start())
+    with pytest.raises(ValueError, match="speculative_tokens"):
+        EngineArgs(speculative_tokens=9)
