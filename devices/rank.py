@@ -79,6 +79,45 @@ class DecodeInputs:
         ids.copy_(torch.where(ids == UNKNOWN_TOKEN, last_tokens[:bucket], ids))
 
 
+class SpeculationInputs:
+    """Fixed-address inputs of a speculative step beside `DecodeInputs`' (tokens, positions, slots, page table):
+    per row, the tokens its last verify step kept (`accepted`, 1 for a row promoted this step, which drafts from
+    its prompt's last position), how many of them its state keeps (`keep`: k + 1 for a promoted row, nothing to roll
+    back), and host drafts that replace the head's (`override` where `use_override`)."""
+
+    def __init__(self, rows: int, k: int, device) -> None:
+        self.rows, self.k = rows, k
+        self.accepted = torch.ones(rows, dtype=torch.long, device=device)
+        self.keep = torch.full((rows,), k + 1, dtype=torch.long, device=device)
+        self.override = torch.zeros(rows, k, dtype=torch.long, device=device)
+        self.use_override = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.steps = torch.arange(k + 1, device=device)
+        self.cu_seqlens = (torch.arange(rows + 1, device=device) * (k + 1)).to(torch.int32)
+
+    def fill_inert(self) -> None:
+        self.accepted.fill_(1)
+        self.keep.fill_(self.k + 1)
+        self.use_override.fill_(False)
+
+    def fill(self, cmd: StepCommand, T: int) -> None:
+        n, bucket = len(cmd.decode_tokens), cmd.bucket
+        host = torch.ones(3 + self.k, bucket, dtype=torch.long)
+        host[1] = T
+        host[2] = 0
+        host[0, :n] = torch.tensor([a or 1 for a in cmd.verify_accepted])
+        host[1, :n] = torch.tensor([a or T for a in cmd.verify_accepted])
+        if cmd.draft_tokens is not None:
+            host[2, :n] = 1
+            host[3:, :n] = torch.tensor(cmd.draft_tokens, dtype=torch.long).view(n, self.k).t()
+        if self.accepted.is_cuda:
+            host = host.pin_memory()
+        dev = host.to(self.accepted.device, non_blocking=True)
+        self.accepted[:bucket].copy_(dev[0])
+        self.keep[:bucket].copy_(dev[1])
+        self.use_override[:bucket].copy_(dev[2].bool())
+        self.override[:bucket].copy_(dev[3:].t())
+
+
 class RankRuntime:
     def __init__(
         self,
@@ -109,6 +148,7 @@ class RankRuntime:
         # rank 0's whole vector before a step that needs it.
         self.last_tokens = self.sampling.last_tokens if self.sampling else \
             torch.zeros(state.num_slots + 1, dtype=torch.long, device=device)
+        self.speculation = SpeculationInputs(max_batch, state.verify_steps, device) if state.verify_steps else None
 
     def prefill_programs(self, buckets: list[int]) -> dict[int, GraphProgram]:
         """For each bucket of tokens, a one-chunk prefill over the fixed inputs and the state, padded to the
@@ -127,9 +167,13 @@ class RankRuntime:
         return next((b for b in self.prefill_graphs.buckets if self.prefill_inputs.fits(chunks[0], b)), 0)
 
     def decode_programs(self, buckets: list[int]) -> dict[int, GraphProgram]:
-        """For each bucket, its decode step over the fixed inputs and the state: what a graph captures. The inputs
-        are set to inert padding first (every row reads and writes only the trash slot and page)."""
+        """For each bucket, its decode step over the fixed inputs and the state: what a graph captures (with
+        speculation, `speculative_program`). The inputs are set to inert padding first (every row reads and writes
+        only the trash slot and page)."""
         self.inputs.fill([], [], max(buckets))
+        if self.speculation:
+            self.speculation.fill_inert()
+            return {b: self.speculative_program(b) for b in buckets}
         model, state = self.model, self.state
         return {b: (lambda batch=self.inputs.batch(b): model.decode(state, batch)) for b in buckets}
 
@@ -206,8 +250,11 @@ class RankRuntime:
 
         decode_draw = prefill_draw = speculation = None
         n = len(cmd.decode_tokens)
-        if n and self.state.verify_steps:
-            decode_draw, speculation = self._speculative_decode(cmd)
+        if n and self.speculation:
+            self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
+            decode_draw, speculation = self._speculative_decode(cmd, replay)
+            if replay:
+                on_launched()
         elif n:
             self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
             if self.sampling:
@@ -277,55 +324,80 @@ class RankRuntime:
                 state.verify_hidden[p.slot, 0] = last_hidden[i]
         return model.logits(last_hidden)
 
-    def _speculative_decode(self, cmd: StepCommand) -> tuple:
-        """One speculative step for every decode row: roll the GDN state back to the tokens the last step kept,
-        draft k tokens with the MTP head (from the hidden state before the row's input token), and verify the
-        input token and the drafts in one forward (k + 1 tokens a row). Rank 0 draws every row's first token as a
-        plain decode step would, and the drafts' positions for the rows without penalties (whose counts would
+    def speculative_program(self, bucket: int) -> GraphProgram:
+        """A speculative decode step over the fixed inputs of `bucket` rows (what a graph captures; eagerly, what
+        runs): roll each row's GDN state back to the tokens its last step kept, draft k tokens with the MTP head
+        from the hidden state before the row's input token, and verify the input token and the drafts in one
+        forward (k + 1 tokens a row). Returns the logits of every row's first position [bucket, V], of the k after
+        it [bucket, k, V], and the drafts [bucket, k]."""
+        model, state, spec = self.model, self.state, self.speculation
+        k, ps = state.verify_steps, state.page_size
+        T = k + 1
+        inputs = self.inputs
+
+        def program():
+            tokens, positions = inputs.input_ids[:bucket], inputs.positions[:bucket]
+            slots, table = inputs.slots[:bucket], inputs.page_table[:bucket]
+            accepted, keep = spec.accepted[:bucket], spec.keep[:bucket]
+            rows = state.verify_rows(slots)
+            steps = spec.steps
+
+            def verify_batch(starts: torch.Tensor) -> VerifyBatch:
+                where = starts[:, None] + steps  # [bucket, T]
+                pages = table.long().gather(1, where // ps)
+                return VerifyBatch(input_ids=tokens, positions=where.flatten(), slots=slots,
+                                   cu_seqlens=spec.cu_seqlens[: bucket + 1], context_lens=starts, page_table=table,
+                                   slot_mapping=(pages * ps + where % ps).flatten(), tokens_per_row=T)
+
+            state.commit_verified(slots, keep)
+            # The head over the last verify step's positions, each with the token after it (the kept drafts, then
+            # the row's input token): the output before the input token drafts the token after it.
+            before = accepted - 1
+            following = torch.cat([state.drafts[rows], tokens[:, None]], dim=1).scatter(
+                1, before[:, None], tokens[:, None])
+            h = model.mtp(following.flatten(), state.verify_hidden[rows].flatten(0, 1), state,
+                          verify_batch((positions - accepted).clamp(min=0)))
+            h = h.view(bucket, T, -1).gather(1, before.view(-1, 1, 1).expand(-1, 1, h.shape[-1])).squeeze(1)
+            drafts = [model.logits(h).argmax(-1)]
+            for j in range(1, k):  # the head's chain: its own output and its last draft
+                at = positions + (j - 1)
+                mapping = table.long().gather(1, (at // ps)[:, None]).squeeze(1) * ps + at % ps
+                h = model.mtp(drafts[-1], h, state, DecodeBatch(tokens, at, slots, table, at + 1, mapping))
+                drafts.append(model.logits(h).argmax(-1))
+            drafted = torch.stack(drafts, dim=1)
+            drafted = torch.where(spec.use_override[:bucket, None], spec.override[:bucket], drafted)
+            batch = verify_batch(positions)
+            batch.input_ids = torch.cat([tokens[:, None], drafted], dim=1).flatten()
+            hidden = model.verify_hidden(state, batch).view(bucket, T, -1)
+            state.verify_hidden[rows] = hidden
+            state.drafts[rows] = drafted
+            return model.logits(hidden[:, 0]), model.logits(hidden[:, 1:].flatten(0, 1)).view(bucket, k, -1), drafted
+
+        return program
+
+    def _speculative_decode(self, cmd: StepCommand, replay: bool) -> tuple:
+        """Run the speculative step (a graph's replay, or its program); rank 0 draws every row's first token as a
+        plain decode step would, and the k positions after it for the rows without penalties (whose counts would
         see the drafts); `finish` keeps the drafts up to the first that differs from the token drawn before it."""
-        model, state, k, dev = self.model, self.state, self.state.verify_steps, self.device
-        n, T, ps, trash = len(cmd.decode_tokens), self.state.verify_steps + 1, state.page_size, state.trash_page
-        slots, rows = list(range(n)), torch.arange(n, device=dev)
-        pages = [self.inputs.table_host[i].tolist() for i in slots]
-        positions = cmd.decode_positions
-        accepted = [a or 1 for a in cmd.verify_accepted]  # a promoted row drafts from its prompt's last position
-        tokens = torch.tensor(cmd.decode_tokens, device=dev)
-        state.commit_verified(rows, torch.tensor([a or T for a in cmd.verify_accepted], device=dev))
-        # The head over the last verify step's positions, each with the token after it (the kept drafts, then the
-        # row's input token): the output before the input token drafts the token after it.
-        before = torch.tensor([a - 1 for a in accepted], device=dev)
-        following = torch.cat([state.drafts[:n], tokens[:, None]], dim=1).scatter(1, before[:, None], tokens[:, None])
-        batch = VerifyBatch.build([[0] * T] * n, [p - a for p, a in zip(positions, accepted)], slots, pages, ps,
-                                  trash, dev)
-        h = model.mtp(following.flatten(), state.verify_hidden[:n].flatten(0, 1), state, batch).view(n, T, -1)
-        h = h[rows, before]
-        drafts = [model.logits(h).argmax(-1)]
-        for j in range(1, k):  # the head's chain: its own output and its last draft
-            batch = DecodeBatch.build([0] * n, [p + j - 1 for p in positions], slots, pages, ps, trash, dev)
-            h = model.mtp(drafts[-1], h, state, batch)
-            drafts.append(model.logits(h).argmax(-1))
-        drafted = torch.stack(drafts, dim=1)
-        if cmd.draft_tokens is not None:
-            drafted = torch.tensor(cmd.draft_tokens, device=dev).view(n, k)
-        batch = VerifyBatch.build([[0] * T] * n, positions, slots, pages, ps, trash, dev)
-        batch.input_ids.copy_(torch.cat([tokens[:, None], drafted], dim=1).flatten())
-        hidden = model.verify_hidden(state, batch).view(n, T, -1)
-        state.verify_hidden[:n] = hidden
-        state.drafts[:n] = drafted
+        n = len(cmd.decode_tokens)
+        self.speculation.fill(cmd, self.state.verify_steps + 1)
+        outputs = self.graphs(cmd.bucket) if replay else self.speculative_program(cmd.bucket)()
         if not self.sampling:
             return None, None
+        first_logits, extra_logits, drafted = outputs
         self.sampling.settle()
-        first = self.sampling.draw(model.logits(hidden[:, 0]),
-                                   self.sampling.prepare(slots, cmd.decode_token_index, cmd.step_seed))
+        slots = list(range(n))
+        first = self.sampling.draw(first_logits[:n], self.sampling.prepare(slots, cmd.decode_token_index,
+                                                                         cmd.step_seed))
         free = [i for i in slots if not self.sampling.settings[i].needs_counts]
-        extra = None
+        k, extra = self.state.verify_steps, None
         if free:
             extra = self.sampling.draw(
-                model.logits(hidden[free, 1:].flatten(0, 1)),
+                extra_logits[free].flatten(0, 1),
                 self.sampling.prepare([i for i in free for _ in range(k)],
-                                      [cmd.decode_token_index[i] + j for i in free for j in range(1, T)],
+                                      [cmd.decode_token_index[i] + j for i in free for j in range(1, k + 1)],
                                       cmd.step_seed))
-        return first, (extra, free, drafted)
+        return first, (extra, free, drafted[:n].clone())
 
     def _accept(self, first: list[SampledToken], speculation) -> list[list[SampledToken]]:
         """Each row's drafts kept: draft j while it equals the token drawn at the position before it, and with

@@ -61,7 +61,7 @@ class ReplicaSpec:
     snapshot_bytes: int | None = 0
     # With graphs: one-chunk prefills of up to this many tokens replay a graph captured per bucket (0: none).
     prefill_graph_tokens: int = 0
-    # Speculative decoding with the checkpoint's MTP head: k drafts a decode row (0: off). Its steps run eagerly.
+    # Speculative decoding with the checkpoint's MTP head: k drafts a decode row (0: off).
     speculative_tokens: int = 0
 
 
@@ -137,7 +137,8 @@ class Replica:
             prefill_scratch_bytes=prefill_activation_bytes(spec.cfg, self.local, self.dtype, spec.prefill_token_budget)
             if spec.device == "cuda" else 0,
             buckets=spec.buckets,
-            graph_reserve=lambda b: decode_activation_bytes(spec.cfg, self.local, self.dtype, b) + (
+            graph_reserve=lambda b: decode_activation_bytes(spec.cfg, self.local, self.dtype,
+                                                            b * (spec.speculative_tokens + 1)) + (
                 prefill_activation_bytes(spec.cfg, self.local, self.dtype, max(self.prefill_buckets))
                 if self.prefill_buckets else 0) if self._graphs else 0,
             snapshot_bytes=snapshot_bytes,
@@ -181,8 +182,7 @@ class Replica:
 
     @property
     def _graphs(self) -> bool:
-        """Graphs are captured (speculative steps are not captured yet: with them every step runs eagerly)."""
-        return self.backend.has_graphs and self.spec.cuda_graph and not self.spec.speculative_tokens
+        return self.backend.has_graphs and self.spec.cuda_graph
 
     @property
     def buckets(self) -> list[int]:
@@ -191,7 +191,7 @@ class Replica:
     @property
     def prefill_buckets(self) -> list[int]:
         """Captured one-chunk prefill sizes (none without graphs): at most a step's prompt tokens."""
-        if not self._graphs:
+        if not self._graphs or self.spec.speculative_tokens:  # the head's pass over the prompt is not captured
             return []
         return prefill_graph_buckets(min(self.spec.prefill_graph_tokens, self.spec.prefill_token_budget))
 

@@ -125,6 +125,10 @@ class ModelState:
         self.k_cache[:, dst].copy_(self.k_cache[:, src])
         self.v_cache[:, dst].copy_(self.v_cache[:, src])
 
+    def verify_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Request slots (-1: padding) as rows of the verify pools (hidden states, drafts, step states)."""
+        return self._rows(slots)[1]
+
     def _rows(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Request slots (-1: padding) as rows of the state pools and of the verify-step pools (each its trash)."""
         pad = slots < 0

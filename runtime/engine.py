@@ -183,8 +183,8 @@ class AsyncEngine:
             if self.cfg.mtp_num_hidden_layers < 1:
                 raise ValueError("speculative_tokens needs the checkpoint's MTP head; its config has "
                                  "mtp_num_hidden_layers 0")
-            log.info("speculative decoding: %d tokens drafted a step by the MTP head; its steps run eagerly and "
-                     "without overlap scheduling", self.speculative)
+            log.info("speculative decoding: %d tokens drafted a step by the MTP head, without overlap scheduling "
+                     "and without prefill graphs", self.speculative)
         spec = ReplicaSpec(
             checkpoint=args.model, cfg=self.cfg, device=args.device, tp=args.tp, dtype=args.dtype,
             max_batch=args.max_batch, max_model_len=self.max_model_len, prefill_slots=args.prefill_slots,

@@ -498,7 +498,7 @@ def test_prefix_cache_resumes_as_a_cold_prefill_computes(real_geometry_ckpt):
 
 
 def test_speculative_decoding_keeps_the_tokens_of_plain_decoding(real_geometry_ckpt):
-    """At the 4B width on the GPU (the Triton ops, eager): greedy tokens with the head drafting (random weights:
+    """At the 4B width on the GPU (the Triton ops, the steps in captured graphs): greedy tokens with the head drafting (random weights:
     drafts mostly rejected) and with drafts of the model's own continuation (all kept but the last step's), in
     fp32, equal plain decoding's; the verify path's log-probs within 2e-3 of the decode path's."""
     from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
@@ -510,6 +510,8 @@ def test_speculative_decoding_keeps_the_tokens_of_plain_decoding(real_geometry_c
         args = EngineArgs(model=real_geometry_ckpt, device="cuda", max_batch=4, max_model_len=1024,
                           load_format="random", dtype="float32", speculative_tokens=k, speculative_drafter=drafter)
         async with AsyncEngine(args) as engine:
+            graphs = engine.replica.ranks[0].backend.graphs
+            assert graphs.buckets and not graphs.eager  # the speculative steps replay captured graphs
             outs = await asyncio.gather(*[_last(engine.generate(p, params)) for p in prompts])
             accepted = engine.metrics.spec_accepted._value.get()
             assert engine.resources_free()

@@ -245,3 +245,26 @@ def test_speculation_needs_the_head(tmp_path):
         asyncio.run(start())
     with pytest.raises(ValueError, match="speculative_tokens"):
         EngineArgs(speculative_tokens=9)
+
+
+def test_the_speculative_programs_on_inert_inputs_touch_only_the_trash(tiny_ckpt):
+    """What a graph capture runs before recording: every bucket's program over inert inputs leaves every request
+    slot's state, drafts and hidden states and every page as they were."""
+    from deltaserve.devices.rank import RankRuntime
+
+    runner = CpuRunner(tiny_ckpt, mtp=True, verify_steps=3, num_slots=6, num_pages=40)
+    state = runner.state
+    for pool in (state.conv, state.ssm, state.k_cache, state.v_cache, state.verify_hidden, state.drafts,
+                 state.conv_steps, state.ssm_steps):
+        pool.copy_(torch.randint_like(pool, 1, 50) if pool.dtype == torch.long else torch.randn_like(pool))
+    runtime = RankRuntime(runner.model, state, rank=1, max_batch=4, max_pages_per_seq=8, device="cpu")
+    def request_state():
+        return [state.conv[:, :6], state.ssm[:, :6], state.verify_hidden[:6], state.drafts[:6]]
+    before = [t.clone() for t in request_state()]
+    pages = [state.k_cache[:, :40].clone(), state.v_cache[:, :40].clone()]
+    programs = runtime.decode_programs([1, 2, 4])
+    for b, program in programs.items():
+        first, extra, drafted = program()
+        assert first.shape[0] == b and extra.shape[:2] == (b, 3) and drafted.shape == (b, 3)
+    assert all(torch.equal(x, y) for x, y in zip(before, request_state()))
+    assert torch.equal(pages[0], state.k_cache[:, :40]) and torch.equal(pages[1], state.v_cache[:, :40])
