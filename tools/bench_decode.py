@@ -1,6 +1,7 @@
 """Decode step benchmark on a GPU: CUDA-graph replay and eager step per batch size, against the HBM floor.
 
     python -m deltaserve.tools.bench_decode --size 4b [--layers N] [--batches 1,8,32,64] [--context 1024] [--tp 1]
+        [--speculative-tokens K]
 
 Weights are random (generated on the device). The floor of a step is the bytes it must move (every weight
 read once, the lm_head in full, the embedding rows of the batch; GDN conv and recurrent state read and
@@ -58,14 +59,15 @@ def step_bytes(cfg, weights, tp: int, dtype, rows: int, context: int) -> int:
 
 @contextlib.asynccontextmanager
 async def open_engine(size: str, layers: int | None, batches: list[int], context: int, tp: int,
-                      kernel_config: KernelConfig | None = None, async_scheduling: bool = True):
+                      kernel_config: KernelConfig | None = None, async_scheduling: bool = True,
+                      speculative_tokens: int = 0):
     """An engine on random bf16 weights of a `size`-shaped config, with a graph bucket for each batch size."""
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as folder:
         write_checkpoint(folder, size, layers=layers, weights=False)
         args = EngineArgs(model=folder, device="cuda", tp=tp, load_format="random", max_batch=max(batches),
                           max_model_len=context * 2, buckets=sorted(set(batches)), prefill_slots=1,
                           prefill_token_budget=512, kernel_config=kernel_config,
-                          async_scheduling=async_scheduling)
+                          async_scheduling=async_scheduling, speculative_tokens=speculative_tokens)
         async with AsyncEngine(args) as engine:
             yield engine
 
@@ -114,6 +116,34 @@ async def engine_step_time(engine, rows: int, context: int,
     if steps < window_tokens // 2:
         raise RuntimeError(f"batch {rows}: only {steps} steps with every request decoding; raise window_tokens")
     return (end - start) / steps, start, end
+
+
+async def speculative_run(ns) -> str:
+    """`--speculative-tokens K`: the engine column (seconds per decode step through `generate`) of an engine
+    drafting K tokens a step with the MTP head against one without, per batch size. With random weights the head's
+    drafts are all but never accepted, so a speculative step yields one token: the ratio is what verifying K + 1
+    tokens a row (and drafting) costs over a one-token step."""
+    batches = [int(b) for b in ns.batches.split(",")]
+    steps, kept = {}, {}
+    for k in (0, ns.speculative_tokens):
+        async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns),
+                               ns.async_scheduling, speculative_tokens=k) as engine:
+            for rows in batches:
+                m = engine.metrics
+                drafted, accepted = m.spec_drafts._value.get(), m.spec_accepted._value.get()
+                per_token = (await engine_step_time(engine, rows, ns.context))[0]
+                drafted, accepted = m.spec_drafts._value.get() - drafted, m.spec_accepted._value.get() - accepted
+                tokens_per_step = 1 + (accepted * k / drafted if drafted else 0)
+                steps[rows, k], kept[rows, k] = per_token * tokens_per_step, tokens_per_step
+    k = ns.speculative_tokens
+    lines = [f"{ns.size} ({ns.layers or 'all'} layers), tp={ns.tp}, bf16, context {ns.context}, random weights; "
+             f"engine step through generate, greedy", "",
+             f"| batch | step ms, plain | step ms, {k} drafts | speculative / plain | tokens a speculative step |",
+             "|---:|---:|---:|---:|---:|"]
+    for rows in batches:
+        lines.append(f"| {rows} | {steps[rows, 0] * 1e3:.3f} | {steps[rows, k] * 1e3:.3f} | "
+                     f"{steps[rows, k] / steps[rows, 0]:.2f}x | {kept[rows, k]:.2f} |")
+    return "\n".join(lines)
 
 
 def _measure(replica, rank, rows, context):
@@ -194,13 +224,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="append the markdown table to this file")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="the engine column with overlap scheduling (the engine's default) or without")
+    parser.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                        help="instead of the table: the engine step with K tokens drafted by the MTP head against "
+                             "one without")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA device")
         return 2
-    results = asyncio.run(run(ns))
-    text = table(ns, results)
+    text = asyncio.run(speculative_run(ns)) if ns.speculative_tokens else table(ns, asyncio.run(run(ns)))
     stamp = f"{datetime.date.today()} {torch.cuda.get_device_name()} `python -m deltaserve.tools.bench_decode {' '.join(argv or sys.argv[1:])}`"
     print(stamp + "\n\n" + text)
     if ns.out:
