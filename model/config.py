@@ -160,6 +160,8 @@ class ModelConfig:
         else:
             raise ConfigError(f"unsupported model_type {model_type!r}; expected 'qwen3_5' or 'qwen3_5_text'")
 
+        _refuse_quantization(raw, text)
+
         def need(name: str):
             if name not in text:
                 raise ConfigError(f"config field {name!r} is missing")
@@ -217,6 +219,17 @@ class ModelConfig:
             mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
             generation=generation,
         )
+
+
+def _refuse_quantization(raw: dict, text: dict) -> None:
+    """A quantised checkpoint (AWQ, GPTQ, FP8, NVFP4, compressed-tensors, ...) is refused by name: read as plain
+    weights it would serve garbage."""
+    for where, config in (("config", raw), ("text_config", text)):
+        quant = config.get("quantization_config")
+        if quant is not None:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            raise ConfigError(f"{where}.quantization_config (quant_method {method!r}) is not supported: this engine "
+                              "serves unquantised bfloat16/float16/float32 weights")
 
 
 def _as_id_tuple(value, name: str) -> tuple[int, ...]:

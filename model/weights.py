@@ -181,6 +181,9 @@ def iter_rank_tensors(
         if path not in handles:
             handles[path] = safe_open(path, framework="pt")
         view = handles[path].get_slice(stored)
+        if view.get_dtype() not in _FLOAT_DTYPES:
+            raise WeightError(f"tensor {name!r} is stored as {view.get_dtype()}: quantised or integer weights are not "
+                              "supported (bfloat16, float16 or float32 only)")
         shape = tuple(view.get_shape())
         if shape != shapes[name]:
             raise WeightError(f"tensor {name!r} has shape {list(shape)}; the config implies {list(shapes[name])}")
@@ -205,6 +208,7 @@ def iter_rank_tensors(
         handles.clear()
 
 
+_FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "F8_E4M3": 1}
 
 # Small per-head parameters the math consumes in fp32 whatever the model dtype.

@@ -64,6 +64,25 @@ def test_a_checkpoint_without_the_mtp_head_is_refused_for_speculation(tmp_path):
         load_rank_weights(ckpt, cfg, progress=False, mtp=True)
 
 
+@pytest.mark.parametrize("quant", [
+    {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
+    {"quant_method": "awq", "bits": 4}, {"quant_method": "compressed-tensors"}])
+@pytest.mark.parametrize("where", ["top", "text"])
+def test_a_quantised_checkpoint_is_refused_by_name(tiny_ckpt, quant, where):
+    raw = json.load(open(os.path.join(tiny_ckpt, "config.json")))
+    (raw if where == "top" else raw["text_config"])["quantization_config"] = quant
+    with pytest.raises(ConfigError, match=f"quant_method '{quant['quant_method']}'.* not supported"):
+        ModelConfig.from_dict(raw)
+
+
+def test_fp8_tensors_without_a_quantization_config_are_refused(tiny_ckpt, tmp_path):
+    edited = _with_tensor(tiny_ckpt, tmp_path, lambda t: t.update(
+        {"model.language_model.layers.0.mlp.up_proj.weight":
+         t["model.language_model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)}))
+    with pytest.raises(WeightError, match="layers.0.mlp.up_proj.weight' is stored as F8_E4M3"):
+        load_rank_weights(edited, load_model_config(edited), progress=False)
+
+
 def test_config_fields_are_parsed(tiny_ckpt):
     cfg = load_model_config(tiny_ckpt)
     assert cfg.layer_types[3] == "full_attention" and cfg.layer_types[0] == "linear_attention"
