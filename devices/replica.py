@@ -228,8 +228,8 @@ class Replica:
                 tp=spec.tp,
             )
             log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)
-            if r.runtime.sampling:
-                r.runtime.sampling.compile_kernels(plan.max_batch, self.dtype)
+            if r.runtime.sampling:  # a speculative step draws k rows a request after the first
+                r.runtime.sampling.compile_kernels(plan.max_batch * (k + 1), self.dtype)
 
     def _capture(self, rank: int) -> None:
         r = self.ranks[rank]
