@@ -55,6 +55,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     mtp_num_hidden_layers: int = 0  # layers of the multi-token-prediction head (Qwen3.5 ships one)
+    fp8_block: int = 0  # block-scaled FP8 weights: their block (128); 0 for an unquantised checkpoint
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def __post_init__(self) -> None:
@@ -160,7 +161,7 @@ class ModelConfig:
         else:
             raise ConfigError(f"unsupported model_type {model_type!r}; expected 'qwen3_5' or 'qwen3_5_text'")
 
-        _refuse_quantization(raw, text)
+        fp8_block = _fp8_block(raw, text)
 
         def need(name: str):
             if name not in text:
@@ -217,19 +218,37 @@ class ModelConfig:
             tie_word_embeddings=bool(tie),
             hidden_act=text.get("hidden_act", "silu"),
             mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
+            fp8_block=fp8_block,
             generation=generation,
         )
 
 
-def _refuse_quantization(raw: dict, text: dict) -> None:
-    """A quantised checkpoint (AWQ, GPTQ, FP8, NVFP4, compressed-tensors, ...) is refused by name: read as plain
-    weights it would serve garbage."""
-    for where, config in (("config", raw), ("text_config", text)):
-        quant = config.get("quantization_config")
-        if quant is not None:
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-            raise ConfigError(f"{where}.quantization_config (quant_method {method!r}) is not supported: this engine "
-                              "serves unquantised bfloat16/float16/float32 weights")
+FP8_BLOCK = 128  # the block-scaled FP8 format's block, both dimensions
+
+
+def _fp8_block(raw: dict, text: dict) -> int:
+    """The weight block of a block-scaled FP8 checkpoint (Qwen's and vLLM's `fp8` format: e4m3 values, a float32
+    `weight_scale_inv` per 128 x 128 block, dynamic activations), or 0 for an unquantised one. Any other
+    quantisation (AWQ, GPTQ, NVFP4, compressed-tensors, FP8 with other blocks or static activations) is refused by
+    name: read as plain weights it would serve garbage."""
+    found = [(where, c["quantization_config"]) for where, c in (("config", raw), ("text_config", text))
+             if c.get("quantization_config") is not None]
+    if not found:
+        return 0
+    where, quant = found[0]
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+    if method != "fp8":
+        raise ConfigError(f"{where}.quantization_config (quant_method {method!r}) is not supported: this engine "
+                          "serves bfloat16/float16/float32 weights and block-scaled FP8 (quant_method 'fp8')")
+    block = quant.get("weight_block_size")
+    if block != [FP8_BLOCK, FP8_BLOCK]:
+        raise ConfigError(f"{where}.quantization_config.weight_block_size {block!r} is not supported (only "
+                          f"[{FP8_BLOCK}, {FP8_BLOCK}])")
+    for field_, allowed in (("fmt", "e4m3"), ("activation_scheme", "dynamic")):
+        if quant.get(field_, allowed) != allowed:
+            raise ConfigError(f"{where}.quantization_config.{field_} {quant[field_]!r} is not supported (only "
+                              f"{allowed!r})")
+    return FP8_BLOCK
 
 
 def _as_id_tuple(value, name: str) -> tuple[int, ...]:

@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from .config import ModelConfig
-from .weights import MTP_PREFIX, model_shapes, random_tensor
+from .config import FP8_BLOCK
+from .weights import MTP_PREFIX, model_shapes, quantise_fp8, random_tensor
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,10 @@ SIZES: dict[str, dict] = {
     "tiny-tp": dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
                     intermediate_size=128, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
                     linear_value_head_dim=8, tie_word_embeddings=False),
+    # Every projection's tensor-parallel shard whole 128 x 128 blocks at tp = 2 (FP8 checkpoints).
+    "tiny-fp8": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+                     intermediate_size=256, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
+                     linear_value_head_dim=128, tie_word_embeddings=False),
     "0.8b": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
                  intermediate_size=3584, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
                  linear_value_head_dim=128, tie_word_embeddings=True, vocab_size=248320),
@@ -121,6 +126,12 @@ def random_tensors(cfg: dict, seed: int, dtype: torch.dtype, mtp: bool = True):
         yield name, random_tensor(name, shape, mc.num_hidden_layers, gen).to(dtype)
 
 
+# The projections an FP8 checkpoint stores in FP8; the embedding, lm_head, norms, the conv and the small GDN
+# projections (in_proj_a, in_proj_b) stay in the checkpoint's dtype, as in the published ones.
+FP8_PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                   "up_proj.weight", "down_proj.weight", "in_proj_qkv.weight", "in_proj_z.weight", "out_proj.weight")
+
+
 def write_checkpoint(
     out_dir: str,
     size: str = "tiny",
@@ -134,9 +145,10 @@ def write_checkpoint(
     generation: dict | None = None,
     weights: bool = True,
     mtp: bool = True,
+    fp8: bool = False,
 ) -> str:
     """A random checkpoint in `out_dir` (see the module doc); mtp: with the multi-token-prediction head's tensors
-    (`mtp.*`, as Qwen3.5 checkpoints ship them)."""
+    (`mtp.*`, as Qwen3.5 checkpoints ship them); fp8: in Qwen's block-scaled FP8 format (`FP8_PROJECTIONS`)."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     if layout not in ("wrapper", "plain"):
@@ -148,6 +160,11 @@ def write_checkpoint(
     vocab = 64 * math.ceil(tok.get_vocab_size() / 64)
     text = text_config(size, vocab, layers, tied)
     text["eos_token_id"] = ids["<|im_end|>"]
+    if fp8:
+        text["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                       "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+                                       "modules_to_not_convert": ["lm_head", "embed_tokens", "in_proj_a", "in_proj_b",
+                                                                  "conv1d", "mtp.fc"]}
     if layout == "wrapper":
         config = {
             "architectures": ["Qwen3_5ForConditionalGeneration"],
@@ -156,6 +173,8 @@ def write_checkpoint(
             "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 8},
             "tie_word_embeddings": text["tie_word_embeddings"],
         }
+        if fp8:  # the published checkpoints keep it at the top level
+            config["quantization_config"] = text.pop("quantization_config")
         prefix = "model.language_model."
     else:
         config = {"architectures": ["Qwen3_5ForCausalLM"], **text}
@@ -180,7 +199,10 @@ def write_checkpoint(
     tensors = {}
     for name, t in random_tensors(text, seed, torch_dtype, mtp):
         stored = name if name == "lm_head.weight" or name.startswith(MTP_PREFIX) else prefix + name
-        tensors[stored] = t
+        if fp8 and name.endswith(FP8_PROJECTIONS) and not name.startswith(MTP_PREFIX + "fc"):
+            tensors[stored], tensors[stored + "_scale_inv"] = quantise_fp8(t, FP8_BLOCK)
+        else:
+            tensors[stored] = t
     if layout == "wrapper":  # a tower the text runtime must skip
         tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, dtype=torch_dtype)
     _save(tensors, out_dir, sharded)

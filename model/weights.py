@@ -168,7 +168,9 @@ def iter_rank_tensors(
     missing = [n for n in shapes if n not in located]
     if missing:
         raise WeightError(f"checkpoint {checkpoint_dir} is missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-    unknown = sorted(n for n in located if n not in shapes and n != "lm_head.weight" and not n.startswith(MTP_PREFIX))
+    scales = {_scale_name(n) for n in shapes}
+    unknown = sorted(n for n in located if n not in shapes and n not in scales and n != "lm_head.weight"
+                     and not n.startswith(MTP_PREFIX))
     if unknown:
         log.warning("ignoring %d tensors the config does not use, e.g. %s", len(unknown), unknown[0])
     if cfg.tie_word_embeddings and "lm_head.weight" in located:
@@ -176,14 +178,17 @@ def iter_rank_tensors(
 
     handles: dict[str, object] = {}
     sizes = {}
+    fp8: set[str] = set()  # stored as block-scaled FP8: dequantised as read
     for name in shapes:
         path, stored = located[name]
         if path not in handles:
             handles[path] = safe_open(path, framework="pt")
         view = handles[path].get_slice(stored)
-        if view.get_dtype() not in _FLOAT_DTYPES:
+        if view.get_dtype() == "F8_E4M3":
+            fp8.add(name)
+        elif view.get_dtype() not in _FLOAT_DTYPES:
             raise WeightError(f"tensor {name!r} is stored as {view.get_dtype()}: quantised or integer weights are not "
-                              "supported (bfloat16, float16 or float32 only)")
+                              "supported (bfloat16, float16 or float32, or block-scaled FP8)")
         shape = tuple(view.get_shape())
         if shape != shapes[name]:
             raise WeightError(f"tensor {name!r} has shape {list(shape)}; the config implies {list(shapes[name])}")
@@ -192,6 +197,8 @@ def iter_rank_tensors(
         for d in shape:
             numel *= d
         sizes[name] = (numel // shape[plan.dim] * plan.size() if plan else numel) * _DTYPE_BYTES.get(view.get_dtype(), 4)
+        if name in fp8:
+            _check_fp8(name, shape, cfg, located, handles, plan, tp)
 
     bar = tqdm(
         total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"loading weights (rank {rank}/{tp})",
@@ -200,7 +207,12 @@ def iter_rank_tensors(
     try:
         for name in shapes:
             path, stored = located[name]
-            tensor = _read(handles[path], stored, shard_plan(name, cfg, rank, tp))
+            plan = shard_plan(name, cfg, rank, tp)
+            tensor = _read(handles[path], stored, plan)
+            if name in fp8:
+                scale_path, scale_stored = located[_scale_name(name)]
+                scale = _read(handles[scale_path], scale_stored, _scale_plan(plan, cfg.fp8_block))
+                tensor = dequantise_fp8(tensor, scale, cfg.fp8_block)
             bar.update(sizes[name])
             yield name, tensor
     finally:
@@ -209,6 +221,68 @@ def iter_rank_tensors(
 
 
 _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
+# Block-scaled FP8 (quant_method "fp8"): NAME.weight in float8_e4m3fn, NAME.weight_scale_inv in float32 with one
+# entry per block of FP8_BLOCK x FP8_BLOCK; the weight is the FP8 value times its block's entry. For now the
+# weights are dequantised as they are read, to the model dtype: FP8 checkpoints serve correctly, at the bf16 cost.
+
+
+def _scale_name(name: str) -> str:
+    return name[: -len("weight")] + "weight_scale_inv" if name.endswith(".weight") else name + "_scale_inv"
+
+
+def dequantise_fp8(values: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """A block-scaled FP8 weight [N, K] in float32: each block x block tile times its scale entry."""
+    n, k = values.shape
+    full = scale.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return values.float() * full
+
+
+FP8_MAX = 448.0  # the largest float8_e4m3fn value
+
+
+def quantise_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 values, scale per block) of a 2-D weight, each block scaled so its largest magnitude is FP8_MAX."""
+    n, k = weight.shape
+    rows, cols = -(-n // block), -(-k // block)
+    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32)
+    padded[:n, :k] = weight.float()
+    tiles = padded.view(rows, block, cols, block)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    values = (tiles / scale[:, None, :, None]).view(rows * block, cols * block)[:n, :k]
+    return values.to(torch.float8_e4m3fn), scale
+
+
+def _scale_plan(plan, block: int):
+    """A weight shard's plan, in scale entries (the shard's ranges are whole blocks: `_check_fp8`)."""
+    if plan is None:
+        return None
+    return type(plan)(plan.dim, tuple((a // block, -(-b // block)) for a, b in plan.ranges))
+
+
+def _check_fp8(name, shape, cfg: ModelConfig, located, handles, plan, tp: int) -> None:
+    """An FP8 tensor needs the config's FP8 block, a 2-D shape, its scale tensor of the block grid's shape, and a
+    tensor-parallel shard made of whole blocks."""
+    if not cfg.fp8_block:
+        raise WeightError(f"tensor {name!r} is stored as F8_E4M3 but config.json has no FP8 quantization_config")
+    block = cfg.fp8_block
+    if len(shape) != 2:
+        raise WeightError(f"tensor {name!r} is FP8 with shape {list(shape)}; only 2-D weights are read as FP8")
+    scale = _scale_name(name)
+    if scale not in located:
+        raise WeightError(f"tensor {name!r} is FP8 but its scale {scale!r} is missing")
+    path, stored = located[scale]
+    if path not in handles:
+        handles[path] = safe_open(path, framework="pt")
+    grid = tuple(handles[path].get_slice(stored).get_shape())
+    if grid != (-(-shape[0] // block), -(-shape[1] // block)):
+        raise WeightError(f"tensor {scale!r} has shape {list(grid)}; {block} x {block} blocks of {name!r} "
+                          f"{list(shape)} need {[-(-shape[0] // block), -(-shape[1] // block)]}")
+    for a, b in plan.ranges if plan else ():
+        if a % block or (b % block and b != shape[plan.dim]):
+            raise WeightError(f"tp={tp} cuts a {block}-wide FP8 block of tensor {name!r} (a shard spans "
+                              f"[{a}, {b}) of dimension {plan.dim}); choose a tp whose shards are whole blocks")
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "F8_E4M3": 1}
 
 # Small per-head parameters the math consumes in fp32 whatever the model dtype.

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from helpers import CpuRunner, rel_err
+from helpers import CpuRunner, rel_err, top8_logprob_gaps
 from safetensors.torch import load_file, save_file
 
 from deltaserve.model.config import ConfigError, ModelConfig, load_model_config
@@ -64,15 +64,73 @@ def test_a_checkpoint_without_the_mtp_head_is_refused_for_speculation(tmp_path):
         load_rank_weights(ckpt, cfg, progress=False, mtp=True)
 
 
-@pytest.mark.parametrize("quant", [
-    {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
-    {"quant_method": "awq", "bits": 4}, {"quant_method": "compressed-tensors"}])
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+
+
+@pytest.mark.parametrize("quant, words", [
+    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
+    ({"quant_method": "modelopt_fp4"}, "quant_method 'modelopt_fp4'"),
+    ({**FP8, "weight_block_size": [64, 64]}, "weight_block_size \\[64, 64\\]"),
+    ({**FP8, "activation_scheme": "static"}, "activation_scheme 'static'"),
+    ({**FP8, "fmt": "e5m2"}, "fmt 'e5m2'")])
 @pytest.mark.parametrize("where", ["top", "text"])
-def test_a_quantised_checkpoint_is_refused_by_name(tiny_ckpt, quant, where):
+def test_a_quantisation_other_than_block_fp8_is_refused_by_name(tiny_ckpt, quant, words, where):
     raw = json.load(open(os.path.join(tiny_ckpt, "config.json")))
     (raw if where == "top" else raw["text_config"])["quantization_config"] = quant
-    with pytest.raises(ConfigError, match=f"quant_method '{quant['quant_method']}'.* not supported"):
+    with pytest.raises(ConfigError, match=words + ".* not supported"):
         ModelConfig.from_dict(raw)
+    (raw if where == "top" else raw["text_config"])["quantization_config"] = FP8
+    assert ModelConfig.from_dict(raw).fp8_block == 128
+
+
+def _dequantised(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The FP8 format's definition, block by block."""
+    out = q.float().clone()
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            out[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] *= scale[i, j]
+    return out
+
+
+@pytest.mark.parametrize("layout", ["wrapper", "plain"])
+def test_an_fp8_checkpoint_loads_dequantised_and_shards_by_whole_blocks(tmp_path, layout):
+    ckpt = write_checkpoint(str(tmp_path / "fp8"), "tiny-fp8", seed=4, fp8=True, layout=layout)
+    stored = load_file(os.path.join(ckpt, "model.safetensors"))
+    prefix = "model.language_model." if layout == "wrapper" else "model."
+    up = prefix + "layers.0.mlp.up_proj.weight"
+    assert stored[up].dtype == torch.float8_e4m3fn and stored[up + "_scale_inv"].shape == (2, 1)
+    assert stored[prefix + "layers.0.linear_attn.in_proj_a.weight"].dtype == torch.float32  # kept as stored
+    cfg = load_model_config(ckpt)
+    full = load_rank_weights(ckpt, cfg, progress=False, mtp=True)
+    for name in ("layers.0.mlp.up_proj.weight", "layers.0.linear_attn.in_proj_qkv.weight",
+                 "layers.3.self_attn.o_proj.weight", "mtp.layers.0.self_attn.q_proj.weight"):
+        key = name if name.startswith("mtp.") else prefix + name
+        assert torch.equal(full[name], _dequantised(stored[key], stored[key + "_scale_inv"])), name
+    halves = [load_rank_weights(ckpt, cfg, rank=r, tp=2, progress=False) for r in range(2)]
+    for name in ("layers.0.mlp.gate_proj.weight", "layers.3.self_attn.k_proj.weight"):
+        assert torch.equal(torch.cat([h[name] for h in halves]), full[name]), name
+    for name in ("layers.0.mlp.down_proj.weight", "layers.0.linear_attn.out_proj.weight"):
+        assert torch.equal(torch.cat([h[name] for h in halves], dim=1), full[name]), name
+
+
+def test_an_fp8_shard_that_cuts_a_block_is_refused(tmp_path):
+    ckpt = write_checkpoint(str(tmp_path / "fp8"), "tiny-tp", fp8=True)
+    with pytest.raises(WeightError, match="tp=2 cuts a 128-wide FP8 block of tensor"):
+        load_rank_weights(ckpt, load_model_config(ckpt), rank=0, tp=2, progress=False)
+
+
+def test_fp8_decode_and_prefill_in_bf16_pass_the_accuracy_gate(tmp_path):
+    """bf16 activations on the FP8 checkpoint against the same weights dequantised in fp32: top-8 log-probs."""
+    ckpt = write_checkpoint(str(tmp_path / "fp8"), "tiny-fp8", seed=6, fp8=True)
+    ids = list(range(3, 60))
+    ours, ref = CpuRunner(ckpt, dtype=torch.bfloat16), CpuRunner(ckpt)
+    gaps = [top8_logprob_gaps(ours.prefill({0: ids}, all_logits=True), ref.prefill({0: ids}, all_logits=True))]
+    for t, token in enumerate((7, 8, 9, 10)):
+        pos = {0: len(ids) + t}
+        gaps.append(top8_logprob_gaps(ours.decode({0: token}, pos), ref.decode({0: token}, pos)))
+    d = torch.cat(gaps)
+    assert d.mean() <= 0.06 and d.quantile(0.99) <= 0.2, (d.mean(), d.quantile(0.99))
 
 
 def test_fp8_tensors_without_a_quantization_config_are_refused(tiny_ckpt, tmp_path):

@@ -3,9 +3,11 @@
 
     python -m deltaserve.tools.make_checkpoint OUT_DIR [--size tiny|tiny-tp|0.8b|4b|9b|27b] [--layers N]
         [--dtype float32|bfloat16] [--sharded N] [--layout wrapper|plain] [--tied|--untied] [--seed S]
-        [--config-only] [--no-mtp]
+        [--config-only] [--no-mtp] [--fp8]
 
-The checkpoint holds the multi-token-prediction head (`mtp.*`, random like the rest) unless --no-mtp.
+The checkpoint holds the multi-token-prediction head (`mtp.*`, random like the rest) unless --no-mtp. --fp8 stores
+the projections in Qwen's block-scaled FP8 format (float8_e4m3fn values, a float32 weight_scale_inv per 128 x 128
+block, quantization_config quant_method "fp8").
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="write config and tokenizer but no weights (serve with load_format='random')")
     parser.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True,
                         help="write the multi-token-prediction head's tensors (mtp.*), as Qwen3.5 checkpoints ship it")
+    parser.add_argument("--fp8", action="store_true", help="projections in the block-scaled FP8 format")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     write_checkpoint(args.out_dir, args.size, layers=args.layers, dtype=args.dtype, sharded=args.sharded,
                      layout=args.layout, tied=args.tied, seed=args.seed, weights=not args.config_only,
-                     mtp=args.mtp)
+                     mtp=args.mtp, fp8=args.fp8)
 
 
 if __name__ == "__main__":
