@@ -86,7 +86,7 @@ class SpeculationInputs:
     back), and host drafts that replace the head's (`override` where `use_override`)."""
 
     def __init__(self, rows: int, k: int, device) -> None:
-        self.rows, self.k = rows, k
+        self.k = k
         self.accepted = torch.ones(rows, dtype=torch.long, device=device)
         self.keep = torch.full((rows,), k + 1, dtype=torch.long, device=device)
         self.override = torch.zeros(rows, k, dtype=torch.long, device=device)
@@ -101,9 +101,8 @@ class SpeculationInputs:
 
     def fill(self, cmd: StepCommand, T: int) -> None:
         n, bucket = len(cmd.decode_tokens), cmd.bucket
-        host = torch.ones(3 + self.k, bucket, dtype=torch.long)
-        host[1] = T
-        host[2] = 0
+        host = torch.zeros(3 + self.k, bucket, dtype=torch.long)  # padding rows: inert (fill_inert's values)
+        host[0], host[1] = 1, T
         host[0, :n] = torch.tensor([a or 1 for a in cmd.verify_accepted])
         host[1, :n] = torch.tensor([a or T for a in cmd.verify_accepted])
         if cmd.draft_tokens is not None:
@@ -309,7 +308,7 @@ class RankRuntime:
             return None
         return LaunchedStep(self, cmd, decode_draw, prefill_draw, speculation)
 
-    # Speculative decoding (k drafts a row; eager) ---------------------------------------------------------------
+    # Speculative decoding (k drafts a row) -----------------------------------------------------------------------
     def _prefill_with_head(self, cmd: StepCommand, batch: PrefillBatch) -> torch.Tensor:
         """A prefill whose chunks the MTP head also runs over (its KV at every prompt position; a prompt's last
         position, whose next token this step draws, is run again when the request first drafts). Keeps each
