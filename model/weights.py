@@ -48,7 +48,8 @@ def _decoder_layer_shapes(cfg: ModelConfig, p: str, kind: str) -> dict[str, tupl
     """One decoder layer's tensors under prefix p ("layers.i." or "mtp.layers.i.")."""
     H, D = cfg.hidden_size, cfg.head_dim
     shapes = {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-              p + "mlp.gate_proj.weight": (cfg.intermediate_size, H), p + "mlp.up_proj.weight": (cfg.intermediate_size, H),
+              p + "mlp.gate_proj.weight": (cfg.intermediate_size, H),
+              p + "mlp.up_proj.weight": (cfg.intermediate_size, H),
               p + "mlp.down_proj.weight": (H, cfg.intermediate_size)}
     if kind == "full_attention":
         a = p + "self_attn."

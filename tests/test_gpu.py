@@ -498,9 +498,10 @@ def test_prefix_cache_resumes_as_a_cold_prefill_computes(real_geometry_ckpt):
 
 
 def test_speculative_decoding_keeps_the_tokens_of_plain_decoding(real_geometry_ckpt):
-    """At the 4B width on the GPU (the Triton ops, the steps in captured graphs): greedy tokens with the head drafting (random weights:
-    drafts mostly rejected) and with drafts of the model's own continuation (all kept but the last step's), in
-    fp32, equal plain decoding's; the verify path's log-probs within 2e-3 of the decode path's."""
+    """At the 4B width on the GPU (the Triton ops, the steps in captured graphs): greedy tokens with the head
+    drafting (random weights: drafts mostly rejected) and with drafts of the model's own continuation (all kept but
+    the last step's), in fp32, equal plain decoding's; the verify path's log-probs within 2e-3 of the decode
+    path's."""
     from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 
     prompts = [[(7 * i + 13 * j) % 3000 for j in range(40 + 37 * i)] for i in range(4)]

@@ -60,7 +60,8 @@ def test_a_checkpoint_without_the_mtp_head_is_refused_for_speculation(tmp_path):
     ckpt = write_checkpoint(str(tmp_path / "no-mtp"), "tiny", mtp=False)
     cfg = load_model_config(ckpt)
     load_rank_weights(ckpt, cfg, progress=False)  # serves without speculation
-    with pytest.raises(WeightError, match="no complete MTP head .*mtp.pre_fc_norm_embedding.weight.*--speculative-tokens 0"):
+    with pytest.raises(WeightError,
+                       match="no complete MTP head .*mtp.pre_fc_norm_embedding.weight.*--speculative-tokens 0"):
         load_rank_weights(ckpt, cfg, progress=False, mtp=True)
 
 

@@ -77,7 +77,7 @@ def test_a_verify_step_computes_what_decoding_its_tokens_does_and_rolls_back_to_
     k = 3
     spec = CpuRunner(tiny_ckpt, verify_steps=k)
     g = torch.Generator().manual_seed(9)
-    prompts = {0: torch.randint(0, 200, (21,), generator=g).tolist(), 1: torch.randint(0, 200, (32,), generator=g).tolist()}
+    prompts = {s: torch.randint(0, 200, (n,), generator=g).tolist() for s, n in ((0, 21), (1, 32))}
     steps = {s: torch.randint(0, 200, (k + 1,), generator=g).tolist() for s in prompts}
     for s, ids in prompts.items():
         spec.prefill({s: ids})
