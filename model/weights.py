@@ -201,6 +201,9 @@ def iter_rank_tensors(
         if name in fp8:
             _check_fp8(name, shape, cfg, located, handles, plan, tp)
 
+    if fp8 and rank == 0:
+        log.info("%d of %d tensors are block-scaled FP8 (%.2f GB): dequantised to the model dtype as they are read",
+                 len(fp8), len(shapes), sum(sizes[n] for n in fp8) * tp / 1e9)
     bar = tqdm(
         total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"loading weights (rank {rank}/{tp})",
         disable=not progress, leave=False,
