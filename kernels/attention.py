@@ -383,7 +383,8 @@ def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens,
     out = torch.empty(T_, NH, D, dtype=q.dtype, device=q.device)
     if q.stride(2) != 1 or q.stride(1) != D:
         q = q.contiguous()
-    block_m, block_n, warps, stages = config or cfg.prefill_attention_tile
+    block_m, block_n, warps, stages = config or (
+        cfg.prefill_attention_tile_fp32 if q.dtype == torch.float32 else cfg.prefill_attention_tile)
     _prefill_attn_kernel[(T_ // block_m + R, NH)](
         q, k_cache, v_cache, page_table, cu_seqlens, context_lens, out, R, NH, NKV, page_table.shape[1],
         q.stride(0), scale * 1.4426950408889634, GROUP=NH // NKV, D=D, PAGE=PAGE, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -65,8 +65,10 @@ class KernelConfig:
     few_rows_tile: Tile = Tile(32, 256, 4, 3)
     few_rows_silu_tile: Tile = Tile(32, 128, 4, 3)
 
-    # Prefill attention (BLOCK_M, BLOCK_N, warps, stages): the fastest of the H200 sweep at head dim 256.
+    # Prefill attention (BLOCK_M, BLOCK_N, warps, stages): the fastest of the H200 sweep at head dim 256. An fp32
+    # model's tiles are twice the bytes: (128, 64, 8, 3) asked for 289 KB of shared memory (an H100 has 227 KB).
     prefill_attention_tile: tuple[int, int, int, int] = (128, 64, 8, 3)
+    prefill_attention_tile_fp32: tuple[int, int, int, int] = (32, 32, 4, 2)
 
     # Chunked GDN prefill, prep kernel (warps, stages, column block, register cap). Uncapped it takes 255 registers
     # a thread, two programs an SM; 168 lets three programs of four warps share the 64K registers, and the little it

@@ -751,17 +751,19 @@ def default_splits(rows: int, vocab: int, device: torch.device, top_p_rounds: bo
 
 def compile_for_batches(max_rows: int, vocab: int, dtype: torch.dtype, device: torch.device, pdl: bool = True) -> int:
     """Draw once for every batch size class up to `max_rows` that compiles the passes anew (the histogram pass's
-    BLOCK_S follows `default_splits`, which follows the rows), with and without the top-p rounds, so that a batch
-    growing while serving meets no compile. Returns the draws made."""
+    BLOCK_S follows `default_splits`, which follows the rows), with and without the top-p rounds, on logits in the
+    model dtype and in fp32 (what the penalties make of them), so that a batch growing while serving meets no
+    compile. Returns the draws made."""
     classes: dict[tuple[int, int], int] = {}
     for rows in range(1, max_rows + 1):
         for rounds in (0, TOP_P_ROUNDS):
             splits = default_splits(rows, vocab, device, rounds > 0)
             classes.setdefault((triton.next_power_of_2(splits), rounds), rows)
     for (_, rounds), rows in classes.items():
-        logits = lm_like_logits(rows, vocab, device).to(dtype)
-        p = SamplingTensors.filled(rows, device, top_k=0 if rounds else 20, top_p=0.9 if rounds else 1.0)
-        draw(logits, p, top_p_rounds=rounds, pdl=pdl)
+        for logits_dtype in {dtype, torch.float32}:
+            logits = lm_like_logits(rows, vocab, device).to(logits_dtype)
+            p = SamplingTensors.filled(rows, device, top_k=0 if rounds else 20, top_p=0.9 if rounds else 1.0)
+            draw(logits, p, top_p_rounds=rounds, pdl=pdl)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     return len(classes)
