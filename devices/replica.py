@@ -287,6 +287,9 @@ class Replica:
                 await self.group.call(self._teardown, timeout_s=60)
             except Exception:  # already logged as poison; keep shutting down
                 pass
+        else:  # no rank runs a command now; a stuck one keeps what its own frame holds
+            for r in self.ranks:  # the weights and state go with the last reference (an embedding process lives on)
+                r.runtime = r.model = None
         self.group.stop()
         self.group = None
         if self.collective is not None:

@@ -517,10 +517,12 @@ def test_a_failing_step_poisons_the_engine_and_ends_every_request_with_an_error(
         async with AsyncEngine(engine_args(tiny_tp_ckpt, tp=tp, async_scheduling=overlap)) as engine:
             streams, _ = await live_streams(engine, 3)
             monkeypatch.setattr(RankRuntime, "launch", failing)
-            return await ends_once_dead(engine, streams)
+            ranks = engine.replica.ranks
+            return await ends_once_dead(engine, streams), ranks
 
-    ends = run(main())
+    ends, ranks = run(main())
     assert all(e.finished and e.finish_reason == "error" and "fell over" in e.error for e in ends)
+    assert all(r.runtime is None and r.model is None for r in ranks)  # closed, it lets go of weights and state
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
