@@ -9,6 +9,7 @@ so do a one-chunk prefill's, padded to a bucket of tokens (`PrefillInputs`).
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable
 
 import numpy as np
@@ -128,8 +129,11 @@ class RankRuntime:
         max_pages_per_seq: int,
         device: torch.device,
         tp: int = 1,
+        acceptance: tuple[float, ...] | None = None,
     ) -> None:
+        """acceptance: benchmarks' emulated draft acceptance (`EngineArgs.speculative_acceptance`)."""
         self.model, self.state, self.rank, self.max_batch, self.tp = model, state, rank, max_batch, tp
+        self.acceptance = acceptance
         self.device = device
         self.inputs = DecodeInputs(max_batch, max_pages_per_seq, state.trash_page, state.page_size, device)
         self.occupied = [False] * max_batch
@@ -398,20 +402,23 @@ class RankRuntime:
                                       cmd.step_seed))
         return first, (extra, free, drafted[:n].clone())
 
-    def _accept(self, first: list[SampledToken], speculation) -> list[list[SampledToken]]:
+    def _accept(self, first: list[SampledToken], speculation, step_seed: int) -> list[list[SampledToken]]:
         """Each row's drafts kept: draft j while it equals the token drawn at the position before it, and with
         it the token drawn at its own position. A draft of one token kept or dropped on whether it equals an
-        independent draw from the target's distribution is exactly that distribution's rejection sampling."""
+        independent draw from the target's distribution is exactly that distribution's rejection sampling. With
+        an emulated acceptance (benchmarks), draft j is kept with its probability instead."""
         extra, free, drafted = speculation
         k = drafted.shape[1]
         more: list[list[SampledToken]] = [[] for _ in first]
         if extra is None:
             return more
         drawn, drafted = self.sampling.collect(extra), drafted.tolist()
+        coin = random.Random(step_seed)
         for n, i in enumerate(free):
             previous = first[i].token
             for j in range(k):
-                if previous != drafted[i][j]:
+                kept = coin.random() < self.acceptance[j] if self.acceptance else previous == drafted[i][j]
+                if not kept:
                     break
                 token = drawn[n * k + j]
                 more[i].append(token)
@@ -427,7 +434,7 @@ class RankRuntime:
             last = [i for i, p in enumerate(cmd.prefill) if p.last]
             for i, s in zip(last, sampling.collect(step.prefill)):
                 prefill[i] = s
-        more = self._accept(decode, step.speculation) if step.speculation else []
+        more = self._accept(decode, step.speculation, cmd.step_seed) if step.speculation else []
         return StepResult(decode, prefill, more)
 
 

@@ -63,6 +63,7 @@ class ReplicaSpec:
     prefill_graph_tokens: int = 0
     # Speculative decoding with the checkpoint's MTP head: k drafts a decode row (0: off).
     speculative_tokens: int = 0
+    speculative_acceptance: tuple[float, ...] | None = None  # benchmarks: EngineArgs.speculative_acceptance
 
 
 SNAPSHOT_FRACTION = 0.1
@@ -225,7 +226,7 @@ class Replica:
             r.runtime = RankRuntime(
                 r.model, state, rank=rank, max_batch=plan.max_batch,
                 max_pages_per_seq=-(-(spec.max_model_len + k) // plan.page_size), device=r.backend.device,
-                tp=spec.tp,
+                tp=spec.tp, acceptance=spec.speculative_acceptance,
             )
             log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)
             if r.runtime.sampling:  # a speculative step draws k rows a request after the first

@@ -48,6 +48,10 @@ class EngineArgs:
     # Tests and benchmarks: drafts proposed on the host, (prompt ids, output ids so far, k) -> k token ids, in place
     # of the head's (which still runs). None: the head's.
     speculative_drafter: Callable[[list[int], list[int], int], list[int]] | None = None
+    # Benchmarks: keep draft j with probability acceptance[j] (given the drafts before it kept) instead of when it
+    # equals the token drawn: a trained head's acceptance, emulated on random weights. Outputs are then not the
+    # model's; only the cost of the steps is.
+    speculative_acceptance: tuple[float, ...] | None = None
     warmup: bool | None = None  # serve warm-up requests before "engine ready" (None: on cuda, to compile kernels)
     stats_interval_s: float = 10.0  # a throughput and usage log line this often while busy (0: never)
 
@@ -89,5 +93,12 @@ class EngineArgs:
                 not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got "
                              f"{self.speculative_tokens!r}")
+        if self.speculative_acceptance is not None:
+            values = tuple(self.speculative_acceptance)
+            if len(values) != self.speculative_tokens or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1 for v in values):
+                raise ValueError(f"speculative_acceptance must hold speculative_tokens ({self.speculative_tokens}) "
+                                 f"probabilities in [0, 1], got {self.speculative_acceptance!r}")
+            self.speculative_acceptance = tuple(float(v) for v in values)
         if self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be positive")

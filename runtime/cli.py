@@ -134,6 +134,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "in one forward (default 0: off)")
     parser.add_argument("--speculative-config", type=_speculative_config, metavar="JSON", default=None,
                         help='vLLM\'s form of --speculative-tokens: \'{"method": "mtp", "num_speculative_tokens": K}\'')
+    parser.add_argument("--speculative-acceptance", type=_probabilities, metavar="P1,P2,...", default=None,
+                        help="benchmarks only: keep draft j with probability Pj instead of when it equals the drawn "
+                             "token, emulating a trained head on random weights (outputs are not the model's)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                         help="skip the start-up warm-up requests that compile every kernel (cuda) before serving")
     parser.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=defaults.seed,
@@ -210,6 +213,16 @@ def _speculative_config(text: str) -> int:
     return k
 
 
+def _probabilities(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not all(0 <= v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: each probability must be in [0, 1]")
+    return values
+
+
 def speculative_tokens(ns: argparse.Namespace) -> int:
     if ns.speculative_tokens is not None and ns.speculative_config is not None \
             and ns.speculative_tokens != ns.speculative_config:
@@ -228,7 +241,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         max_waiting=ns.max_waiting, memory_fraction=ns.memory_fraction, load_format=ns.load_format,
         stats_interval_s=ns.stats_interval, warmup=ns.warmup, async_scheduling=ns.async_scheduling,
         enable_prefix_caching=ns.enable_prefix_caching, prefix_cache_state_gib=ns.prefix_cache_state_gib,
-        speculative_tokens=speculative_tokens(ns),
+        speculative_tokens=speculative_tokens(ns), speculative_acceptance=ns.speculative_acceptance,
     )
 
 

@@ -190,6 +190,7 @@ class AsyncEngine:
             max_batch=args.max_batch, max_model_len=self.max_model_len, prefill_slots=args.prefill_slots,
             prefill_token_budget=args.prefill_token_budget, buckets=buckets, cuda_graph=args.cuda_graph,
             prefill_graph_tokens=args.prefill_graph_tokens, speculative_tokens=args.speculative_tokens,
+            speculative_acceptance=args.speculative_acceptance,
             memory_fraction=args.memory_fraction, cpu_memory_bytes=args.cpu_memory_bytes,
             step_timeout_s=args.step_timeout_s, capture_timeout_s=args.capture_timeout_s, use_nccl=args.use_nccl,
             random_weights=args.load_format == "random", seed=args.seed, kernel_config=args.kernel_config,

@@ -268,3 +268,14 @@ def test_the_speculative_programs_on_inert_inputs_touch_only_the_trash(tiny_ckpt
         assert first.shape[0] == b and extra.shape[:2] == (b, 3) and drafted.shape == (b, 3)
     assert all(torch.equal(x, y) for x, y in zip(before, request_state()))
     assert torch.equal(pages[0], state.k_cache[:, :40]) and torch.equal(pages[1], state.v_cache[:, :40])
+
+
+def test_an_emulated_acceptance_keeps_the_drafts_it_says(tiny_tp_ckpt):
+    """Benchmarks emulate a trained head's acceptance on random weights: with (1, 1, 0) every step keeps two of
+    its three drafts, whatever they are, and a request ends at max_tokens exactly."""
+    outs, (drafted, accepted) = asyncio.run(_serve(tiny_tp_ckpt, _prompts(), _greedy, speculative_tokens=3,
+                                                   speculative_acceptance=(1.0, 1.0, 0.0)))
+    assert drafted > 0 and accepted * 3 == drafted * 2
+    assert [len(ids) for ids, _, _ in outs] == [7 + 5 * i for i in range(len(outs))]
+    with pytest.raises(ValueError, match="speculative_acceptance must hold speculative_tokens \\(3\\)"):
+        EngineArgs(speculative_tokens=3, speculative_acceptance=(0.5, 0.5))

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import datetime
 import logging
+import math
 import sys
 import tempfile
 import time
@@ -60,14 +61,15 @@ def step_bytes(cfg, weights, tp: int, dtype, rows: int, context: int) -> int:
 @contextlib.asynccontextmanager
 async def open_engine(size: str, layers: int | None, batches: list[int], context: int, tp: int,
                       kernel_config: KernelConfig | None = None, async_scheduling: bool = True,
-                      speculative_tokens: int = 0):
+                      speculative_tokens: int = 0, speculative_acceptance: tuple[float, ...] | None = None):
     """An engine on random bf16 weights of a `size`-shaped config, with a graph bucket for each batch size."""
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as folder:
         write_checkpoint(folder, size, layers=layers, weights=False)
         args = EngineArgs(model=folder, device="cuda", tp=tp, load_format="random", max_batch=max(batches),
                           max_model_len=context * 2, buckets=sorted(set(batches)), prefill_slots=1,
                           prefill_token_budget=512, kernel_config=kernel_config,
-                          async_scheduling=async_scheduling, speculative_tokens=speculative_tokens)
+                          async_scheduling=async_scheduling, speculative_tokens=speculative_tokens,
+                          speculative_acceptance=speculative_acceptance)
         async with AsyncEngine(args) as engine:
             yield engine
 
@@ -122,12 +124,16 @@ async def speculative_run(ns) -> str:
     """`--speculative-tokens K`: the engine column (seconds per decode step through `generate`) of an engine
     drafting K tokens a step with the MTP head against one without, per batch size. With random weights the head's
     drafts are all but never accepted, so a speculative step yields one token: the ratio is what verifying K + 1
-    tokens a row (and drafting) costs over a one-token step."""
+    tokens a row (and drafting) costs over a one-token step. `--acceptance P1,...` emulates a trained head's
+    acceptance (`EngineArgs.speculative_acceptance`): the TPOT column is then what such a head gives, beside the
+    step time over the expected tokens a step (1 + P1 + P1 P2 + ...)."""
     batches = [int(b) for b in ns.batches.split(",")]
-    steps, kept = {}, {}
+    steps, kept, tpot = {}, {}, {}
+    acceptance = tuple(float(p) for p in ns.acceptance.split(",")) if ns.acceptance else None
     for k in (0, ns.speculative_tokens):
         async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns),
-                               ns.async_scheduling, speculative_tokens=k) as engine:
+                               ns.async_scheduling, speculative_tokens=k,
+                               speculative_acceptance=acceptance if k else None) as engine:
             for rows in batches:
                 m = engine.metrics
                 drafted, accepted = m.spec_drafts._value.get(), m.spec_accepted._value.get()
@@ -135,14 +141,19 @@ async def speculative_run(ns) -> str:
                 drafted, accepted = m.spec_drafts._value.get() - drafted, m.spec_accepted._value.get() - accepted
                 tokens_per_step = 1 + (accepted * k / drafted if drafted else 0)
                 steps[rows, k], kept[rows, k] = per_token * tokens_per_step, tokens_per_step
+                tpot[rows, k] = per_token
     k = ns.speculative_tokens
+    expected = 1.0 + sum(math.prod(acceptance[: n + 1]) for n in range(len(acceptance or ())))
+    source = f"emulated {ns.acceptance}" if acceptance else "the random head's"
     lines = [f"{ns.size} ({ns.layers or 'all'} layers), tp={ns.tp}, bf16, context {ns.context}, random weights; "
-             f"engine step through generate, greedy", "",
-             f"| batch | step ms, plain | step ms, {k} drafts | speculative / plain | tokens a speculative step |",
-             "|---:|---:|---:|---:|---:|"]
+             f"engine step through generate, greedy; acceptance {source}", "",
+             f"| batch | step ms, plain | step ms, {k} drafts | speculative / plain | tokens a speculative step "
+             f"| TPOT ms, plain | TPOT ms, speculative | step / expected tokens ({expected:.3f}) ms |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for rows in batches:
         lines.append(f"| {rows} | {steps[rows, 0] * 1e3:.3f} | {steps[rows, k] * 1e3:.3f} | "
-                     f"{steps[rows, k] / steps[rows, 0]:.2f}x | {kept[rows, k]:.2f} |")
+                     f"{steps[rows, k] / steps[rows, 0]:.2f}x | {kept[rows, k]:.2f} | {tpot[rows, 0] * 1e3:.3f} | "
+                     f"{tpot[rows, k] * 1e3:.3f} | {steps[rows, k] / expected * 1e3:.3f} |")
     return "\n".join(lines)
 
 
@@ -227,6 +238,8 @@ def main(argv=None) -> int:
     parser.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                         help="instead of the table: the engine step with K tokens drafted by the MTP head against "
                              "one without")
+    parser.add_argument("--acceptance", default=None, metavar="P1,...,PK",
+                        help="with --speculative-tokens: emulate a trained head's acceptance per draft position")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
