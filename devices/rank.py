@@ -130,10 +130,13 @@ class RankRuntime:
         device: torch.device,
         tp: int = 1,
         acceptance: tuple[float, ...] | None = None,
+        speculate_up_to: int | None = None,
     ) -> None:
-        """acceptance: benchmarks' emulated draft acceptance (`EngineArgs.speculative_acceptance`)."""
+        """With speculation (state.verify_steps > 0): decode steps of at most `speculate_up_to` rows (None: any)
+        draft and verify; acceptance: benchmarks' emulated draft acceptance (`EngineArgs.speculative_acceptance`)."""
         self.model, self.state, self.rank, self.max_batch, self.tp = model, state, rank, max_batch, tp
         self.acceptance = acceptance
+        self.speculate_up_to = max_batch if speculate_up_to is None else speculate_up_to
         self.device = device
         self.inputs = DecodeInputs(max_batch, max_pages_per_seq, state.trash_page, state.page_size, device)
         self.occupied = [False] * max_batch
@@ -176,9 +179,23 @@ class RankRuntime:
         self.inputs.fill([], [], max(buckets))
         if self.speculation:
             self.speculation.fill_inert()
-            return {b: self.speculative_program(b) for b in buckets}
-        model, state = self.model, self.state
-        return {b: (lambda batch=self.inputs.batch(b): model.decode(state, batch)) for b in buckets}
+        return {b: self.speculative_program(b) if self.speculates(b) else
+                (lambda batch=self.inputs.batch(b), b=b: self._plain_decode(batch, b)) for b in buckets}
+
+    def speculates(self, bucket: int) -> bool:
+        """Whether a decode step of `bucket` rows drafts and verifies (`speculate_up_to`), or decodes one token."""
+        return self.speculation is not None and bucket <= self.speculate_up_to
+
+    def _plain_decode(self, batch: DecodeBatch, bucket: int) -> torch.Tensor:
+        """One token a row. In a speculative engine (a bucket above `speculate_up_to`) its rows may come from a
+        verify step: their state rolls back first, and each row's hidden state is kept for a later draft (the
+        engine then sends it as promoted: verify_accepted 0)."""
+        if self.speculation is None:
+            return self.model.decode(self.state, batch)
+        self.state.commit_verified(batch.slots, self.speculation.keep[:bucket])
+        hidden = self.model.decode_hidden(self.state, batch)
+        self.state.verify_hidden[self.state.verify_rows(batch.slots), 0] = hidden
+        return self.model.logits(hidden)
 
     # Slots ----------------------------------------------------------------------------------------------------------
     def _move_slot_within(self, src: int, dst: int) -> None:
@@ -254,6 +271,8 @@ class RankRuntime:
         decode_draw = prefill_draw = speculation = None
         n = len(cmd.decode_tokens)
         if n and self.speculation:
+            self.speculation.fill(cmd, self.state.verify_steps + 1)
+        if n and self.speculates(cmd.bucket):
             self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
             decode_draw, speculation = self._speculative_decode(cmd, replay)
             if replay:
@@ -273,7 +292,7 @@ class RankRuntime:
                 decode_logits = self.graphs(cmd.bucket)
                 on_launched()
             else:
-                decode_logits = self.model.decode(self.state, batch)
+                decode_logits = self._plain_decode(batch, cmd.bucket)
             if self.sampling:  # queued behind the forward
                 setup = self.sampling.prepare(list(range(n)), cmd.decode_token_index, cmd.step_seed)
                 decode_draw = self.sampling.draw(decode_logits[:n], setup)
@@ -383,7 +402,6 @@ class RankRuntime:
         plain decode step would, and the k positions after it for the rows without penalties (whose counts would
         see the drafts); `finish` keeps the drafts up to the first that differs from the token drawn before it."""
         n = len(cmd.decode_tokens)
-        self.speculation.fill(cmd, self.state.verify_steps + 1)
         outputs = self.graphs(cmd.bucket) if replay else self.speculative_program(cmd.bucket)()
         if not self.sampling:
             return None, None

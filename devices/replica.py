@@ -64,6 +64,7 @@ class ReplicaSpec:
     # Speculative decoding with the checkpoint's MTP head: k drafts a decode row (0: off).
     speculative_tokens: int = 0
     speculative_acceptance: tuple[float, ...] | None = None  # benchmarks: EngineArgs.speculative_acceptance
+    speculative_max_batch: int | None = None  # larger decode steps decode one token a row (None: none larger)
 
 
 SNAPSHOT_FRACTION = 0.1
@@ -138,8 +139,8 @@ class Replica:
             prefill_scratch_bytes=prefill_activation_bytes(spec.cfg, self.local, self.dtype, spec.prefill_token_budget)
             if spec.device == "cuda" else 0,
             buckets=spec.buckets,
-            graph_reserve=lambda b: decode_activation_bytes(spec.cfg, self.local, self.dtype,
-                                                            b * (spec.speculative_tokens + 1)) + (
+            graph_reserve=lambda b: decode_activation_bytes(
+                spec.cfg, self.local, self.dtype, self._graph_rows(b)) + (
                 prefill_activation_bytes(spec.cfg, self.local, self.dtype, max(self.prefill_buckets))
                 if self.prefill_buckets else 0) if self._graphs else 0,
             snapshot_bytes=snapshot_bytes,
@@ -180,6 +181,12 @@ class Replica:
                          kind, sorted(stats), stats[max(stats)]["nodes"] if stats else 0,
                          sum(st["pool_bytes"] for st in stats.values()) / 2**20)
             log.info("graphs captured in %.1f s", time.perf_counter() - started)
+
+    def _graph_rows(self, bucket: int) -> int:
+        """Token rows of the largest decode step up to `bucket` rows: a verify step's k + 1 a row where it
+        speculates."""
+        k, most = self.spec.speculative_tokens, self.spec.speculative_max_batch
+        return max(bucket, min(bucket, bucket if most is None else most) * (k + 1))
 
     @property
     def _graphs(self) -> bool:
@@ -226,7 +233,7 @@ class Replica:
             r.runtime = RankRuntime(
                 r.model, state, rank=rank, max_batch=plan.max_batch,
                 max_pages_per_seq=-(-(spec.max_model_len + k) // plan.page_size), device=r.backend.device,
-                tp=spec.tp, acceptance=spec.speculative_acceptance,
+                tp=spec.tp, acceptance=spec.speculative_acceptance, speculate_up_to=spec.speculative_max_batch,
             )
             log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)
             if r.runtime.sampling:  # a speculative step draws k rows a request after the first

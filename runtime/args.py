@@ -45,6 +45,9 @@ class EngineArgs:
     # Speculative decoding with the checkpoint's MTP head: k tokens drafted and verified a step (0: off). For now
     # its steps run without overlap scheduling and without CUDA graphs.
     speculative_tokens: int = 0
+    # Decode steps of more rows than this decode one token a row (a verify step's k + 1 rows a request grow
+    # costlier with the batch); None: every step speculates.
+    speculative_max_batch: int | None = None
     # Tests and benchmarks: drafts proposed on the host, (prompt ids, output ids so far, k) -> k token ids, in place
     # of the head's (which still runs). None: the head's.
     speculative_drafter: Callable[[list[int], list[int], int], list[int]] | None = None
@@ -93,6 +96,10 @@ class EngineArgs:
                 not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got "
                              f"{self.speculative_tokens!r}")
+        if self.speculative_max_batch is not None and (
+                isinstance(self.speculative_max_batch, bool) or not isinstance(self.speculative_max_batch, int)
+                or self.speculative_max_batch < 0):
+            raise ValueError(f"speculative_max_batch must be an integer >= 0, got {self.speculative_max_batch!r}")
         if self.speculative_acceptance is not None:
             values = tuple(self.speculative_acceptance)
             if len(values) != self.speculative_tokens or not all(

@@ -134,6 +134,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "in one forward (default 0: off)")
     parser.add_argument("--speculative-config", type=_speculative_config, metavar="JSON", default=None,
                         help='vLLM\'s form of --speculative-tokens: \'{"method": "mtp", "num_speculative_tokens": K}\'')
+    parser.add_argument("--speculative-max-batch", type=_int_in(0), metavar="N", default=None,
+                        help="with speculation: a decode step whose batch (padded to its graph bucket) is above "
+                             "N decodes one token a request (default: every step speculates)")
     parser.add_argument("--speculative-acceptance", type=_probabilities, metavar="P1,P2,...", default=None,
                         help="benchmarks only: keep draft j with probability Pj instead of when it equals the drawn "
                              "token, emulating a trained head on random weights (outputs are not the model's)")
@@ -242,6 +245,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         stats_interval_s=ns.stats_interval, warmup=ns.warmup, async_scheduling=ns.async_scheduling,
         enable_prefix_caching=ns.enable_prefix_caching, prefix_cache_state_gib=ns.prefix_cache_state_gib,
         speculative_tokens=speculative_tokens(ns), speculative_acceptance=ns.speculative_acceptance,
+        speculative_max_batch=ns.speculative_max_batch,
     )
 
 

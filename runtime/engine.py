@@ -190,7 +190,7 @@ class AsyncEngine:
             max_batch=args.max_batch, max_model_len=self.max_model_len, prefill_slots=args.prefill_slots,
             prefill_token_budget=args.prefill_token_budget, buckets=buckets, cuda_graph=args.cuda_graph,
             prefill_graph_tokens=args.prefill_graph_tokens, speculative_tokens=args.speculative_tokens,
-            speculative_acceptance=args.speculative_acceptance,
+            speculative_acceptance=args.speculative_acceptance, speculative_max_batch=args.speculative_max_batch,
             memory_fraction=args.memory_fraction, cpu_memory_bytes=args.cpu_memory_bytes,
             step_timeout_s=args.step_timeout_s, capture_timeout_s=args.capture_timeout_s, use_nccl=args.use_nccl,
             random_weights=args.load_format == "random", seed=args.seed, kernel_config=args.kernel_config,
@@ -552,6 +552,11 @@ class AsyncEngine:
                 self.metrics.count_prefix(len(req.prompt_ids), w.start)
         return cmd
 
+    def _speculates(self, bucket: int) -> bool:
+        """Whether a decode step of `bucket` rows drafts and verifies (the ranks' `RankRuntime.speculates`)."""
+        most = self.args.speculative_max_batch
+        return bool(self.speculative) and (most is None or bucket <= most)
+
     def _count(self, plan, result: StepResult | None = None) -> None:
         """The scheduler's bookkeeping of a step: what the next plan depends on. Without speculation none of it
         is the tokens (overlap scheduling counts before they are back); a speculative step's `result` says how
@@ -561,7 +566,7 @@ class AsyncEngine:
         self.scheduler.on_decode_done(plan.decode_ids, counts)
         self.metrics.count_tokens(sum(w.length for w in plan.prefill),
                                   sum(counts or [1] * len(plan.decode_ids)) + sum(1 for w in plan.prefill if w.last))
-        if counts:
+        if counts and self._speculates(plan.bucket):
             self.metrics.spec_drafts.inc(self.speculative * len(counts))
             self.metrics.spec_accepted.inc(sum(counts) - len(counts))
             for position in range(max(counts) - 1):
@@ -577,11 +582,13 @@ class AsyncEngine:
             if sampled is not None and w.request_id in self.requests:
                 self._on_token(self.requests[w.request_id], sampled, now, later)
         more = result.decode_more or [[]] * len(result.decode)
+        verified = self._speculates(plan.bucket)
         for rid, sampled, extra in zip(plan.decode_ids, result.decode, more):
             req = self.requests.get(rid)
             if req is None:
                 continue
-            req.verify_accepted = 1 + len(extra)
+            # What its next speculative step rolls back to; after a one-token step, nothing (as if promoted).
+            req.verify_accepted = 1 + len(extra) if verified else 0
             for token in [sampled, *extra]:  # in order, until one ends the request
                 if req.finished:
                     break

@@ -279,3 +279,34 @@ def test_an_emulated_acceptance_keeps_the_drafts_it_says(tiny_tp_ckpt):
     assert [len(ids) for ids, _, _ in outs] == [7 + 5 * i for i in range(len(outs))]
     with pytest.raises(ValueError, match="speculative_acceptance must hold speculative_tokens \\(3\\)"):
         EngineArgs(speculative_tokens=3, speculative_acceptance=(0.5, 0.5))
+
+
+def test_steps_above_the_speculative_batch_limit_decode_one_token_and_hand_over_cleanly(tiny_tp_ckpt, plain_greedy):
+    """With speculative_max_batch 2: two requests speculate (drafts partly kept), then three more join and the
+    steps of 3-5 rows decode one token a row, rolling back first what the last verify step left, until the batch
+    is small again: the tokens and log-probs are still plain decoding's."""
+    prompts = _prompts()
+    drafter = _continuation_drafter(plain_greedy, prompts, set(range(2, 40, 3)))  # partly kept: roll-backs
+
+    async def main():
+        args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20,
+                          speculative_tokens=3, speculative_drafter=drafter, speculative_max_batch=2)
+        async with AsyncEngine(args) as engine:
+            async def one(i, wait_for=None):
+                if wait_for is not None:
+                    await wait_for.wait()
+                last = None
+                async for out in engine.generate(prompts[i], _greedy(i)):
+                    last = out
+                    if i == 5 and len(out.token_ids) >= 6:
+                        joined.set()
+                return last.token_ids, [e.logprob for e in last.logprobs]
+            joined = asyncio.Event()
+            outs = await asyncio.gather(*[one(i, None if i >= 4 else joined) for i in range(6)])
+            return outs, engine.metrics.spec_accepted._value.get()
+
+    outs, accepted = asyncio.run(main())
+    assert [o[0] for o in outs] == [o[0] for o in plain_greedy]
+    for (_, lps), (_, ref_lps, _) in zip(outs, plain_greedy):
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
+    assert accepted > 0
