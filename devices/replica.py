@@ -60,7 +60,7 @@ class ReplicaSpec:
     # Per rank, for the prefix cache's state snapshots; None: SNAPSHOT_FRACTION of the memory after the weights.
     snapshot_bytes: int | None = 0
     # With graphs: one-chunk prefills of up to this many tokens replay a graph captured per bucket (0: none).
-    prefill_graph_tokens: int = 0
+    prefill_graph_tokens: int = 1024
     # Speculative decoding with the checkpoint's MTP head: k drafts a decode row (0: off).
     speculative_tokens: int = 0
     speculative_acceptance: tuple[float, ...] | None = None  # benchmarks: EngineArgs.speculative_acceptance

@@ -128,7 +128,7 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="decode eagerly, without CUDA graphs")
     parser.add_argument("--prefill-graph-tokens", type=_int_in(0), metavar="N", default=defaults.prefill_graph_tokens,
                         help="one-chunk prefills of up to N tokens replay CUDA graphs captured at 16, 32, ... N "
-                             "tokens (0: none; not yet measured on a GPU, so off by default)")
+                             "tokens instead of launching ~450 kernels from Python (0: none)")
     parser.add_argument("--speculative-tokens", type=_int_in(0, MAX_SPECULATIVE_TOKENS), metavar="K", default=None,
                         help="speculative decoding: K tokens drafted a step by the checkpoint's MTP head and verified "
                              "in one forward (default 0: off)")
