@@ -93,7 +93,6 @@ class SpeculationInputs:
         self.override = torch.zeros(rows, k, dtype=torch.long, device=device)
         self.use_override = torch.zeros(rows, dtype=torch.bool, device=device)
         self.steps = torch.arange(k + 1, device=device)
-        self.cu_seqlens = (torch.arange(rows + 1, device=device) * (k + 1)).to(torch.int32)
 
     def fill_inert(self) -> None:
         self.accepted.fill_(1)
@@ -364,12 +363,14 @@ class RankRuntime:
             rows = state.verify_rows(slots)
             steps = spec.steps
 
+            token_table = table.repeat_interleave(T, dim=0)  # each token's row's pages
+
             def verify_batch(starts: torch.Tensor) -> VerifyBatch:
                 where = starts[:, None] + steps  # [bucket, T]
                 pages = table.long().gather(1, where // ps)
-                return VerifyBatch(input_ids=tokens, positions=where.flatten(), slots=slots,
-                                   cu_seqlens=spec.cu_seqlens[: bucket + 1], context_lens=starts, page_table=table,
-                                   slot_mapping=(pages * ps + where % ps).flatten(), tokens_per_row=T)
+                return VerifyBatch(input_ids=tokens, positions=where.flatten(), slots=slots, page_table=token_table,
+                                   seq_lens=where.flatten() + 1, slot_mapping=(pages * ps + where % ps).flatten(),
+                                   tokens_per_row=T)
 
             state.commit_verified(slots, keep)
             # The head over the last verify step's positions, each with the token after it (the kept drafts, then

@@ -140,15 +140,16 @@ class DecodeBatch:
 @dataclass
 class VerifyBatch:
     """A speculative decoding step: T = k + 1 tokens per row (the last accepted token and k drafts), at positions
-    start .. start + k. Attention runs as a prefill over each row's context; the GDN layers step token by token
-    and keep the state after each of the first k tokens (`ModelState.commit_verified` rolls back to it)."""
+    start .. start + k. Attention takes each token as a decode row over its own prefix (its K/V are written first,
+    so a token sees the row's earlier ones): the split-K decode kernel, which fills the GPU where a prefill's tiles
+    of a few queries would not. The GDN layers step token by token and keep the state after each of the first k
+    tokens (`ModelState.commit_verified` rolls back to it)."""
 
     input_ids: torch.Tensor  # [R*T] long, row-major
     positions: torch.Tensor  # [R*T] long
     slots: torch.Tensor  # [R] long, -1 for padding rows
-    cu_seqlens: torch.Tensor  # [R+1] int32: multiples of T
-    context_lens: torch.Tensor  # [R] long: tokens cached before the row's first
-    page_table: torch.Tensor  # [R, P] int32
+    page_table: torch.Tensor  # [R*T, P] int32: each token's row's pages
+    seq_lens: torch.Tensor  # [R*T] long: each token's position + 1
     slot_mapping: torch.Tensor  # [R*T] long
     tokens_per_row: int
 
@@ -167,14 +168,11 @@ class VerifyBatch:
             ids.extend(tokens)
             positions.extend(range(start, start + T))
             mapping.extend(row_pages[p // page_size] * page_size + p % page_size for p in range(start, start + T))
-            table.append(row_pages + [trash_page] * (width - len(row_pages)))
-        R = len(token_rows)
-        longs = upload({"input_ids": ids, "positions": positions, "slots": slots, "context_lens": starts,
-                        "slot_mapping": mapping}, torch.long, device)
-        ints = upload({"cu_seqlens": [r * T for r in range(R + 1)], "page_table": [p for row in table for p in row]},
-                      torch.int32, device)
-        return cls(**longs, cu_seqlens=ints["cu_seqlens"], page_table=ints["page_table"].view(R, width),
-                   tokens_per_row=T)
+            table.extend((row_pages + [trash_page] * (width - len(row_pages))) * T)
+        longs = upload({"input_ids": ids, "positions": positions, "slots": slots,
+                        "seq_lens": [p + 1 for p in positions], "slot_mapping": mapping}, torch.long, device)
+        table_t = upload({"page_table": table}, torch.int32, device)["page_table"].view(-1, width)
+        return cls(**longs, page_table=table_t, tokens_per_row=T)
 
 
 class PrefillInputs:

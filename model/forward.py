@@ -226,8 +226,8 @@ class Qwen35Shard:
         """(attention, GDN) layer functions for the batch's kind."""
         if isinstance(batch, PrefillBatch):
             return self._attn_prefill, self._gdn_prefill
-        if isinstance(batch, VerifyBatch):  # causal queries over the paged context, as a prefill's
-            return self._attn_prefill, self._gdn_verify
+        if isinstance(batch, VerifyBatch):  # attention: a decode row a token, each over its own prefix
+            return self._attn_decode, self._gdn_verify
         return self._attn_decode, self._gdn_decode
 
     @torch.inference_mode()
