@@ -350,7 +350,7 @@ class RankRuntime:
         runs): roll each row's GDN state back to the tokens its last step kept, draft k tokens with the MTP head
         from the hidden state before the row's input token, and verify the input token and the drafts in one
         forward (k + 1 tokens a row). Returns the logits of every row's first position [bucket, V], of the k after
-        it [bucket, k, V], and the drafts [bucket, k]."""
+        it [bucket, k, V] (views of one [bucket, k + 1, V]), and the drafts [bucket, k]."""
         model, state, spec = self.model, self.state, self.speculation
         k, ps = state.verify_steps, state.page_size
         T = k + 1
@@ -394,7 +394,8 @@ class RankRuntime:
             hidden = model.verify_hidden(state, batch).view(bucket, T, -1)
             state.verify_hidden[rows] = hidden
             state.drafts[rows] = drafted
-            return model.logits(hidden[:, 0]), model.logits(hidden[:, 1:].flatten(0, 1)).view(bucket, k, -1), drafted
+            logits = model.logits(hidden.flatten(0, 1)).view(bucket, T, -1)  # lm_head read once for all positions
+            return logits[:, 0], logits[:, 1:], drafted
 
         return program
 
@@ -409,8 +410,9 @@ class RankRuntime:
         first_logits, extra_logits, drafted = outputs
         self.sampling.settle()
         slots = list(range(n))
-        first = self.sampling.draw(first_logits[:n], self.sampling.prepare(slots, cmd.decode_token_index,
-                                                                         cmd.step_seed))
+        # The sampler reads rows at a stride of V: the positions' logits as rows of their own (copies).
+        first = self.sampling.draw(first_logits[:n].contiguous(),
+                                   self.sampling.prepare(slots, cmd.decode_token_index, cmd.step_seed))
         free = [i for i in slots if not self.sampling.settings[i].needs_counts]
         k, extra = self.state.verify_steps, None
         if free:
