@@ -52,6 +52,20 @@ def conv1d_decode_reference(x: torch.Tensor, weight: torch.Tensor, conv_state: t
     return F.silu(acc).to(x.dtype)
 
 
+def conv1d_verify_reference(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                            conv_steps: torch.Tensor, slots: torch.Tensor, tokens: int) -> torch.Tensor:
+    """A speculative verify step: x [R*T, C] holds T tokens a row (row-major), run one after another as decode
+    tokens; the state after each of the first T - 1 goes to conv_steps [S+1, T-1, K-1, C] (slot -1: its trash
+    entry), the state after the last stays in conv_state."""
+    outs = []
+    for t in range(tokens):
+        outs.append(conv1d_decode_reference(x[t::tokens], weight, conv_state, slots))
+        if t < tokens - 1:
+            rows = slot_rows(slots, conv_state.shape[0] - 1)
+            conv_steps[slot_rows(slots, conv_steps.shape[0] - 1), t] = conv_state[rows]
+    return torch.stack(outs, dim=1).flatten(0, 1)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Causal depthwise conv1d + SiLU, decode: conv state [S+1, K-1, C] read and written in place through slots.
 
@@ -89,6 +103,67 @@ def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     _conv1d_decode_kernel[(N, triton.cdiv(C, BLOCK_C))](
         x, weight, conv_state, slots, out, C, x.stride(0), conv_state.shape[0] - 1, K=K, BLOCK_C=BLOCK_C,
         **pdl_options(x.device, cfg.pdl))
+    return out
+
+
+# A verify step's T tokens a row in one program per (row, block of channels): the window slides over the row's
+# tokens in registers, and the window after each of the first T - 1 tokens is stored to the step pool.
+
+
+@triton.jit
+def _conv1d_verify_kernel(x_ptr, w_ptr, state_ptr, steps_ptr, slot_ptr, out_ptr, C, x_row_stride, trash, steps_trash,
+                          T: tl.constexpr, K: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = cols < C
+    slot = tl.load(slot_ptr + row)  # written by the host before the step: safe before the wait
+    wait_for_previous_kernel(PDL)
+    step_slot = tl.where(slot < 0, steps_trash, slot).to(tl.int64)
+    slot = tl.where(slot < 0, trash, slot).to(tl.int64)
+    base = state_ptr + slot * (K - 1) * C
+    # The window of the last K - 1 inputs, oldest first, as K - 1 register rows (K is 4 in every Qwen3.5 size).
+    w0 = tl.load(base + cols, mask=mask, other=0.0)
+    w1 = tl.load(base + C + cols, mask=mask, other=0.0) if K > 2 else w0
+    w2 = tl.load(base + 2 * C + cols, mask=mask, other=0.0) if K > 3 else w1
+    for t in tl.static_range(T):
+        x = tl.load(x_ptr + (row * T + t) * x_row_stride + cols, mask=mask, other=0.0)
+        acc = x.to(tl.float32) * tl.load(w_ptr + cols * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+        acc += w0.to(tl.float32) * tl.load(w_ptr + cols * K, mask=mask, other=0.0).to(tl.float32)
+        if K > 2:
+            acc += w1.to(tl.float32) * tl.load(w_ptr + cols * K + 1, mask=mask, other=0.0).to(tl.float32)
+        if K > 3:
+            acc += w2.to(tl.float32) * tl.load(w_ptr + cols * K + 2, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + (row * T + t) * C + cols, (acc / (1.0 + tl.exp(-acc))).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+        x = x.to(state_ptr.dtype.element_ty)
+        if K == 2:
+            w0 = x
+        elif K == 3:
+            w0, w1 = w1, x
+        else:
+            w0, w1, w2 = w1, w2, x
+        dst = base if t == T - 1 else steps_ptr + ((step_slot * (T - 1) + t) * (K - 1)) * C
+        tl.store(dst + cols, w0, mask=mask)
+        if K > 2:
+            tl.store(dst + C + cols, w1, mask=mask)
+        if K > 3:
+            tl.store(dst + 2 * C + cols, w2, mask=mask)
+
+
+def conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, conv_steps: torch.Tensor,
+                  slots: torch.Tensor, tokens: int, cfg: KernelConfig = DEFAULT):
+    """`conv1d_verify_reference` in one launch (K from 2 to 4)."""
+    N, C = x.shape
+    K = weight.shape[1]
+    if not 2 <= K <= 4:
+        raise ValueError(f"the verify conv takes kernels of 2 to 4 taps, not {K}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(N, C, dtype=x.dtype, device=x.device)
+    BLOCK_C = 256
+    _conv1d_verify_kernel[(N // tokens, triton.cdiv(C, BLOCK_C))](
+        x, weight, conv_state, conv_steps, slots, out, C, x.stride(0), conv_state.shape[0] - 1,
+        conv_steps.shape[0] - 1, T=tokens, K=K, BLOCK_C=BLOCK_C, **pdl_options(x.device, cfg.pdl))
     return out
 
 

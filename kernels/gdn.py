@@ -187,6 +187,21 @@ def gdn_decode_reference(
     return torch.einsum("nhk,nhkv->nhv", q, S).to(mixed.dtype)
 
 
+def gdn_verify_reference(mixed, a, b, A_log, dt_bias, ssm_state, ssm_steps, slots, tokens: int, num_k_heads: int,
+                         head_k_dim: int, head_v_dim: int) -> torch.Tensor:
+    """A speculative verify step: T tokens a row (row-major [R*T, ...]), one recurrent step each; the state after
+    each of the first T - 1 goes to ssm_steps [S+1, T-1, Hv, dk, dv] (slot -1: its trash entry), the state after
+    the last stays in ssm_state."""
+    outs = []
+    for t in range(tokens):
+        outs.append(gdn_decode_reference(mixed[t::tokens], a[t::tokens], b[t::tokens], A_log, dt_bias, ssm_state,
+                                         slots, num_k_heads, head_k_dim, head_v_dim))
+        if t < tokens - 1:
+            rows = slot_rows(slots, ssm_state.shape[0] - 1)
+            ssm_steps[slot_rows(slots, ssm_steps.shape[0] - 1), t] = ssm_state[rows]
+    return torch.stack(outs, dim=1).flatten(0, 1)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Gated DeltaNet decode: one token per row; q/k l2-norm, gates, the delta-rule update and the read fused.
 # Program (row, value head, block of dv): the state tile [dk, BLOCK_V] stays in registers for the whole step.
@@ -242,6 +257,72 @@ def gdn_decode(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads: int, 
         mixed.contiguous(), a, b, A_log, dt_bias, ssm_state, slots, out,
         C, a.stride(0), ssm_state.shape[0] - 1, HV, HV // num_k_heads, head_k_dim**-0.5,
         DK=head_k_dim, DV=head_v_dim, KEY_DIM=num_k_heads * head_k_dim,
+        BLOCK_K=_pow2(head_k_dim), BLOCK_V=BLOCK_V, num_warps=num_warps, **pdl_options(mixed.device, cfg.pdl),
+    )
+    return out
+
+
+# A verify step's T tokens a row in one program per (row, value head, block of dv): the state tile stays in
+# registers across the tokens; after each of the first T - 1 it is stored to the step pool, after the last to the
+# slot. One read of the state and T writes, where T decode steps read and write it T times.
+
+
+@triton.jit
+def _gdn_verify_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, steps_ptr, slot_ptr, out_ptr,
+                       C, ab_row_stride, trash, steps_trash, HV, GROUP, scale, T: tl.constexpr,
+                       DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    hk = h // GROUP
+    ks = tl.arange(0, BLOCK_K)
+    vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    kmask, vmask = ks < DK, vs < DV
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    decay_rate = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    slot = tl.load(slot_ptr + row)  # written by the host before the step: safe before the wait
+    wait_for_previous_kernel(PDL)
+    step_slot = tl.where(slot < 0, steps_trash, slot).to(tl.int64)
+    slot = tl.where(slot < 0, trash, slot).to(tl.int64)
+    tile = (ks[:, None] * DV + vs[None, :])
+    smask = kmask[:, None] & vmask[None, :]
+    sptr = state_ptr + (slot * HV + h) * DK * DV + tile
+    S = tl.load(sptr, mask=smask, other=0.0)
+    for t in tl.static_range(T):
+        token = row * T + t
+        q = tl.load(mixed_ptr + token * C + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
+        k = tl.load(mixed_ptr + token * C + KEY_DIM + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
+        v = tl.load(mixed_ptr + token * C + 2 * KEY_DIM + h * DV + vs, mask=vmask, other=0.0).to(tl.float32)
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        a = tl.load(a_ptr + token * ab_row_stride + h).to(tl.float32) + dt_bias
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + token * ab_row_stride + h).to(tl.float32)))
+        S = S * tl.exp(decay_rate * softplus)
+        u = (v - tl.sum(S * k[:, None], axis=0)) * beta
+        S = S + k[:, None] * u[None, :]
+        if t < T - 1:
+            tl.store(steps_ptr + ((step_slot * (T - 1) + t) * HV + h) * DK * DV + tile, S, mask=smask)
+        else:
+            tl.store(sptr, S, mask=smask)
+        o = tl.sum(S * q[:, None], axis=0)
+        tl.store(out_ptr + (token * HV + h) * DV + vs, o.to(out_ptr.dtype.element_ty), mask=vmask)
+
+
+def gdn_verify(mixed, a, b, A_log, dt_bias, ssm_state, ssm_steps, slots, tokens: int, num_k_heads: int,
+               head_k_dim: int, head_v_dim: int, cfg: KernelConfig = DEFAULT, block_v: int = 64, num_warps: int = 4):
+    """`gdn_verify_reference` in one launch."""
+    N, C = mixed.shape
+    HV = a.shape[1]
+    out = torch.empty(N, HV, head_v_dim, dtype=mixed.dtype, device=mixed.device)
+    BLOCK_V = min(block_v, _pow2(head_v_dim))
+    if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
+        a, b = a.contiguous(), b.contiguous()
+    _gdn_verify_kernel[(N // tokens, HV, triton.cdiv(head_v_dim, BLOCK_V))](
+        mixed.contiguous(), a, b, A_log, dt_bias, ssm_state, ssm_steps, slots, out,
+        C, a.stride(0), ssm_state.shape[0] - 1, ssm_steps.shape[0] - 1, HV, HV // num_k_heads, head_k_dim**-0.5,
+        T=tokens, DK=head_k_dim, DV=head_v_dim, KEY_DIM=num_k_heads * head_k_dim,
         BLOCK_K=_pow2(head_k_dim), BLOCK_V=BLOCK_V, num_warps=num_warps, **pdl_options(mixed.device, cfg.pdl),
     )
     return out

@@ -33,6 +33,8 @@ class ForwardOps:
     conv1d_decode: Callable
     gdn_prefill: Callable
     gdn_decode: Callable
+    conv1d_verify: Callable  # a speculative verify step's T tokens a row, keeping the state after each
+    gdn_verify: Callable
     qk_norm_rope_cache: Callable  # q/k norms, RoPE and the paged K/V write, from the fused projection
     prefill_attention: Callable
     decode_attention: Callable  # with the sigmoid output gate applied inside
@@ -54,6 +56,8 @@ def reference_ops() -> ForwardOps:
         conv1d_decode=conv1d.conv1d_decode_reference,
         gdn_prefill=gdn.gdn_prefill_reference,
         gdn_decode=gdn.gdn_decode_reference,
+        conv1d_verify=conv1d.conv1d_verify_reference,
+        gdn_verify=gdn.gdn_verify_reference,
         qk_norm_rope_cache=attention.qk_norm_rope_cache_reference,
         prefill_attention=attention.prefill_attention_reference,
         decode_attention=attention.decode_attention_reference,
@@ -78,6 +82,8 @@ def triton_ops(config: KernelConfig = DEFAULT) -> ForwardOps:
         conv1d_decode=bound(conv1d, "conv1d_decode"),
         gdn_prefill=bound(gdn, "gdn_prefill"),
         gdn_decode=bound(gdn, "gdn_decode"),
+        conv1d_verify=bound(conv1d, "conv1d_verify"),
+        gdn_verify=bound(gdn, "gdn_verify"),
         qk_norm_rope_cache=bound(attention, "qk_norm_rope_cache"),
         prefill_attention=bound(attention, "prefill_attention"),
         decode_attention=bound(attention, "decode_attention"),

@@ -155,20 +155,16 @@ class Qwen35Shard:
         return self._gdn_output(o, z, p), residual
 
     def _gdn_verify(self, x, residual, p, state: ModelState, batch: VerifyBatch, j: int):
-        """T tokens a row, stepped one at a time through the decode ops; the state after each of the first T - 1
-        is kept for the roll-back."""
+        """T tokens a row, one recurrent step each; the state after each of the first T - 1 is kept in the
+        verify-step pools for the roll-back."""
         cfg, w, la, T = self.cfg, self.w, p + "linear_attn.", batch.tokens_per_row
         mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
-        outs = []
-        for t in range(T):
-            m = self.ops.conv1d_decode(mixed[t::T], w[la + "conv1d.weight"], state.conv[j], batch.slots)
-            outs.append(self.ops.gdn_decode(
-                m, a[t::T], b[t::T], w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], batch.slots,
-                self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-            ))
-            if t < T - 1:
-                state.save_verify_step(j, batch.slots, t)
-        o = torch.stack(outs, dim=1).flatten(0, 1)  # back to row-major [R*T, Hv, dv]
+        mixed = self.ops.conv1d_verify(mixed, w[la + "conv1d.weight"], state.conv[j], state.conv_steps[j],
+                                       batch.slots, T)
+        o = self.ops.gdn_verify(
+            mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], state.ssm_steps[j], batch.slots, T,
+            self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+        )
         return self._gdn_output(o, z, p), residual
 
     def _attn_inputs(self, x, residual, p, state: ModelState, j: int, positions, slot_mapping):

@@ -135,12 +135,6 @@ class ModelState:
         return (torch.where(pad, torch.full_like(slots, self.trash_slot), slots),
                 torch.where(pad, torch.full_like(slots, self.num_slots), slots))
 
-    def save_verify_step(self, layer: int, slots: torch.Tensor, step: int) -> None:
-        """Keep GDN layer `layer`'s state of these slots as it stands after a verify step's token `step`."""
-        rows, step_rows = self._rows(slots)
-        self.conv_steps[layer, step_rows, step] = self.conv[layer, rows]
-        self.ssm_steps[layer, step_rows, step] = self.ssm[layer, rows]
-
     def commit_verified(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
         """After a verify step of verify_steps + 1 tokens a row: each slot keeps the state after its first
         `accepted` tokens (1 .. verify_steps + 1; the last needs no copy). Device tensors, no host sync."""

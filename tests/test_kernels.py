@@ -118,6 +118,44 @@ def test_gdn_decode(hk, hv, dk, dv):
     assert rel(state[:S], ref_state[:S]) <= REDUCTION
 
 
+@pytest.mark.parametrize("T", [2, 5])
+@pytest.mark.parametrize("K", [4, 2])
+def test_conv1d_verify_keeps_the_state_after_each_token(T, K):
+    """A verify step's T tokens a row in one launch against T decode steps: outputs, the final state in the slot,
+    the state after each earlier token in the step pool; padding rows touch only the trash entries."""
+    C, S, R = 70, 6, 3
+    wide = randn(R * T, C + 20)
+    x, w = wide[:, 5 : 5 + C], randn(C, K)  # a strided view, as the fused projection hands it over
+    state, steps = randn(S + 1, K - 1, C), randn(S + 1, T - 1, K - 1, C)
+    slots = torch.tensor([3, -1, 0], device=DEVICE)
+    ref_state, ref_steps = state.clone(), steps.clone()
+    with poisoned_outputs():
+        got = conv1d.conv1d_verify(x, w, state, steps, slots, T)
+    ref = conv1d.conv1d_verify_reference(x, w, ref_state, ref_steps, slots, T)
+    assert rel(got, ref) <= ELEMENTWISE
+    assert torch.equal(state[:S], ref_state[:S]) and torch.equal(steps[:S], ref_steps[:S])
+
+
+@pytest.mark.parametrize("T", [2, 4])
+@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 16), (1, 3, 16, 48)])
+def test_gdn_verify_keeps_the_state_after_each_token(T, hk, hv, dk, dv):
+    R, S = 3, 5
+    C = 2 * hk * dk + hv * dv
+    mixed = randn(R * T, C)
+    ab = randn(R * T, 2 * hv + 3)
+    a, b = ab[:, :hv], ab[:, hv + 3 :]  # strided views
+    A_log, dt_bias = torch.rand(hv, device=DEVICE) * 2, torch.rand(hv, device=DEVICE)
+    state, steps = randn(S + 1, hv, dk, dv), randn(S + 1, T - 1, hv, dk, dv)
+    slots = torch.tensor([4, -1, 2], device=DEVICE)
+    ref_state, ref_steps = state.clone(), steps.clone()
+    with poisoned_outputs():
+        got = gdn.gdn_verify(mixed, a, b, A_log, dt_bias, state, steps, slots, T, hk, dk, dv)
+    ref = gdn.gdn_verify_reference(mixed, a, b, A_log, dt_bias, ref_state, ref_steps, slots, T, hk, dk, dv)
+    assert rel(got, ref) <= REDUCTION
+    assert rel(state[:S], ref_state[:S]) <= REDUCTION and rel(steps[:S], ref_steps[:S]) <= REDUCTION
+    assert torch.equal(state[[0, 1, 3]], ref_state[[0, 1, 3]])  # slots no row names are untouched
+
+
 @pytest.mark.parametrize("nh,nkv", [(4, 4), (4, 2), (6, 2), (8, 2), (6, 1), (3, 1)])
 def test_decode_attention_any_group(nh, nkv):
     D, pages = 32, 24
