@@ -433,6 +433,16 @@ def test_capture_check_exits_zero(tmp_path, size, layers):
     assert (tmp_path / "dot" / "prefill_bucket512.dot").is_file()
 
 
+def test_capture_check_replays_the_speculative_steps(tmp_path):
+    """Each bucket's speculative step (roll-back, three drafts, verify) replayed from its graph against its program
+    run eagerly: logits within the tolerance, drafts equal."""
+    from deltaserve.tools import capture_check
+
+    ckpt = write_checkpoint(str(tmp_path), "4b", layers=8, weights=False)
+    assert capture_check.main(["--model", ckpt, "--load-format", "random", "--buckets", "1,4,16",
+                               "--prefill-tokens", "0", "--context", "600", "--speculative-tokens", "3"]) == 0
+
+
 def test_server_starts_with_graphs_and_logs_the_capture_sweep(real_geometry_ckpt, caplog):
     import aiohttp
 

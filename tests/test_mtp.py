@@ -310,3 +310,13 @@ def test_steps_above_the_speculative_batch_limit_decode_one_token_and_hand_over_
     for (_, lps), (_, ref_lps, _) in zip(outs, plain_greedy):
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
     assert accepted > 0
+
+
+def test_capture_check_runs_the_speculative_programs(tiny_ckpt, capsys):
+    from deltaserve.tools import capture_check
+
+    assert capture_check.main(["--model", tiny_ckpt, "--device", "cpu", "--buckets", "1,2,4", "--prefill-tokens",
+                               "0", "--speculative-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[:2] for line in out.splitlines() if line.split()[:1] == ["verify"]]
+    assert rows == [["verify", "1"], ["verify", "2"], ["verify", "4"]] and out.strip().endswith("OK")

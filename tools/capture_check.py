@@ -2,14 +2,15 @@
 eager step.
 
     python -m deltaserve.tools.capture_check --model DIR [--device cuda|cpu] [--tp N] [--buckets 1,2,4,...]
-        [--load-format safetensors|random] [--context 512] [--dot DIR]
+        [--load-format safetensors|random] [--context 512] [--dot DIR] [--speculative-tokens K]
 
 Per bucket: graph nodes, graph memory (private pool growth), capture time, max |replay - eager| over the live
 rows' logits, eager and replay step times and the speed-up. A prefill bucket replays a one-chunk prefill of 7/8
 of its tokens, padded to the bucket, against the same padded inputs run eagerly; its speed-up is against the
 chunk prefilled eagerly unpadded, as without the graph. Exit status 1 on any capture failure or mismatch. On the CPU there are no graphs: it says so and checks that each decode bucket's
 batched eager step equals running its rows one at a time, and each prefill bucket's padded inputs, run eagerly,
-the chunk alone.
+the chunk alone. With --speculative-tokens K each decode bucket's speculative step ("verify" rows) is checked the
+same way against its program run eagerly (on the CPU: against itself, run again from the same state).
 """
 
 from __future__ import annotations
@@ -91,6 +92,58 @@ def check_bucket(rank_objs, bucket: int, context: int, dot_dir: str | None, rank
     return result
 
 
+def check_speculative_bucket(rank_objs, bucket: int, context: int, dot_dir: str | None, rank: int) -> dict:
+    """A speculative step (roll-back, drafts, verify of k + 1 tokens a row) over `bucket` live rows that kept a
+    random number of their last step's tokens. With graphs: the replay against the program run eagerly from the
+    same state (first positions' logits, the others', and the drafts exactly). On the CPU: the program run twice
+    from the same state agrees with itself (it reads nothing it has not written or been given) and is finite."""
+    backend, runtime = rank_objs.backend, rank_objs.runtime
+    state, spec, k = runtime.state, runtime.speculation, runtime.state.verify_steps
+    fill_live_rows(runtime, bucket, bucket, context, seed=bucket, lookahead=k)
+    gen = torch.Generator().manual_seed(bucket)
+    kept = torch.randint(1, k + 2, (bucket,), generator=gen).to(spec.accepted.device)
+    spec.accepted[:bucket].copy_(kept)
+    spec.keep[:bucket].copy_(kept)
+    spec.use_override[:bucket] = False
+    # The live rows' entries of every pool the step reads and writes (layers first in the GDN pools).
+    rows = [state.conv[:, :bucket], state.ssm[:, :bucket], state.conv_steps[:, :bucket],
+            state.ssm_steps[:, :bucket], state.verify_hidden[:bucket], state.drafts[:bucket]]
+    for pool in rows[2:]:
+        pool.copy_(torch.randint_like(pool, 0, runtime.vocab) if pool.dtype == torch.long
+                   else torch.randn_like(pool) * 0.1)
+    saved = [pool.clone() for pool in rows]
+
+    def put_back():
+        for pool, copy in zip(rows, saved):
+            pool.copy_(copy)
+
+    program = runtime.speculative_program(bucket)
+    graphs = getattr(backend, "graphs", None)
+    result = {"bucket": bucket}
+    if graphs is not None and not graphs.captured(bucket):
+        result["failed"] = True
+        return result
+    first, others, drafts = (t.float().clone() for t in program())
+    put_back()
+    got = graphs(bucket) if graphs is not None else program()
+    got = [t.float().clone() for t in got]
+    put_back()
+    result["diff"] = max((got[0] - first).abs().max().item(), (got[1] - others).abs().max().item())
+    result["scale"] = first.abs().max().item()
+    if not torch.equal(got[2], drafts) or not torch.isfinite(first).all():
+        result["diff"] = float("inf")  # different drafts: a mismatch whatever the logits
+    result["eager_s"] = time_per_call(program, backend.device, 3 if graphs is None else 10)
+    put_back()
+    if graphs is not None:
+        result.update(graphs.stats[bucket])
+        result["replay_s"] = time_per_call(lambda: graphs(bucket), backend.device)
+        put_back()
+        if dot_dir and rank == 0:
+            os.makedirs(dot_dir, exist_ok=True)
+            graphs.dot(bucket, os.path.join(dot_dir, f"speculative_bucket{bucket}.dot"))
+    return result
+
+
 def check_prefill_bucket(rank_objs, bucket: int, dot_dir: str | None, rank: int) -> dict:
     """A one-chunk prefill of 7/8 of the bucket. With graphs: the replay against the same padded inputs run eagerly
     (the same shapes, so the same rounding), timed against the chunk prefilled eagerly unpadded, as it would be
@@ -158,7 +211,8 @@ async def run(ns) -> int:
     args = EngineArgs(model=ns.model, device=device, tp=ns.tp, cuda_graph=True, buckets=buckets,
                       max_batch=max(buckets) if buckets else ns.max_batch, max_model_len=ns.context * 2,
                       load_format=ns.load_format, dtype=ns.dtype, prefill_slots=1,
-                      prefill_graph_tokens=ns.prefill_tokens, enable_prefix_caching=False)
+                      prefill_graph_tokens=ns.prefill_tokens, enable_prefix_caching=False,
+                      speculative_tokens=ns.speculative_tokens)
     if device != "cuda":
         print("CUDA graphs need a CUDA device: checking the batched eager decode path only.")
     async with AsyncEngine(args) as engine:
@@ -167,9 +221,11 @@ async def run(ns) -> int:
         print(f"{'kind':>7} {'bucket':>6} {'nodes':>6} {'graph MiB':>9} {'capture s':>9} {'max|diff|':>10} "
               f"{'rel':>8} {'eager ms':>9} {'replay ms':>9} {'speed-up':>8}")
         for bucket in replica.buckets:
+            speculative = replica.ranks[0].runtime.speculates(bucket)
+            check = check_speculative_bucket if speculative else check_bucket
             results = await replica.group.call(
-                lambda rank: _on_rank(replica, rank, check_bucket, bucket, ns.context, ns.dot), timeout_s=600)
-            failures += report("decode", bucket, results[0], ns.tolerance)
+                lambda rank: _on_rank(replica, rank, check, bucket, ns.context, ns.dot), timeout_s=600)
+            failures += report("verify" if speculative else "decode", bucket, results[0], ns.tolerance)
         for bucket in replica.prefill_buckets or prefill_graph_buckets(ns.prefill_tokens):
             results = await replica.group.call(
                 lambda rank: _on_rank(replica, rank, check_prefill_bucket, bucket, ns.dot), timeout_s=600)
@@ -198,6 +254,8 @@ def main(argv=None) -> int:
     parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "random"])
     parser.add_argument("--tolerance", type=float, default=1e-3, help="max |diff| relative to max |logit|")
     parser.add_argument("--dot", default=None, help="write each bucket's graph as DOT into this folder")
+    parser.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                        help="check the speculative step (K drafts a row, the checkpoint's MTP head) of every bucket")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(run(ns))

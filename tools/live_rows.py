@@ -7,15 +7,16 @@ import contextlib
 import torch
 
 
-def fill_live_rows(runtime, rows: int, bucket: int, context: int, seed: int = 0) -> None:
-    """Give decode slots 0..rows-1 random GDN state, random KV pages and a position near `context`,
-    and write the step's inputs (rows live, the rest of the bucket inert padding)."""
+def fill_live_rows(runtime, rows: int, bucket: int, context: int, seed: int = 0, lookahead: int = 0) -> None:
+    """Give decode slots 0..rows-1 random GDN state, random KV pages and a position near `context` (pages for
+    `lookahead` positions more: a speculative step's drafts), and write the step's inputs (rows live, the rest of
+    the bucket inert padding)."""
     gen = torch.Generator().manual_seed(seed)
     state, inputs = runtime.state, runtime.inputs
     page = state.page_size
     positions = [max(0, context - 1 - int(torch.randint(0, max(1, context // 4), (1,), generator=gen)))
                  for _ in range(rows)]
-    pages_needed = [p // page + 1 for p in positions]
+    pages_needed = [(p + lookahead) // page + 1 for p in positions]
     if sum(pages_needed) > state.num_pages:
         raise ValueError(f"{rows} rows at context {context} need {sum(pages_needed)} KV pages; "
                          f"only {state.num_pages} exist")
