@@ -362,7 +362,6 @@ class RankRuntime:
             accepted, keep = spec.accepted[:bucket], spec.keep[:bucket]
             rows = state.verify_rows(slots)
             steps = spec.steps
-
             token_table = table.repeat_interleave(T, dim=0)  # each token's row's pages
 
             def verify_batch(starts: torch.Tensor) -> VerifyBatch:

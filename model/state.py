@@ -82,10 +82,9 @@ class ModelState:
             n_gdn, entries, local.gdn_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
             dtype=torch.float32, device=device,
         )
-        # Speculative decoding: each request slot's GDN state after each of a verify step's first `verify_steps`
-        # tokens (the state after its last token is the slot itself), and a trash entry last.
-        # Per request slot, what a speculative step drafts from: the last verify step's final-normed hidden
-        # states (k + 1) and the k tokens drafted for the next one.
+        # Speculative decoding, per request slot (and a trash entry last): the GDN state after each of the last
+        # verify step's first k tokens (after its last one, it is the slot's own), what the step drafts from (that
+        # step's k + 1 final-normed hidden states) and the k tokens drafted for the next one.
         self.verify_steps = verify_steps
         self.conv_steps = self.ssm_steps = self.verify_hidden = self.drafts = None
         if verify_steps:
@@ -137,7 +136,8 @@ class ModelState:
 
     def commit_verified(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
         """After a verify step of verify_steps + 1 tokens a row: each slot keeps the state after its first
-        `accepted` tokens (1 .. verify_steps + 1; the last needs no copy). Device tensors, no host sync."""
+        `accepted` tokens (1 .. verify_steps + 1; the last needs no copy). Device tensors, no host sync. It reads and
+        writes every row's whole state (a select, so that a graph can hold it): at the 4B width 50 MB a row."""
         rows, step_rows = self._rows(slots)
         rolled = accepted <= self.verify_steps
         step = (accepted - 1).clamp(0, self.verify_steps - 1)
