@@ -180,9 +180,9 @@ class AsyncEngine:
         buckets = sorted(args.buckets) if args.buckets else default_buckets(args.max_batch)
         self.speculative = args.speculative_tokens
         if self.speculative:
-            if self.cfg.mtp_num_hidden_layers < 1:
-                raise ValueError("speculative_tokens needs the checkpoint's MTP head; its config has "
-                                 "mtp_num_hidden_layers 0")
+            if self.cfg.mtp_num_hidden_layers != 1:
+                raise ValueError(f"speculative_tokens needs the checkpoint's one-layer MTP head (Qwen3.5's); its "
+                                 f"config has mtp_num_hidden_layers {self.cfg.mtp_num_hidden_layers}")
             log.info("speculative decoding: %d tokens drafted a step by the MTP head, without overlap scheduling "
                      "and without prefill graphs", self.speculative)
         spec = ReplicaSpec(
