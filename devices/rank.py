@@ -347,9 +347,9 @@ class RankRuntime:
 
     def speculative_program(self, bucket: int) -> GraphProgram:
         """A speculative decode step over the fixed inputs of `bucket` rows (what a graph captures; eagerly, what
-        runs): roll each row's GDN state back to the tokens its last step kept, draft k tokens with the MTP head
-        from the hidden state before the row's input token, and verify the input token and the drafts in one
-        forward (k + 1 tokens a row). Returns the logits of every row's first position [bucket, V], of the k after
+        runs): draft k tokens with the MTP head from the hidden state before the row's input token, and verify the
+        input token and the drafts in one forward (k + 1 tokens a row), whose GDN layers start from the state after
+        the tokens the row's last step kept (`SpeculationInputs.keep`). Returns the logits of every row's first position [bucket, V], of the k after
         it [bucket, k, V] (views of one [bucket, k + 1, V]), and the drafts [bucket, k]."""
         model, state, spec = self.model, self.state, self.speculation
         k, ps = state.verify_steps, state.page_size
@@ -369,9 +369,8 @@ class RankRuntime:
                 pages = table.long().gather(1, where // ps)
                 return VerifyBatch(input_ids=tokens, positions=where.flatten(), slots=slots, page_table=token_table,
                                    seq_lens=where.flatten() + 1, slot_mapping=(pages * ps + where % ps).flatten(),
-                                   tokens_per_row=T)
+                                   tokens_per_row=T, kept=keep)
 
-            state.commit_verified(slots, keep)
             # The head over the last verify step's positions, each with the token after it (the kept drafts, then
             # the row's input token): the output before the input token drafts the token after it.
             before = accepted - 1

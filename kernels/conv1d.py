@@ -53,10 +53,15 @@ def conv1d_decode_reference(x: torch.Tensor, weight: torch.Tensor, conv_state: t
 
 
 def conv1d_verify_reference(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
-                            conv_steps: torch.Tensor, slots: torch.Tensor, tokens: int) -> torch.Tensor:
+                            conv_steps: torch.Tensor, slots: torch.Tensor, kept: torch.Tensor,
+                            tokens: int) -> torch.Tensor:
     """A speculative verify step: x [R*T, C] holds T tokens a row (row-major), run one after another as decode
-    tokens; the state after each of the first T - 1 goes to conv_steps [S+1, T-1, K-1, C] (slot -1: its trash
-    entry), the state after the last stays in conv_state."""
+    tokens from the state after the first `kept` tokens of the row's last verify step (`gdn.roll_back`); the state
+    after each of the first T - 1 goes to conv_steps [S+1, T-1, K-1, C] (slot -1: its trash entry), the state
+    after the last to conv_state."""
+    from .gdn import roll_back
+
+    roll_back(conv_state, conv_steps, slots, kept, tokens)
     outs = []
     for t in range(tokens):
         outs.append(conv1d_decode_reference(x[t::tokens], weight, conv_state, slots))
@@ -111,8 +116,9 @@ def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 
 
 @triton.jit
-def _conv1d_verify_kernel(x_ptr, w_ptr, state_ptr, steps_ptr, slot_ptr, out_ptr, C, x_row_stride, trash, steps_trash,
-                          T: tl.constexpr, K: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+def _conv1d_verify_kernel(x_ptr, w_ptr, state_ptr, steps_ptr, slot_ptr, kept_ptr, out_ptr, C, x_row_stride, trash,
+                          steps_trash, T: tl.constexpr, K: tl.constexpr, BLOCK_C: tl.constexpr,
+                          PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = cols < C
@@ -121,10 +127,20 @@ def _conv1d_verify_kernel(x_ptr, w_ptr, state_ptr, steps_ptr, slot_ptr, out_ptr,
     step_slot = tl.where(slot < 0, steps_trash, slot).to(tl.int64)
     slot = tl.where(slot < 0, trash, slot).to(tl.int64)
     base = state_ptr + slot * (K - 1) * C
-    # The window of the last K - 1 inputs, oldest first, as K - 1 register rows (K is 4 in every Qwen3.5 size).
-    w0 = tl.load(base + cols, mask=mask, other=0.0)
-    w1 = tl.load(base + C + cols, mask=mask, other=0.0) if K > 2 else w0
-    w2 = tl.load(base + 2 * C + cols, mask=mask, other=0.0) if K > 3 else w1
+    # The window of the last K - 1 inputs, oldest first, as K - 1 register rows (K is 4 in every Qwen3.5 size),
+    # after the last step's first `kept` tokens: from its steps entry (read before this program writes it) or the
+    # slot; one of each pair of loads is masked off whole.
+    kept = tl.load(kept_ptr + row)
+    back = steps_ptr + ((step_slot * (T - 1) + tl.minimum(kept - 1, T - 2)) * (K - 1)) * C
+    kept_cols = cols * 0 + kept  # masks of the columns' shape (a scalar in a mask is not taken everywhere)
+    here, there = mask & (kept_cols >= T), mask & (kept_cols < T)
+    w0 = tl.load(base + cols, mask=here, other=0.0) + tl.load(back + cols, mask=there, other=0.0)
+    w1 = w0
+    w2 = w0
+    if K > 2:
+        w1 = tl.load(base + C + cols, mask=here, other=0.0) + tl.load(back + C + cols, mask=there, other=0.0)
+    if K > 3:
+        w2 = tl.load(base + 2 * C + cols, mask=here, other=0.0) + tl.load(back + 2 * C + cols, mask=there, other=0.0)
     for t in tl.static_range(T):
         x = tl.load(x_ptr + (row * T + t) * x_row_stride + cols, mask=mask, other=0.0)
         acc = x.to(tl.float32) * tl.load(w_ptr + cols * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
@@ -151,7 +167,7 @@ def _conv1d_verify_kernel(x_ptr, w_ptr, state_ptr, steps_ptr, slot_ptr, out_ptr,
 
 
 def conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, conv_steps: torch.Tensor,
-                  slots: torch.Tensor, tokens: int, cfg: KernelConfig = DEFAULT):
+                  slots: torch.Tensor, kept: torch.Tensor, tokens: int, cfg: KernelConfig = DEFAULT):
     """`conv1d_verify_reference` in one launch (K from 2 to 4)."""
     N, C = x.shape
     K = weight.shape[1]
@@ -162,7 +178,7 @@ def conv1d_verify(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     out = torch.empty(N, C, dtype=x.dtype, device=x.device)
     BLOCK_C = 256
     _conv1d_verify_kernel[(N // tokens, triton.cdiv(C, BLOCK_C))](
-        x, weight, conv_state, conv_steps, slots, out, C, x.stride(0), conv_state.shape[0] - 1,
+        x, weight, conv_state, conv_steps, slots, kept, out, C, x.stride(0), conv_state.shape[0] - 1,
         conv_steps.shape[0] - 1, T=tokens, K=K, BLOCK_C=BLOCK_C, **pdl_options(x.device, cfg.pdl))
     return out
 

@@ -187,11 +187,22 @@ def gdn_decode_reference(
     return torch.einsum("nhk,nhkv->nhv", q, S).to(mixed.dtype)
 
 
-def gdn_verify_reference(mixed, a, b, A_log, dt_bias, ssm_state, ssm_steps, slots, tokens: int, num_k_heads: int,
-                         head_k_dim: int, head_v_dim: int) -> torch.Tensor:
-    """A speculative verify step: T tokens a row (row-major [R*T, ...]), one recurrent step each; the state after
-    each of the first T - 1 goes to ssm_steps [S+1, T-1, Hv, dk, dv] (slot -1: its trash entry), the state after
-    the last stays in ssm_state."""
+def roll_back(state: torch.Tensor, steps: torch.Tensor, slots: torch.Tensor, kept: torch.Tensor,
+              tokens: int) -> None:
+    """Each slot's state becomes the one after the first `kept` tokens (1 .. T) of the last verify step: its
+    steps entry kept - 1, or, for T, the slot's own."""
+    rows, step_rows = slot_rows(slots, state.shape[0] - 1), slot_rows(slots, steps.shape[0] - 1)
+    rolled = (kept < tokens).view((-1,) + (1,) * (state.dim() - 1))
+    state[rows] = torch.where(rolled, steps[step_rows, (kept - 1).clamp(max=tokens - 2)], state[rows])
+
+
+def gdn_verify_reference(mixed, a, b, A_log, dt_bias, ssm_state, ssm_steps, slots, kept, tokens: int,
+                         num_k_heads: int, head_k_dim: int, head_v_dim: int) -> torch.Tensor:
+    """A speculative verify step: T tokens a row (row-major [R*T, ...]), one recurrent step each, from the state
+    after the first `kept` tokens of the row's last verify step (`roll_back`); the state after each of the first
+    T - 1 goes to ssm_steps [S+1, T-1, Hv, dk, dv] (slot -1: its trash entry), the state after the last to
+    ssm_state."""
+    roll_back(ssm_state, ssm_steps, slots, kept, tokens)
     outs = []
     for t in range(tokens):
         outs.append(gdn_decode_reference(mixed[t::tokens], a[t::tokens], b[t::tokens], A_log, dt_bias, ssm_state,
@@ -268,7 +279,7 @@ def gdn_decode(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_heads: int, 
 
 
 @triton.jit
-def _gdn_verify_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, steps_ptr, slot_ptr, out_ptr,
+def _gdn_verify_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, steps_ptr, slot_ptr, kept_ptr, out_ptr,
                        C, ab_row_stride, trash, steps_trash, HV, GROUP, scale, T: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
@@ -288,7 +299,13 @@ def _gdn_verify_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, st
     tile = (ks[:, None] * DV + vs[None, :])
     smask = kmask[:, None] & vmask[None, :]
     sptr = state_ptr + (slot * HV + h) * DK * DV + tile
-    S = tl.load(sptr, mask=smask, other=0.0)
+    # The roll-back: the state after the last step's first `kept` tokens, from its steps entry or the slot (one of
+    # the two loads is masked off whole). This program reads its tile of the entry before it writes it.
+    kept = tl.load(kept_ptr + row)
+    back = steps_ptr + ((step_slot * (T - 1) + tl.minimum(kept - 1, T - 2)) * HV + h) * DK * DV + tile
+    kept_tile = tile * 0 + kept  # masks of the tile's shape (a scalar in a mask is not taken everywhere)
+    S = tl.load(sptr, mask=smask & (kept_tile >= T), other=0.0) + tl.load(back, mask=smask & (kept_tile < T),
+                                                                           other=0.0)
     for t in tl.static_range(T):
         token = row * T + t
         q = tl.load(mixed_ptr + token * C + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
@@ -310,7 +327,7 @@ def _gdn_verify_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, st
         tl.store(out_ptr + (token * HV + h) * DV + vs, o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
-def gdn_verify(mixed, a, b, A_log, dt_bias, ssm_state, ssm_steps, slots, tokens: int, num_k_heads: int,
+def gdn_verify(mixed, a, b, A_log, dt_bias, ssm_state, ssm_steps, slots, kept, tokens: int, num_k_heads: int,
                head_k_dim: int, head_v_dim: int, cfg: KernelConfig = DEFAULT, block_v: int = 64, num_warps: int = 4):
     """`gdn_verify_reference` in one launch."""
     N, C = mixed.shape
@@ -320,7 +337,7 @@ def gdn_verify(mixed, a, b, A_log, dt_bias, ssm_state, ssm_steps, slots, tokens:
     if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
         a, b = a.contiguous(), b.contiguous()
     _gdn_verify_kernel[(N // tokens, HV, triton.cdiv(head_v_dim, BLOCK_V))](
-        mixed.contiguous(), a, b, A_log, dt_bias, ssm_state, ssm_steps, slots, out,
+        mixed.contiguous(), a, b, A_log, dt_bias, ssm_state, ssm_steps, slots, kept, out,
         C, a.stride(0), ssm_state.shape[0] - 1, ssm_steps.shape[0] - 1, HV, HV // num_k_heads, head_k_dim**-0.5,
         T=tokens, DK=head_k_dim, DV=head_v_dim, KEY_DIM=num_k_heads * head_k_dim,
         BLOCK_K=_pow2(head_k_dim), BLOCK_V=BLOCK_V, num_warps=num_warps, **pdl_options(mixed.device, cfg.pdl),

@@ -142,8 +142,8 @@ class VerifyBatch:
     """A speculative decoding step: T = k + 1 tokens per row (the last accepted token and k drafts), at positions
     start .. start + k. Attention takes each token as a decode row over its own prefix (its K/V are written first,
     so a token sees the row's earlier ones): the split-K decode kernel, which fills the GPU where a prefill's tiles
-    of a few queries would not. The GDN layers step token by token and keep the state after each of the first k
-    tokens (`ModelState.commit_verified` rolls back to it)."""
+    of a few queries would not. The GDN layers start from the state after the tokens each row's last verify step
+    kept (`kept`), step token by token, and keep the state after each of the first k tokens for the next one."""
 
     input_ids: torch.Tensor  # [R*T] long, row-major
     positions: torch.Tensor  # [R*T] long
@@ -152,10 +152,14 @@ class VerifyBatch:
     seq_lens: torch.Tensor  # [R*T] long: each token's position + 1
     slot_mapping: torch.Tensor  # [R*T] long
     tokens_per_row: int
+    # [R] long: tokens of each row's last verify step its GDN state keeps (1 .. T; T: no roll-back), applied as the
+    # verify kernels read the state
+    kept: torch.Tensor | None = None
 
     @classmethod
     def build(cls, token_rows: list[list[int]], starts: list[int], slots: list[int], pages: list[list[int]],
-              page_size: int, trash_page: int, device, width: int | None = None) -> "VerifyBatch":
+              page_size: int, trash_page: int, device, width: int | None = None,
+              kept: list[int] | None = None) -> "VerifyBatch":
         T = len(token_rows[0])
         width = width or max(len(p) for p in pages)
         ids, positions, mapping, table = [], [], [], []
@@ -170,7 +174,8 @@ class VerifyBatch:
             mapping.extend(row_pages[p // page_size] * page_size + p % page_size for p in range(start, start + T))
             table.extend((row_pages + [trash_page] * (width - len(row_pages))) * T)
         longs = upload({"input_ids": ids, "positions": positions, "slots": slots,
-                        "seq_lens": [p + 1 for p in positions], "slot_mapping": mapping}, torch.long, device)
+                        "seq_lens": [p + 1 for p in positions], "slot_mapping": mapping,
+                        "kept": kept or [T] * len(token_rows)}, torch.long, device)
         table_t = upload({"page_table": table}, torch.int32, device)["page_table"].view(-1, width)
         return cls(**longs, page_table=table_t, tokens_per_row=T)
 

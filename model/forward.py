@@ -155,15 +155,15 @@ class Qwen35Shard:
         return self._gdn_output(o, z, p), residual
 
     def _gdn_verify(self, x, residual, p, state: ModelState, batch: VerifyBatch, j: int):
-        """T tokens a row, one recurrent step each; the state after each of the first T - 1 is kept in the
-        verify-step pools for the roll-back."""
+        """T tokens a row, one recurrent step each, from the state the row's last verify step kept (`batch.kept`);
+        the state after each of the first T - 1 goes to the verify-step pools for the next roll-back."""
         cfg, w, la, T = self.cfg, self.w, p + "linear_attn.", batch.tokens_per_row
         mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
         mixed = self.ops.conv1d_verify(mixed, w[la + "conv1d.weight"], state.conv[j], state.conv_steps[j],
-                                       batch.slots, T)
+                                       batch.slots, batch.kept, T)
         o = self.ops.gdn_verify(
-            mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], state.ssm_steps[j], batch.slots, T,
-            self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+            mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], state.ssm_steps[j], batch.slots,
+            batch.kept, T, self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
         )
         return self._gdn_output(o, z, p), residual
 
@@ -236,7 +236,8 @@ class Qwen35Shard:
     @torch.inference_mode()
     def verify_hidden(self, state: ModelState, batch: VerifyBatch) -> torch.Tensor:
         """A speculative step's T tokens a row; the final-normed hidden states [R*T, H], row-major. Each slot's
-        GDN state ends after all T tokens; `ModelState.commit_verified` rolls it back to the accepted ones."""
+        GDN state ends after all T tokens, and after each earlier one in the verify-step pools: the next verify
+        step (`batch.kept`) or `ModelState.commit_verified` rolls it back to the tokens kept."""
         return self._run(batch.input_ids, state, batch)
 
     @torch.inference_mode()

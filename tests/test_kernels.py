@@ -121,17 +121,19 @@ def test_gdn_decode(hk, hv, dk, dv):
 @pytest.mark.parametrize("T", [2, 5])
 @pytest.mark.parametrize("K", [4, 2])
 def test_conv1d_verify_keeps_the_state_after_each_token(T, K):
-    """A verify step's T tokens a row in one launch against T decode steps: outputs, the final state in the slot,
-    the state after each earlier token in the step pool; padding rows touch only the trash entries."""
+    """A verify step's T tokens a row in one launch, from the state its last step kept, against the roll-back and T
+    decode steps: outputs, the final state in the slot, the state after each earlier token in the step pool;
+    padding rows touch only the trash entries."""
     C, S, R = 70, 6, 3
     wide = randn(R * T, C + 20)
     x, w = wide[:, 5 : 5 + C], randn(C, K)  # a strided view, as the fused projection hands it over
     state, steps = randn(S + 1, K - 1, C), randn(S + 1, T - 1, K - 1, C)
     slots = torch.tensor([3, -1, 0], device=DEVICE)
+    kept = torch.tensor([1, T, T - 1], device=DEVICE)  # rows 0 and 2 start from their last step's states
     ref_state, ref_steps = state.clone(), steps.clone()
     with poisoned_outputs():
-        got = conv1d.conv1d_verify(x, w, state, steps, slots, T)
-    ref = conv1d.conv1d_verify_reference(x, w, ref_state, ref_steps, slots, T)
+        got = conv1d.conv1d_verify(x, w, state, steps, slots, kept, T)
+    ref = conv1d.conv1d_verify_reference(x, w, ref_state, ref_steps, slots, kept, T)
     assert rel(got, ref) <= ELEMENTWISE
     assert torch.equal(state[:S], ref_state[:S]) and torch.equal(steps[:S], ref_steps[:S])
 
@@ -147,10 +149,11 @@ def test_gdn_verify_keeps_the_state_after_each_token(T, hk, hv, dk, dv):
     A_log, dt_bias = torch.rand(hv, device=DEVICE) * 2, torch.rand(hv, device=DEVICE)
     state, steps = randn(S + 1, hv, dk, dv), randn(S + 1, T - 1, hv, dk, dv)
     slots = torch.tensor([4, -1, 2], device=DEVICE)
+    kept = torch.tensor([T - 1, 1, T], device=DEVICE)  # row 0 starts from its last step's state, row 2 from its slot
     ref_state, ref_steps = state.clone(), steps.clone()
     with poisoned_outputs():
-        got = gdn.gdn_verify(mixed, a, b, A_log, dt_bias, state, steps, slots, T, hk, dk, dv)
-    ref = gdn.gdn_verify_reference(mixed, a, b, A_log, dt_bias, ref_state, ref_steps, slots, T, hk, dk, dv)
+        got = gdn.gdn_verify(mixed, a, b, A_log, dt_bias, state, steps, slots, kept, T, hk, dk, dv)
+    ref = gdn.gdn_verify_reference(mixed, a, b, A_log, dt_bias, ref_state, ref_steps, slots, kept, T, hk, dk, dv)
     assert rel(got, ref) <= REDUCTION
     assert rel(state[:S], ref_state[:S]) <= REDUCTION and rel(steps[:S], ref_steps[:S]) <= REDUCTION
     assert torch.equal(state[[0, 1, 3]], ref_state[[0, 1, 3]])  # slots no row names are untouched
