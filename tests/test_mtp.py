@@ -320,3 +320,30 @@ def test_capture_check_runs_the_speculative_programs(tiny_ckpt, capsys):
     out = capsys.readouterr().out
     rows = [line.split()[:2] for line in out.splitlines() if line.split()[:1] == ["verify"]]
     assert rows == [["verify", "1"], ["verify", "2"], ["verify", "4"]] and out.strip().endswith("OK")
+
+
+def test_speculation_over_cached_prefixes_keeps_the_tokens(tiny_tp_ckpt):
+    """Prompts that share a system prompt and extend one another, served one after another with the prefix cache
+    (on by default): a speculative engine resumes from the cached prefixes (its head reading the head's KV there)
+    and still emits plain decoding's tokens, at tp 1 and 2."""
+    g = torch.Generator().manual_seed(21)
+    system = torch.randint(0, 300, (70,), generator=g).tolist()
+    turn = system + torch.randint(0, 300, (30,), generator=g).tolist()
+    prompts = [system + [5, 6, 7], system + [8] * 20, turn, turn + [9] * 17, system[:40] + [3] * 9]
+
+    async def serve(**kw):
+        args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20, **kw)
+        async with AsyncEngine(args) as engine:
+            outs = []
+            for i, ids in enumerate(prompts):
+                last = None
+                async for out in engine.generate(ids, _greedy(i % 3)):
+                    last = out
+                outs.append((last.token_ids, last.num_cached_tokens))
+            return outs
+
+    plain = asyncio.run(serve())
+    for tp in (1, 2):
+        spec = asyncio.run(serve(tp=tp, speculative_tokens=3))
+        assert [ids for ids, _ in spec] == [ids for ids, _ in plain]
+        assert [cached for _, cached in spec] == [cached for _, cached in plain] and spec[2][1] > 0
