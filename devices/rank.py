@@ -407,31 +407,28 @@ class RankRuntime:
             return None, None
         first_logits, extra_logits, drafted = outputs
         self.sampling.settle()
-        slots = list(range(n))
-        # The sampler reads rows at a stride of V: the positions' logits as rows of their own (copies).
-        first = self.sampling.draw(first_logits[:n].contiguous(),
-                                   self.sampling.prepare(slots, cmd.decode_token_index, cmd.step_seed))
+        k, slots = self.state.verify_steps, list(range(n))
         free = [i for i in slots if not self.sampling.settings[i].needs_counts]
-        k, extra = self.state.verify_steps, None
-        if free:
-            extra = self.sampling.draw(
-                extra_logits[free].flatten(0, 1),
-                self.sampling.prepare([i for i in free for _ in range(k)],
-                                      [cmd.decode_token_index[i] + j for i in free for j in range(1, k + 1)],
-                                      cmd.step_seed))
-        return first, (extra, free, drafted[:n].clone())
+        # One draw: every row's first position, then the k after it of the free rows (each its own row: the
+        # sampler reads rows at a stride of V). The extra rows' tokens also land in their slots' penalty counts,
+        # which only penalty rows, never among them, read.
+        logits = torch.cat([first_logits[:n], extra_logits[free].flatten(0, 1)])
+        rows = slots + [i for i in free for _ in range(k)]
+        token_index = cmd.decode_token_index + [cmd.decode_token_index[i] + j for i in free for j in range(1, k + 1)]
+        drawn = self.sampling.draw(logits, self.sampling.prepare(rows, token_index, cmd.step_seed))
+        return drawn, (free, drafted[:n].clone())
 
-    def _accept(self, first: list[SampledToken], speculation, step_seed: int) -> list[list[SampledToken]]:
+    def _accept(self, first: list[SampledToken], drawn: list[SampledToken], speculation,
+                step_seed: int) -> list[list[SampledToken]]:
         """Each row's drafts kept: draft j while it equals the token drawn at the position before it, and with
-        it the token drawn at its own position. A draft of one token kept or dropped on whether it equals an
-        independent draw from the target's distribution is exactly that distribution's rejection sampling. With
-        an emulated acceptance (benchmarks), draft j is kept with its probability instead."""
-        extra, free, drafted = speculation
+        it the token drawn at its own position (`drawn`: the free rows' k positions after the first, in order). A
+        draft of one token kept or dropped on whether it equals an independent draw from the target's distribution
+        is exactly that distribution's rejection sampling. With an emulated acceptance (benchmarks), draft j is
+        kept with its probability instead."""
+        free, drafted = speculation
         k = drafted.shape[1]
         more: list[list[SampledToken]] = [[] for _ in first]
-        if extra is None:
-            return more
-        drawn, drafted = self.sampling.collect(extra), drafted.tolist()
+        drafted = drafted.tolist()
         coin = random.Random(step_seed)
         for n, i in enumerate(free):
             previous = first[i].token
@@ -448,12 +445,14 @@ class RankRuntime:
         """Rank 0: the launched step's tokens, once they are on the host."""
         sampling, cmd = self.sampling, step.cmd
         decode = sampling.collect(step.decode) if step.decode else []
+        n = len(cmd.decode_tokens)
+        decode, drawn = decode[:n], decode[n:]  # a speculative step's draw holds its drafts' positions after
         prefill: list[SampledToken | None] = [None] * len(cmd.prefill)
         if step.prefill:
             last = [i for i, p in enumerate(cmd.prefill) if p.last]
             for i, s in zip(last, sampling.collect(step.prefill)):
                 prefill[i] = s
-        more = self._accept(decode, step.speculation, cmd.step_seed) if step.speculation else []
+        more = self._accept(decode, drawn, step.speculation, cmd.step_seed) if step.speculation else []
         return StepResult(decode, prefill, more)
 
 
@@ -462,11 +461,10 @@ class LaunchedStep:
 
     def __init__(self, runtime: RankRuntime, cmd: StepCommand, decode, prefill, speculation=None) -> None:
         self.runtime, self.cmd, self.decode, self.prefill = runtime, cmd, decode, prefill
-        self.speculation = speculation  # (the drafts' draw, its rows, the drafts) of a speculative step
+        self.speculation = speculation  # a speculative step's (rows without penalties, drafts)
 
     def ready(self) -> bool:
-        extra = self.speculation[0] if self.speculation else None
-        return all(d is None or d.ready() for d in (self.decode, self.prefill, extra))
+        return all(d is None or d.ready() for d in (self.decode, self.prefill))
 
     @torch.inference_mode()
     def finish(self) -> StepResult:
