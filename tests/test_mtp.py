@@ -1,5 +1,13 @@
-"""Speculative decoding with Qwen3.5's multi-token-prediction head: the head against an oracle built from
-transformers' own decoder layer."""
+"""Speculative decoding with Qwen3.5's multi-token-prediction head, on the CPU backend.
+
+- The head against an oracle built from transformers' own decoder layer; the verify step against one-token
+  decodes, and its roll-back against a request that decoded only the kept tokens.
+- Through the engine: greedy and seeded outputs equal decoding without speculation, with the head's drafts
+  (random weights: mostly rejected) and with a controlled drafter (the model's own continuation, corrupted at
+  chosen positions), at tp 1 and 2, across slot moves, stops, the batch limit and cached prefixes.
+"""
+
+import asyncio
 
 import pytest
 import torch
@@ -7,6 +15,7 @@ from helpers import CpuRunner, hf_model, rel_err
 from safetensors.torch import load_file
 
 from deltaserve.model.weights import checkpoint_files
+from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 
 
 def mtp_oracle(ckpt: str, hf, tokens: torch.Tensor, next_token: int) -> torch.Tensor:
@@ -117,10 +126,6 @@ def test_the_verify_step_and_the_head_on_the_triton_ops_match_the_references(tin
 
 
 # The engine ---------------------------------------------------------------------------------------------------------
-
-import asyncio  # noqa: E402
-
-from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams  # noqa: E402
 
 
 def _prompts():
