@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The measurements open issues wait for, in one device call: each stage under its own time limit, its output kept
+# in OUT (default $OUT, else ./gpu-session), a summary line per stage printed. Device time is scarce: put the
+# stages in the order they matter and give the call the whole 600 s.
+#
+#   bash tools/lab/gpu_session.sh [STAGES]     (default: tests,spec,prefix,fewrows)
+#
+# after the device set-up of `docs/benchmarks/log/gpu-2026-12-05.md` (nccl4py from a carried wheel, then
+# `pip install --no-deps --no-build-isolation -e .`).
+#
+# tests   the GPU tests of what changed last (speculation, capture_check's speculative buckets, prefill graphs)
+# spec    #32: the speculative step against a plain one, with the 27B head's published acceptance emulated
+# prefix  #31: the prefix-cache serving rows, cache on and off (tools/lab/prefix_cache_rows.sh)
+# fewrows #30: the few-row kernel's tile sweep, then the batch-8 decode step with it and without it
+set -uo pipefail
+STAGES=${1:-tests,spec,prefix,fewrows}
+DIR=${OUT:-gpu-session}
+mkdir -p "$DIR"
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+
+for stage in ${STAGES//,/ }; do
+  case $stage in
+    tests)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -o log_cli=true --log-cli-level=INFO \
+          -k "speculative or capture_check or prefill_graphs" > "$DIR/tests.log" 2>&1
+      grep -E "passed|failed|speculation k=|on/off" "$DIR/tests.log" | tail -8 ;;
+    spec)
+      timeout 200 python3 -m deltaserve.tools.bench_decode --size 4b --batches 1,8 --speculative-tokens 4 \
+          --acceptance 0.92,0.84,0.65,0.54 > "$DIR/spec.md" 2>&1
+      grep "^| [0-9]" "$DIR/spec.md" ;;
+    prefix)
+      timeout 300 bash tools/lab/prefix_cache_rows.sh /tmp/prefix-rows
+      rm -rf /tmp/prefix-rows/ck4b && tar czf "$DIR/prefix-rows.tgz" -C /tmp prefix-rows ;;
+    fewrows)
+      timeout 120 python3 -m deltaserve.tools.bench_kernels --size 4b --only few_rows --sweeps few_rows \
+          > "$DIR/few_rows.md" 2>&1
+      for n in 16 0; do
+        timeout 120 python3 -m deltaserve.tools.bench_decode --size 4b --batches 1,8 --few-rows $n \
+            > "$DIR/decode-few-rows-$n.md" 2>&1
+        grep "^| [0-9]" "$DIR/decode-few-rows-$n.md" | sed "s/^/few_rows=$n /"
+      done ;;
+    *) echo "unknown stage $stage (tests, spec, prefix, fewrows)"; exit 2 ;;
+  esac
+  stamp "$stage done"
+done
