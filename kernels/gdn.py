@@ -219,6 +219,22 @@ def gdn_verify_reference(mixed, a, b, A_log, dt_bias, ssm_state, ssm_steps, slot
 
 
 @triton.jit
+def _gdn_token(mixed_ptr, a_ptr, b_ptr, token, h, hk, ks, vs, kmask, vmask, C, ab_row_stride, dt_bias, decay_rate,
+               scale, DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr):
+    """One token's recurrence inputs for value head h: l2-normed q (scaled) and k, v, the state's decay exp(g) and
+    the write strength beta (the decode and the verify kernels' shared prologue)."""
+    q = tl.load(mixed_ptr + token * C + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
+    k = tl.load(mixed_ptr + token * C + KEY_DIM + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
+    v = tl.load(mixed_ptr + token * C + 2 * KEY_DIM + h * DV + vs, mask=vmask, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+    a = tl.load(a_ptr + token * ab_row_stride + h).to(tl.float32) + dt_bias
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + token * ab_row_stride + h).to(tl.float32)))
+    return q, k, v, tl.exp(decay_rate * softplus), beta
+
+
+@triton.jit
 def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, out_ptr,
                        C, ab_row_stride, trash, HV, GROUP, scale,
                        DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr,
@@ -234,19 +250,12 @@ def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, sl
     decay_rate = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     slot = tl.load(slot_ptr + row)  # written by the host before the step: safe before the wait
     wait_for_previous_kernel(PDL)
-    q = tl.load(mixed_ptr + row * C + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
-    k = tl.load(mixed_ptr + row * C + KEY_DIM + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
-    v = tl.load(mixed_ptr + row * C + 2 * KEY_DIM + h * DV + vs, mask=vmask, other=0.0).to(tl.float32)
-    q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-    k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-    a = tl.load(a_ptr + row * ab_row_stride + h).to(tl.float32) + dt_bias
-    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-    g = decay_rate * softplus
-    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + row * ab_row_stride + h).to(tl.float32)))
+    q, k, v, decay, beta = _gdn_token(mixed_ptr, a_ptr, b_ptr, row, h, hk, ks, vs, kmask, vmask, C, ab_row_stride,
+                                      dt_bias, decay_rate, scale, DK, DV, KEY_DIM)
     slot = tl.where(slot < 0, trash, slot).to(tl.int64)
     sptr = state_ptr + ((slot * HV + h) * DK + ks[:, None]) * DV + vs[None, :]
     smask = kmask[:, None] & vmask[None, :]
-    S = tl.load(sptr, mask=smask, other=0.0) * tl.exp(g)
+    S = tl.load(sptr, mask=smask, other=0.0) * decay
     predicted = tl.sum(S * k[:, None], axis=0)
     u = (v - predicted) * beta
     S = S + k[:, None] * u[None, :]
@@ -308,15 +317,9 @@ def _gdn_verify_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, st
                                                                            other=0.0)
     for t in tl.static_range(T):
         token = row * T + t
-        q = tl.load(mixed_ptr + token * C + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
-        k = tl.load(mixed_ptr + token * C + KEY_DIM + hk * DK + ks, mask=kmask, other=0.0).to(tl.float32)
-        v = tl.load(mixed_ptr + token * C + 2 * KEY_DIM + h * DV + vs, mask=vmask, other=0.0).to(tl.float32)
-        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
-        a = tl.load(a_ptr + token * ab_row_stride + h).to(tl.float32) + dt_bias
-        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-        beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + token * ab_row_stride + h).to(tl.float32)))
-        S = S * tl.exp(decay_rate * softplus)
+        q, k, v, decay, beta = _gdn_token(mixed_ptr, a_ptr, b_ptr, token, h, hk, ks, vs, kmask, vmask, C,
+                                          ab_row_stride, dt_bias, decay_rate, scale, DK, DV, KEY_DIM)
+        S = S * decay
         u = (v - tl.sum(S * k[:, None], axis=0)) * beta
         S = S + k[:, None] * u[None, :]
         if t < T - 1:
