@@ -269,15 +269,15 @@ class RankRuntime:
 
         decode_draw = prefill_draw = speculation = None
         n = len(cmd.decode_tokens)
-        if n and self.speculation:
-            self.speculation.fill(cmd, self.state.verify_steps + 1)
-        if n and self.speculates(cmd.bucket):
+        if n:
             self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
+            if self.speculation:
+                self.speculation.fill(cmd, self.state.verify_steps + 1)
+        if n and self.speculates(cmd.bucket):
             decode_draw, speculation = self._speculative_decode(cmd, replay)
             if replay:
                 on_launched()
         elif n:
-            self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
             if self.sampling:
                 # Before this step reads them: a row the step before drew may have been flagged (the logits it is
                 # drawn again from are also the graph's, which this step overwrites).
