@@ -194,7 +194,10 @@ class Replica:
 
     @property
     def buckets(self) -> list[int]:
-        return [b for b in self.spec.buckets if b <= self.plan.largest_bucket]
+        """Decode buckets up to the plan's largest, clamped to its batch: where memory lowered the batch below the
+        largest bucket's size, that bucket holds exactly the batch (the fixed inputs have a row per decode slot)."""
+        most = self.plan.max_batch
+        return sorted({min(b, most) for b in self.spec.buckets if b <= self.plan.largest_bucket})
 
     @property
     def prefill_buckets(self) -> list[int]:

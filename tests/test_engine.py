@@ -77,6 +77,24 @@ def test_seeded_request_is_the_same_alone_and_in_a_batch(tiny_ckpt):
     assert len(set(alone.token_ids)) > 3  # actually sampled, not stuck on one token
 
 
+def test_a_batch_lowered_to_fit_memory_fills_its_last_bucket(tiny_ckpt):
+    # 3 MiB fits 5 rows where 8 were asked: the largest bucket (8) is cut to 5, and a step of 5 rows runs.
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt, max_batch=8, cpu_memory_bytes=3 << 20,
+                                           enable_prefix_caching=False)) as engine:
+            plan = engine.replica.plan
+            prompts = [[7 + i, 40 + 3 * i, 99] for i in range(plan.max_batch)]
+            crowded = await asyncio.gather(*[collect(engine.generate(p, SamplingParams(
+                max_tokens=12, ignore_eos=True, **GREEDY))) for p in prompts])
+            alone = [await collect(engine.generate(p, SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY)))
+                     for p in prompts]
+            return plan.max_batch, engine.replica.buckets, crowded, alone
+
+    rows, buckets, crowded, alone = run(main())
+    assert rows in (3, 5, 6, 7) and buckets[-1] == rows, (rows, buckets)  # between two default buckets
+    assert [c.token_ids for c in crowded] == [a.token_ids for a in alone]
+
+
 def test_64_concurrent_streams_with_cancellations_free_everything(tiny_ckpt):
     async def consume(engine, i):
         params = SamplingParams(max_tokens=4 + (i * 7) % 29, temperature=0.8, seed=i, ignore_eos=True)
