@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes: per-kernel time of the graph replay, and the gaps between kernels.
 
     python -m deltaserve.tools.lab.profile_decode --size 4b [--layers N] [--batches 1,64] [--context 1024] [--top 25] [--pdl off]
+        [--speculative-tokens K]
 
 Random bf16 weights (generated on the device), tp = 1. For each batch size the decode graph is replayed under
 the torch profiler; kernels are grouped by name, with calls and GPU microseconds per step. "busy" is the sum of
@@ -8,7 +9,8 @@ kernel times of one step, "step" the replay time from CUDA events, and their dif
 between kernels (launch latency, ramp and tail), which fusing kernels removes. With programmatic dependent launch
 on (the default on sm90), each kernel starts while the one before drains and waits for it inside: its time then
 holds that wait, and "between kernels" can turn negative (-872 us for the 4B batch-1 step in run L5, decode.md).
-`--pdl off` gives each kernel's own time.
+`--pdl off` gives each kernel's own time. With `--speculative-tokens K` the replayed graph is the speculative step
+(the MTP head's K drafts, then the verify forward of K + 1 rows a request).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def report(result: dict, top: int) -> str:
 
 async def run(ns) -> list[dict]:
     batches = [int(b) for b in ns.batches.split(",")]
-    async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns)) as engine:
+    async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns),
+                           speculative_tokens=ns.speculative_tokens) as engine:
         replica = engine.replica
         out = []
         for rows in batches:
@@ -82,6 +85,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser, batches="1,64")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                        help="profile the speculative step of K drafts a row")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():

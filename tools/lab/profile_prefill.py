@@ -46,7 +46,7 @@ async def run(ns) -> list[dict]:
         write_checkpoint(folder, ns.size, layers=ns.layers, weights=False)
         args = EngineArgs(model=folder, device="cuda", load_format="random", max_batch=1, buckets=[1],
                           max_model_len=max(lengths) + 8, prefill_slots=1, prefill_token_budget=max(lengths),
-                          warmup=False, stats_interval_s=0, enable_prefix_caching=False,  # every prefill whole
+                          warmup=False, stats_interval_s=0, enable_prefix_caching=ns.enable_prefix_caching,
                           prefill_graph_tokens=ns.prefill_graph_tokens)
         async with AsyncEngine(args) as engine:
             for n in lengths:
@@ -102,6 +102,8 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=12, help="kernel names to list, by launches")
     parser.add_argument("--prefill-graph-tokens", type=int, default=EngineArgs.prefill_graph_tokens,
                         help="one-chunk prefills up to this many tokens replay a captured graph (0: none)")
+    parser.add_argument("--enable-prefix-caching", action="store_true",
+                        help="with the prefix cache on (every prompt differs: what a miss costs)")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="also profile rank 0's host time in a prefill of N tokens")
     ns = parser.parse_args(argv)
