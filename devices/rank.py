@@ -412,7 +412,15 @@ class RankRuntime:
         # One draw: every row's first position, then the k after it of the free rows (each its own row: the
         # sampler reads rows at a stride of V). The extra rows' tokens also land in their slots' penalty counts,
         # which only penalty rows, never among them, read.
-        logits = torch.cat([first_logits[:n], extra_logits[free].flatten(0, 1)])
+        # Nothing here may wait for the forward: the sampler's launches then queue behind it. A host index list
+        # would be copied from pageable memory, which waits for the stream.
+        extra = extra_logits[:n]
+        if len(free) < n:
+            index = torch.tensor(free, dtype=torch.long)
+            if extra.is_cuda:
+                index = index.pin_memory()
+            extra = extra.index_select(0, index.to(extra.device, non_blocking=True))
+        logits = torch.cat([first_logits[:n], extra.flatten(0, 1)])
         rows = slots + [i for i in free for _ in range(k)]
         token_index = cmd.decode_token_index + [cmd.decode_token_index[i] + j for i in free for j in range(1, k + 1)]
         drawn = self.sampling.draw(logits, self.sampling.prepare(rows, token_index, cmd.step_seed))

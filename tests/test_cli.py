@@ -117,7 +117,7 @@ def test_help_version_and_vllm_names(capsys):
     assert args.async_scheduling and cli.engine_args(parser.parse_args([])).async_scheduling  # on by default
     assert not cli.engine_args(parser.parse_args(["--no-async-scheduling"])).async_scheduling
     assert cli.engine_args(parser.parse_args([])).enable_prefix_caching  # on by default
-    assert cli.engine_args(parser.parse_args([])).prefill_graph_tokens == 1024
+    assert cli.engine_args(parser.parse_args([])).prefill_graph_tokens == 2048
     assert cli.engine_args(parser.parse_args(["--prefill-graph-tokens", "512"])).prefill_graph_tokens == 512
     cache_off = cli.engine_args(parser.parse_args(["--no-enable-prefix-caching", "--prefix-cache-state-gib", "2.5"]))
     assert (cache_off.enable_prefix_caching, cache_off.prefix_cache_state_gib) == (False, 2.5)

@@ -3,7 +3,9 @@
 # cache on, then off, each running the same `deltaserve bench serve` rows. Results (JSON per row, server logs) go
 # to OUT (default ./prefix-cache-rows); one summary line per row is printed.
 #
-#   bash tools/lab/prefix_cache_rows.sh [OUT] [extra serve flags, e.g. --prefill-graph-tokens 1024]
+#   [ROWS="c1 turns"] bash tools/lab/prefix_cache_rows.sh [OUT] [extra serve flags, e.g. --prefill-graph-tokens 1024]
+#
+# ROWS picks rows and their order (default: shared turns c64 c1).
 set -uo pipefail
 OUT=${1:-prefix-cache-rows}; shift || true
 mkdir -p "$OUT"
@@ -39,12 +41,18 @@ PY
 
 rows() {  # the rows, each name suffixed
   local s=$1
-  bench "shared$s" --dataset-name prefix_repetition --prefix-repetition-prefix-len 4096 \
-      --prefix-repetition-suffix-len 100 --prefix-repetition-num-prefixes 1 --prefix-repetition-output-len 128 \
-      --num-prompts 64 --max-concurrency 16
-  bench "turns$s" --multi-turn 8 --num-prompts 3 --max-concurrency 1 --random-input-len 1024 --random-output-len 64
-  bench "c64$s" --num-prompts 256 --max-concurrency 64 --random-input-len 512 --random-output-len 256
-  bench "c1$s" --num-prompts 16 --max-concurrency 1 --random-input-len 512 --random-output-len 256
+  for row in ${ROWS:-shared turns c64 c1}; do
+    case $row in
+      shared) bench "shared$s" --dataset-name prefix_repetition --prefix-repetition-prefix-len 4096 \
+          --prefix-repetition-suffix-len 100 --prefix-repetition-num-prefixes 1 --prefix-repetition-output-len 128 \
+          --num-prompts 64 --max-concurrency 16 ;;
+      turns) bench "turns$s" --multi-turn 8 --num-prompts 3 --max-concurrency 1 --random-input-len 1024 \
+          --random-output-len 64 ;;
+      c64) bench "c64$s" --num-prompts 256 --max-concurrency 64 --random-input-len 512 --random-output-len 256 ;;
+      c1) bench "c1$s" --num-prompts 16 --max-concurrency 1 --random-input-len 512 --random-output-len 256 ;;
+      *) echo "unknown row $row (shared, turns, c64, c1)"; exit 2 ;;
+    esac
+  done
 }
 
 serve on "$@"; rows ""; kill -INT $SERVER; wait $SERVER

@@ -1,6 +1,7 @@
 """Where a decode step's wall time goes when it runs through the engine, against the step on the GPU.
 
     python -m deltaserve.tools.lab.profile_engine_step --size 4b [--layers N] [--batches 1,64] [--context 1024]
+        [--speculative-tokens K [--acceptance P1,...]]
 
 Random bf16 weights on a CUDA device (`tools.bench_decode`'s engine), tp = 1. For each batch size, `rows` greedy
 requests stream through `engine.generate` (as in bench_decode's engine column, but without overlap scheduling: one
@@ -96,8 +97,10 @@ class StepTimer:
 
 async def run(ns) -> None:
     batches = [int(b) for b in ns.batches.split(",")]
+    acceptance = tuple(float(p) for p in ns.acceptance.split(",")) if ns.acceptance else None
     async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns),
-                           async_scheduling=False) as engine:
+                           async_scheduling=False, speculative_tokens=ns.speculative_tokens,
+                           speculative_acceptance=acceptance) as engine:
         print("| batch | engine step ms | execute ms | sample ms (launch to read-back) | gap between executes ms "
               "| of it, to the hand-off ms | of it, hand-off to rank 0's start ms |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
@@ -140,6 +143,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser, batches="1,64")
     parser.add_argument("--host-profile", action="store_true", help="also cProfile rank 0's thread at the first batch")
+    parser.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                        help="the speculative step of K drafts a row (steps then yield up to K + 1 tokens a row)")
+    parser.add_argument("--acceptance", default=None, metavar="P1,...",
+                        help="with --speculative-tokens: emulate a trained head's acceptance per draft position")
     ns = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_engine_step needs a CUDA device")
