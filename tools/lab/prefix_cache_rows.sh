@@ -40,16 +40,17 @@ PY
 }
 
 rows() {  # the rows, each name suffixed
-  local s=$1
+  local s=$1  # each row its own prompts (--seed): a row must not hit the prompts of the rows before it
   for row in ${ROWS:-shared turns c64 c1}; do
     case $row in
       shared) bench "shared$s" --dataset-name prefix_repetition --prefix-repetition-prefix-len 4096 \
           --prefix-repetition-suffix-len 100 --prefix-repetition-num-prefixes 1 --prefix-repetition-output-len 128 \
-          --num-prompts 64 --max-concurrency 16 ;;
+          --num-prompts 64 --max-concurrency 16 --seed 1 ;;
       turns) bench "turns$s" --multi-turn 8 --num-prompts 3 --max-concurrency 1 --random-input-len 1024 \
-          --random-output-len 64 ;;
-      c64) bench "c64$s" --num-prompts 256 --max-concurrency 64 --random-input-len 512 --random-output-len 256 ;;
-      c1) bench "c1$s" --num-prompts 16 --max-concurrency 1 --random-input-len 512 --random-output-len 256 ;;
+          --random-output-len 64 --seed 2 ;;
+      c64) bench "c64$s" --num-prompts 256 --max-concurrency 64 --random-input-len 512 --random-output-len 256 \
+          --seed 3 ;;
+      c1) bench "c1$s" --num-prompts 16 --max-concurrency 1 --random-input-len 512 --random-output-len 256 --seed 4 ;;
       *) echo "unknown row $row (shared, turns, c64, c1)"; exit 2 ;;
     esac
   done
