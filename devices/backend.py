@@ -73,7 +73,7 @@ class RankBackend(Protocol):
 
     def capture_prefill(self, programs: dict[int, GraphProgram], progress: bool,
                         prepare: Callable[[int], None]) -> StepGraphs | None:
-        """Capture each bucket's padded one-chunk prefill program, `prepare(bucket)` first (None: this device has
+        """Capture each bucket's padded prefill program, `prepare(bucket)` first (None: this device has
         no graphs)."""
 
     def close(self) -> None: ...

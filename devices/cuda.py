@@ -1,5 +1,5 @@
 """The CUDA device backend: a stream per rank made with cuda-python, the Triton ops, raw CUDA graphs of decode
-steps and of one-chunk prefill steps, NCCL collectives.
+steps and of prefill steps, NCCL collectives.
 
 Graph capture uses the runtime API directly (cudaStreamBeginCapture in thread-local mode, EndCapture,
 Instantiate, Launch): other ranks' threads keep allocating and launching while one captures. Torch allocations

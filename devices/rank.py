@@ -3,7 +3,7 @@
 Slots: state slots 0..max_batch-1 are the dense decode slots, max_batch.. the prefill slots, then the prefix
 cache's snapshot slots and the trash slot. The decode page table, positions and token inputs live in fixed-address
 buffers sized for the largest bucket, so a captured CUDA graph reads each step's inputs from the same addresses;
-so do a one-chunk prefill's, padded to a bucket of tokens (`PrefillInputs`).
+so do a prefill step's chunks, padded to a bucket of tokens (`PrefillInputs`).
 """
 
 from __future__ import annotations
@@ -155,21 +155,21 @@ class RankRuntime:
             torch.zeros(state.num_slots + 1, dtype=torch.long, device=device)
         self.speculation = SpeculationInputs(max_batch, state.verify_steps, device) if state.verify_steps else None
 
-    def prefill_programs(self, buckets: list[int]) -> dict[int, GraphProgram]:
-        """For each bucket of tokens, a one-chunk prefill over the fixed inputs and the state, padded to the
-        bucket: what a prefill graph captures. A program reads what a fill for its bucket wrote
+    def prefill_programs(self, buckets: list[int], requests: int = 1) -> dict[int, GraphProgram]:
+        """For each bucket of tokens, a prefill of up to `requests` chunks over the fixed inputs and the state,
+        padded to the bucket: what a prefill graph captures. A program reads what a fill for its bucket wrote
         (`prefill_inputs.fill`, or `fill_inert` before a capture)."""
         state = self.state
         self.prefill_inputs = PrefillInputs(max(buckets), self.inputs.width, state.trash_slot, state.trash_page,
-                                            state.page_size, self.device)
+                                            state.page_size, self.device, requests=requests)
         model = self.model
         return {b: (lambda batch=self.prefill_inputs.batch(b): model.prefill(state, batch)) for b in buckets}
 
     def _prefill_bucket(self, chunks: list[PrefillChunk]) -> int:
-        """The smallest captured bucket a step's prefill fits (one chunk), or 0."""
-        if self.prefill_graphs is None or len(chunks) != 1:
+        """The smallest captured bucket a step's prefill chunks fit together, or 0."""
+        if self.prefill_graphs is None:
             return 0
-        return next((b for b in self.prefill_graphs.buckets if self.prefill_inputs.fits(chunks[0], b)), 0)
+        return next((b for b in self.prefill_graphs.buckets if self.prefill_inputs.fits(chunks, b)), 0)
 
     def decode_programs(self, buckets: list[int]) -> dict[int, GraphProgram]:
         """For each bucket, its decode step over the fixed inputs and the state: what a graph captures (with
@@ -308,10 +308,11 @@ class RankRuntime:
             chunks = [PrefillChunk(p.token_ids, p.start, p.slot, p.pages) for p in cmd.prefill]
             bucket = self._prefill_bucket(chunks)
             if bucket:
-                if chunks[0].start == 0:
-                    self.state.reset_slot(chunks[0].slot)
-                self.prefill_inputs.fill(chunks[0], bucket)
-                prefill_logits = self.prefill_graphs(bucket)  # row 0 is the chunk's, row 1 the padding's
+                for c in chunks:
+                    if c.start == 0:
+                        self.state.reset_slot(c.slot)
+                self.prefill_inputs.fill(chunks, bucket)
+                prefill_logits = self.prefill_graphs(bucket)  # row i is chunk i's, the rest the padding's
             else:
                 batch = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
                 if self.state.verify_steps:

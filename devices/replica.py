@@ -59,8 +59,8 @@ class ReplicaSpec:
     kernel_config: KernelConfig | None = None  # cuda: the Triton ops' launch choices (None: the defaults)
     # Per rank, for the prefix cache's state snapshots; None: SNAPSHOT_FRACTION of the memory after the weights.
     snapshot_bytes: int | None = 0
-    # With graphs: one-chunk prefills of up to this many tokens replay a graph captured per bucket (0: none).
-    prefill_graph_tokens: int = 1024
+    # With graphs: prefill steps of up to this many tokens replay a graph captured per bucket (0: none).
+    prefill_graph_tokens: int = 2048
     # Speculative decoding with the checkpoint's MTP head: k drafts a decode row (0: off).
     speculative_tokens: int = 0
     speculative_acceptance: tuple[float, ...] | None = None  # benchmarks: EngineArgs.speculative_acceptance
@@ -203,7 +203,7 @@ class Replica:
 
     @property
     def prefill_buckets(self) -> list[int]:
-        """Captured one-chunk prefill sizes (none without graphs): at most a step's prompt tokens."""
+        """Captured prefill sizes in tokens (none without graphs): at most a step's prompt tokens."""
         if not self._graphs or self.spec.speculative_tokens:  # the head's pass over the prompt is not captured
             return []
         return prefill_graph_buckets(min(self.spec.prefill_graph_tokens, self.spec.prefill_token_budget))
@@ -250,7 +250,7 @@ class Replica:
             r.backend.warm_up_collective()
             r.runtime.graphs = r.backend.capture_decode(r.runtime.decode_programs(self.buckets), progress=rank == 0)
             if self.prefill_buckets:
-                programs = r.runtime.prefill_programs(self.prefill_buckets)
+                programs = r.runtime.prefill_programs(self.prefill_buckets, self.plan.prefill_slots)
                 r.runtime.prefill_graphs = r.backend.capture_prefill(programs, progress=rank == 0,
                                                                      prepare=r.runtime.prefill_inputs.fill_inert)
 

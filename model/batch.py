@@ -181,66 +181,71 @@ class VerifyBatch:
 
 
 class PrefillInputs:
-    """Fixed-address inputs of a one-chunk prefill padded to a bucket of tokens, what a prefill CUDA graph reads:
-    request 0 is the chunk, request 1 pads the bucket in the trash slot and page (no tokens when the chunk fills
-    it: the kernels skip an empty request). Each bucket's batch is a view of the same two buffers, so a graph
-    captured over `batch(bucket)` reads what `fill` writes."""
+    """Fixed-address inputs of a prefill of up to `requests` chunks padded to a bucket of tokens, what a prefill
+    CUDA graph reads: requests 0.. are the chunks, the next pads the bucket in the trash slot and page, and the rest
+    (up to `requests` + 1) are empty there (the kernels skip an empty request). Each bucket's batch is a view of the
+    same two buffers, so a graph captured over `batch(bucket)` reads what `fill` writes."""
 
-    def __init__(self, tokens: int, width: int, trash_slot: int, trash_page: int, page_size: int, device) -> None:
+    def __init__(self, tokens: int, width: int, trash_slot: int, trash_page: int, page_size: int, device,
+                 requests: int = 1) -> None:
         self.tokens, self.width, self.page_size = tokens, width, page_size
         self.trash_slot, self.trash_page = trash_slot, trash_page
+        self.requests = requests
+        R = requests + 1
         # Each view's offset in its flat buffer (int64 or int32), the same for every bucket.
         self._views: dict[str, tuple[torch.dtype, int]] = {}
         sizes = {torch.long: 0, torch.int32: 0}
         for name, dtype, n in (("input_ids", torch.long, tokens), ("positions", torch.long, tokens),
-                               ("slot_mapping", torch.long, tokens), ("slots", torch.long, 2),
-                               ("context_lens", torch.long, 2), ("last_token", torch.long, 2),
-                               ("cu_seqlens", torch.int32, 3), ("page_table", torch.int32, 2 * width),
-                               ("spans", torch.int32, 2 * self.chunks(tokens)), ("first", torch.int32, 3)):
+                               ("slot_mapping", torch.long, tokens), ("slots", torch.long, R),
+                               ("context_lens", torch.long, R), ("last_token", torch.long, R),
+                               ("cu_seqlens", torch.int32, R + 1), ("page_table", torch.int32, R * width),
+                               ("spans", torch.int32, 2 * self.chunks(tokens)), ("first", torch.int32, R + 1)):
             self._views[name] = (dtype, sizes[dtype])
             sizes[dtype] += -(-n // ALIGN) * ALIGN
         self._flat = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
         self._no_fresh = torch.zeros(0, dtype=torch.long, device=device)
         self.fill_inert(tokens)
 
-    @staticmethod
-    def chunks(bucket: int) -> int:
-        """GDN chunks of a padded batch: the chunk's ceil(L / 64) and the padding's ceil((bucket - L) / 64) add up
-        to at most this; the padding request takes the rest as empty chunks."""
-        return -(-bucket // GDN_CHUNK) + 1
+    def chunks(self, bucket: int) -> int:
+        """GDN chunks of a padded batch: each request's ceil(L / 64) add up to at most this (a request boundary
+        splits at most one chunk in two); the last request takes the rest as empty chunks."""
+        return -(-bucket // GDN_CHUNK) + self.requests
 
     def _view(self, name: str, n: int) -> torch.Tensor:
         dtype, offset = self._views[name]
         return self._flat[dtype][offset : offset + n]
 
     def batch(self, bucket: int) -> PrefillBatch:
-        n = self.chunks(bucket)
+        n, R = self.chunks(bucket), self.requests + 1
         return PrefillBatch(
             input_ids=self._view("input_ids", bucket), positions=self._view("positions", bucket),
-            cu_seqlens=self._view("cu_seqlens", 3), slots=self._view("slots", 2),
-            context_lens=self._view("context_lens", 2),
-            page_table=self._view("page_table", 2 * self.width).view(2, self.width),
-            slot_mapping=self._view("slot_mapping", bucket), last_token=self._view("last_token", 2),
+            cu_seqlens=self._view("cu_seqlens", R + 1), slots=self._view("slots", R),
+            context_lens=self._view("context_lens", R),
+            page_table=self._view("page_table", R * self.width).view(R, self.width),
+            slot_mapping=self._view("slot_mapping", bucket), last_token=self._view("last_token", R),
             fresh_slots=self._no_fresh,
-            gdn_chunks=GdnChunks(self._view("spans", 2 * n).view(n, 2), self._view("first", 3)),
+            gdn_chunks=GdnChunks(self._view("spans", 2 * n).view(n, 2), self._view("first", R + 1)),
         )
 
     def fill_inert(self, bucket: int) -> None:
         """Inputs for `bucket` that touch only the trash slot and page (a program's runs before its capture). Each
         bucket's batch reads what only a fill for that bucket writes: the request bounds and GDN chunks."""
-        self.fill(PrefillChunk([0], 0, self.trash_slot, [self.trash_page]), bucket)
+        self.fill([PrefillChunk([0], 0, self.trash_slot, [self.trash_page])], bucket)
 
-    def fits(self, chunk: PrefillChunk, bucket: int) -> bool:
-        return 0 < len(chunk.token_ids) <= bucket <= self.tokens and len(chunk.pages) <= self.width
+    def fits(self, chunks: list[PrefillChunk], bucket: int) -> bool:
+        return (0 < len(chunks) <= self.requests and all(c.token_ids and len(c.pages) <= self.width for c in chunks)
+                and sum(len(c.token_ids) for c in chunks) <= bucket <= self.tokens)
 
-    def fill(self, chunk: PrefillChunk, bucket: int) -> None:
-        """Write the chunk and the padding request up to `bucket`: one non-blocking copy per buffer, from pinned
+    def fill(self, chunks: list[PrefillChunk], bucket: int) -> None:
+        """Write the chunks and the padding requests up to `bucket`: one non-blocking copy per buffer, from pinned
         memory made for this fill (a buffer reused while its last copy is in flight would change under it)."""
-        ps, n, pad = self.page_size, len(chunk.token_ids), bucket - len(chunk.token_ids)
-        if not self.fits(chunk, bucket):
-            raise ValueError(f"a chunk of {n} tokens and {len(chunk.pages)} pages does not fit bucket {bucket} "
-                             f"(at most {self.tokens} tokens and {self.width} pages)")
-        chunk.check_pages(ps)
+        ps, R = self.page_size, self.requests + 1
+        if not self.fits(chunks, bucket):
+            raise ValueError(f"{len(chunks)} chunks of {sum(len(c.token_ids) for c in chunks)} tokens do not fit "
+                             f"bucket {bucket} (at most {self.requests} chunks of at least one token and "
+                             f"{self.width} pages, {self.tokens} tokens)")
+        for c in chunks:
+            c.check_pages(ps)
         host = {dtype: torch.zeros(flat.shape, dtype=dtype) for dtype, flat in self._flat.items()}
 
         def put(name: str, values) -> None:
@@ -248,18 +253,25 @@ class PrefillInputs:
             values = torch.as_tensor(values, dtype=dtype)
             host[dtype][offset : offset + len(values)] = values
 
-        real = torch.arange(chunk.start, chunk.start + n)
-        padding = torch.arange(pad)
-        pages = torch.tensor(chunk.pages, dtype=torch.long)
-        put("input_ids", chunk.token_ids)
-        put("positions", torch.cat([real, padding]))
-        put("slot_mapping", torch.cat([pages[real // ps] * ps + real % ps, self.trash_page * ps + padding % ps]))
-        put("slots", [chunk.slot, self.trash_slot])
-        put("context_lens", [chunk.start, 0])
-        put("last_token", [n - 1, bucket - 1])  # the padding's row is computed, never read
-        put("cu_seqlens", [0, n, bucket])
-        put("page_table", list(chunk.pages) + [self.trash_page] * (2 * self.width - len(chunk.pages)))
-        spans, first = GdnChunks.layout([0, n, bucket])
+        cu, positions, mapping = [0], [], []
+        for c in chunks:
+            real = torch.arange(c.start, c.start + len(c.token_ids))
+            positions.append(real)
+            mapping.append(torch.tensor(c.pages, dtype=torch.long)[real // ps] * ps + real % ps)
+            cu.append(cu[-1] + len(c.token_ids))
+        padding = torch.arange(bucket - cu[-1])
+        empty = R - len(chunks) - 1  # requests after the padding's, in the trash slot with no tokens
+        put("input_ids", [t for c in chunks for t in c.token_ids])
+        put("positions", torch.cat(positions + [padding]))
+        put("slot_mapping", torch.cat(mapping + [self.trash_page * ps + padding % ps]))
+        put("slots", [c.slot for c in chunks] + [self.trash_slot] * (empty + 1))
+        put("context_lens", [c.start for c in chunks] + [0] * (empty + 1))
+        put("last_token", [e - 1 for e in cu[1:]] + [bucket - 1] * (empty + 1))  # padding rows: never read
+        cu += [bucket] * (empty + 1)
+        put("cu_seqlens", cu)
+        table = [p for c in chunks for p in c.pages + [self.trash_page] * (self.width - len(c.pages))]
+        put("page_table", table + [self.trash_page] * (R * self.width - len(table)))
+        spans, first = GdnChunks.layout(cu)
         spans += [bucket, bucket] * (self.chunks(bucket) - first[-1])
         first[-1] = self.chunks(bucket)
         put("spans", spans)

@@ -20,7 +20,7 @@ class EngineArgs:
     max_batch: int = 32  # decode rows (lowered at start-up if memory is short)
     max_model_len: int | None = None  # default: min(config max_position_embeddings, 32768)
     cuda_graph: bool = True
-    # With graphs, one-chunk prefills of up to this many tokens replay a graph (captured at 16, 32, ... 512, then
+    # With graphs, prefill steps of up to this many tokens replay a graph (captured at 16, 32, ... 512, then
     # every 256 tokens): a 512-token prefill's TTFT fell from 29.8 to 12.4 ms (H100, run S2); 0: none.
     prefill_graph_tokens: int = 2048
     seed: int = 0

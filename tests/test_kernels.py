@@ -527,10 +527,10 @@ def test_a_padded_one_chunk_prefill_equals_the_chunk_alone(tiny_ckpt, start, n, 
         t.copy_(saved)
 
     inputs = PrefillInputs(128, 12, state.trash_slot, state.trash_page, PAGE_SIZE, DEVICE)
-    assert not inputs.fits(PrefillChunk(list(range(bucket + 1)), 0, 3, pages), bucket)
+    assert not inputs.fits([PrefillChunk(list(range(bucket + 1)), 0, 3, pages)], bucket)
     if start == 0:
         state.reset_slot(3)  # the rank does this before the replay (a graph's batch has no fresh slots)
-    inputs.fill(chunk, bucket)
+    inputs.fill([chunk], bucket)
     padded = runner.model.prefill(state, inputs.batch(bucket))
     assert padded.shape[0] == 2
     assert rel(padded[0], alone[0]) <= REDUCTION
@@ -542,3 +542,46 @@ def test_a_padded_one_chunk_prefill_equals_the_chunk_alone(tiny_ckpt, start, n, 
     assert torch.equal(ssm[:, others], ssm_a[:, others]) and torch.equal(conv[:, others], conv_a[:, others])
     untouched = [p for p in range(state.num_pages) if p not in pages]
     assert torch.equal(k[:, untouched], k_a[:, untouched])
+
+
+def test_packed_chunks_padded_to_a_bucket_equal_them_unpadded(tiny_ckpt):
+    """A prefill graph's step of several chunks (one resuming after its cached prefix): three chunks in inputs for
+    up to four, padded to 64 tokens by a request in the trash slot and an empty one. Each chunk's logits, its
+    slot's state and its KV pages equal those of the same chunks packed without padding; nothing else changes."""
+    from helpers import CpuRunner
+
+    from deltaserve.model.batch import PrefillBatch, PrefillChunk, PrefillInputs
+    from deltaserve.model.state import PAGE_SIZE
+
+    runner = CpuRunner(tiny_ckpt, ops=triton_ops(), device=DEVICE)
+    state = runner.state
+    resumed = [(5 * i) % 400 + 9 for i in range(20 + 13)]
+    runner.prefill({2: resumed[:20]})
+    chunks = [PrefillChunk(resumed[20:], 20, 2, runner._ensure_pages(2, 33))]
+    for slot, n in ((3, 21), (4, 9)):
+        chunks.append(PrefillChunk([(11 * i + slot) % 300 + 4 for i in range(n)], 0, slot,
+                                   runner._ensure_pages(slot, n)))
+    tensors = (state.conv, state.ssm, state.k_cache, state.v_cache)
+    before = [t.clone() for t in tensors]
+    packed = runner.model.prefill(state, PrefillBatch.build(chunks, PAGE_SIZE, state.trash_page, DEVICE))
+    after_packed = [t.clone() for t in tensors]
+    for t, saved in zip(tensors, before):
+        t.copy_(saved)
+
+    inputs = PrefillInputs(64, 12, state.trash_slot, state.trash_page, PAGE_SIZE, DEVICE, requests=4)
+    assert not inputs.fits(chunks, 32) and not inputs.fits(chunks * 2, 64)  # too many tokens; too many chunks
+    for c in chunks[1:]:
+        state.reset_slot(c.slot)
+    inputs.fill(chunks, 64)
+    padded = runner.model.prefill(state, inputs.batch(64))
+    assert padded.shape[0] == 5
+    assert rel(padded[:3], packed) <= REDUCTION
+    slots, pages = [2, 3, 4], sorted({p for c in chunks for p in c.pages})
+    for now, want in zip(tensors[:2], after_packed[:2]):
+        assert rel(now[:, slots], want[:, slots]) <= REDUCTION
+        others = [s for s in range(state.num_slots) if s not in slots]
+        assert torch.equal(now[:, others], want[:, others])
+    for now, want in zip(tensors[2:], after_packed[2:]):
+        assert rel(now[:, pages], want[:, pages]) <= REDUCTION
+        assert torch.equal(now[:, [p for p in range(state.num_pages) if p not in pages]],
+                           want[:, [p for p in range(state.num_pages) if p not in pages]])

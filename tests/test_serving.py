@@ -150,9 +150,9 @@ class EagerPrograms:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_one_chunk_prefills_padded_to_a_bucket_change_no_output(tiny_tp_ckpt, tp):
-    """Prefills of one chunk go through the padded fixed inputs a prefill graph reads, the others eagerly: the same
-    tokens and log-probs (1e-5) as every prefill eager. Prompts from 1 token to several chunks, some resuming after
-    a cached prefix, arriving together and one by one."""
+    """Prefills that fit a bucket (one chunk or several packed) go through the padded fixed inputs a prefill graph
+    reads, the others eagerly: the same tokens and log-probs (1e-5) as every prefill eager. Prompts from 1 token to
+    several chunks, some resuming after a cached prefix, arriving together and one by one."""
     prompts = [prompt_of(n, 700 + n) for n in (1, 15, 16, 40, 64, 100)]
     prompts += [prompts[3] + prompt_of(20, 9), prompts[5][:50] + prompt_of(7, 10)]  # cached prefixes
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
@@ -163,13 +163,17 @@ def test_one_chunk_prefills_padded_to_a_bucket_change_no_output(tiny_tp_ckpt, tp
             programs = []
             if padded:
                 for r in engine.replica.ranks:
-                    r.runtime.prefill_graphs = EagerPrograms(r.runtime.prefill_programs([16, 32, 64]))
+                    r.runtime.prefill_graphs = EagerPrograms(r.runtime.prefill_programs([16, 32, 64], 2))
                     programs.append(r.runtime.prefill_graphs)
+                    fill = r.runtime.prefill_inputs.fill
+                    r.runtime.prefill_inputs.fill = lambda chunks, bucket, fill=fill: (
+                        packed.append(len(chunks)), fill(chunks, bucket))
             alone = [(await collect(engine.generate(p, params)))[0] for p in prompts]
             together = await asyncio.gather(*[collect(engine.generate(p, params)) for p in prompts[:5]])
             assert await wait_free(engine)
         return alone + [out for out, _ in together], programs
 
+    packed = []  # chunks a replayed step carried
     padded, programs = run(serve_all(True))
     eager, _ = run(serve_all(False))
     for a, b in zip(padded, eager):
@@ -178,8 +182,9 @@ def test_one_chunk_prefills_padded_to_a_bucket_change_no_output(tiny_tp_ckpt, tp
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
             assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) <= LOGPROB_ATOL_OURS
     assert padded[6].num_cached_tokens == 40  # the resumed ones did resume
-    # Every rank replayed every bucket; a 48-token chunk or packed chunks went eagerly.
-    assert all(set(p.replays) == {16, 32, 64} for p in programs)
+    # Every rank replayed every bucket, packed chunks too (two prefill slots).
+    assert all(set(p.replays) == {16, 32, 64} for p in programs) and max(packed) == 2
+    assert all(sum(p.replays.values()) == sum(programs[0].replays.values()) for p in programs)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

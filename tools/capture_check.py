@@ -161,7 +161,7 @@ def check_prefill_bucket(rank_objs, bucket: int, dot_dir: str | None, rank: int)
 
     def padded(replay: bool):
         state.reset_slot(slot)
-        runtime.prefill_inputs.fill(chunk, bucket)
+        runtime.prefill_inputs.fill([chunk], bucket)
         if replay:
             return graphs(bucket)
         return programs[bucket]() if programs else model.prefill(state, runtime.prefill_inputs.batch(bucket))

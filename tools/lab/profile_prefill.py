@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=12, help="kernel names to list, by launches")
     parser.add_argument("--prefill-graph-tokens", type=int, default=EngineArgs.prefill_graph_tokens,
-                        help="one-chunk prefills up to this many tokens replay a captured graph (0: none)")
+                        help="prefill steps of up to this many tokens replay a captured graph (0: none)")
     parser.add_argument("--enable-prefix-caching", action="store_true",
                         help="with the prefix cache on (every prompt differs: what a miss costs)")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
