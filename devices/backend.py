@@ -59,6 +59,7 @@ class RankBackend(Protocol):
     ops: ForwardOps
     all_reduce: AllReduce | None
     graphs: StepGraphs | None
+    speculative_graphs: StepGraphs | None
     prefill_graphs: StepGraphs | None
 
     def context(self) -> contextlib.AbstractContextManager: ...
@@ -70,6 +71,9 @@ class RankBackend(Protocol):
 
     def capture_decode(self, programs: dict[int, GraphProgram], progress: bool) -> StepGraphs | None:
         """Capture each bucket's decode program (None: this device has no graphs)."""
+
+    def capture_speculative(self, programs: dict[int, GraphProgram], progress: bool) -> StepGraphs | None:
+        """Capture each bucket's speculative decode program (None: this device has no graphs)."""
 
     def capture_prefill(self, programs: dict[int, GraphProgram], progress: bool,
                         prepare: Callable[[int], None]) -> StepGraphs | None:

@@ -89,6 +89,7 @@ class StepCommand:
     # head's.
     verify_accepted: list[int] = field(default_factory=list)
     draft_tokens: list[list[int]] | None = None
+    speculate: bool = False  # the decode rows draft and verify (k + 1 tokens a row); else one token a row
     step_seed: int = 0  # randomness for unseeded rows
     seq: int = 0  # the step's number, in hand-over order
 

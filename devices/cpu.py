@@ -60,7 +60,7 @@ class CpuRankBackend:
         self.rank, self.device, self.ops = rank, torch.device("cpu"), reference_ops()
         self.all_reduce = collective.for_rank(rank)
         self.memory_bytes = memory_bytes
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.speculative_graphs = self.prefill_graphs = None
 
     def context(self):
         return contextlib.nullcontext()
@@ -72,6 +72,9 @@ class CpuRankBackend:
         pass
 
     def capture_decode(self, programs, progress: bool) -> None:
+        return None
+
+    def capture_speculative(self, programs, progress: bool) -> None:
         return None
 
     def capture_prefill(self, programs, progress: bool, prepare) -> None:

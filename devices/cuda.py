@@ -1,5 +1,5 @@
 """The CUDA device backend: a stream per rank made with cuda-python, the Triton ops, raw CUDA graphs of decode
-steps and of prefill steps, NCCL collectives.
+steps (one-token and speculative) and of prefill steps, NCCL collectives.
 
 Graph capture uses the runtime API directly (cudaStreamBeginCapture in thread-local mode, EndCapture,
 Instantiate, Launch): other ranks' threads keep allocating and launching while one captures. Torch allocations
@@ -126,6 +126,7 @@ class CudaRankBackend:
         self.stream = torch.cuda.ExternalStream(int(self._raw_stream), device=self.device)
         self.all_reduce = collective.for_rank(rank) if collective is not None else None
         self.graphs: CudaGraphs | None = None
+        self.speculative_graphs: CudaGraphs | None = None
         self.prefill_graphs: CudaGraphs | None = None
 
     @contextlib.contextmanager
@@ -151,16 +152,20 @@ class CudaRankBackend:
         self.graphs = CudaGraphs(self, programs, progress, "decode")
         return self.graphs
 
+    def capture_speculative(self, programs: dict[int, GraphProgram], progress: bool) -> "CudaGraphs":
+        self.speculative_graphs = CudaGraphs(self, programs, progress, "speculative")
+        return self.speculative_graphs
+
     def capture_prefill(self, programs: dict[int, GraphProgram], progress: bool,
                         prepare: Callable[[int], None]) -> "CudaGraphs":
         self.prefill_graphs = CudaGraphs(self, programs, progress, "prefill", prepare)
         return self.prefill_graphs
 
     def close(self) -> None:
-        for graphs in (self.graphs, self.prefill_graphs):
+        for graphs in (self.graphs, self.speculative_graphs, self.prefill_graphs):
             if graphs is not None:
                 graphs.destroy()  # graphs before the stream, the pool and the communicator
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.speculative_graphs = self.prefill_graphs = None
         self.stream.synchronize()
         check(cudart.cudaStreamDestroy(self._raw_stream), "cudaStreamDestroy")
 

@@ -132,7 +132,8 @@ class RankRuntime:
         speculate_up_to: int | None = None,
     ) -> None:
         """With speculation (state.verify_steps > 0): decode steps of at most `speculate_up_to` rows (None: any)
-        draft and verify; acceptance: benchmarks' emulated draft acceptance (`EngineArgs.speculative_acceptance`)."""
+        may draft and verify (`StepCommand.speculate`); acceptance: benchmarks' emulated draft acceptance
+        (`EngineArgs.speculative_acceptance`)."""
         self.model, self.state, self.rank, self.max_batch, self.tp = model, state, rank, max_batch, tp
         self.acceptance = acceptance
         self.speculate_up_to = max_batch if speculate_up_to is None else speculate_up_to
@@ -140,6 +141,7 @@ class RankRuntime:
         self.inputs = DecodeInputs(max_batch, max_pages_per_seq, state.trash_page, state.page_size, device)
         self.occupied = [False] * max_batch
         self.graphs: StepGraphs | None = None  # captured decode buckets (CUDA); the others run eagerly
+        self.speculative_graphs: StepGraphs | None = None  # the same for speculative steps
         # One-chunk prefills padded to a bucket of tokens, replayed from captured graphs (CUDA): a prefill of a few
         # hundred tokens costs its ~450 launches on the host otherwise, more than its time on the GPU.
         self.prefill_inputs: PrefillInputs | None = None
@@ -172,28 +174,34 @@ class RankRuntime:
         return next((b for b in self.prefill_graphs.buckets if self.prefill_inputs.fits(chunks, b)), 0)
 
     def decode_programs(self, buckets: list[int]) -> dict[int, GraphProgram]:
-        """For each bucket, its decode step over the fixed inputs and the state: what a graph captures (with
-        speculation, `speculative_program`). The inputs are set to inert padding first (every row reads and writes
-        only the trash slot and page)."""
+        """For each bucket, its one-token decode step over the fixed inputs and the state: what a graph captures.
+        The inputs are set to inert padding first (every row reads and writes only the trash slot and page)."""
         self.inputs.fill([], [], max(buckets))
         if self.speculation:
             self.speculation.fill_inert()
-        return {b: self.speculative_program(b) if self.speculates(b) else
-                (lambda batch=self.inputs.batch(b), b=b: self._plain_decode(batch, b)) for b in buckets}
+        return {b: (lambda batch=self.inputs.batch(b), b=b: self._plain_decode(batch, b)) for b in buckets}
 
-    def speculates(self, bucket: int) -> bool:
-        """Whether a decode step of `bucket` rows drafts and verifies (`speculate_up_to`), or decodes one token."""
+    def speculative_programs(self, buckets: list[int]) -> dict[int, GraphProgram]:
+        """`speculative_program` for each bucket that may speculate (none without speculation)."""
+        return {b: self.speculative_program(b) for b in buckets if self.can_speculate(b)}
+
+    def can_speculate(self, bucket: int) -> bool:
+        """Whether a decode step of `bucket` rows may draft and verify (`speculate_up_to`); the engine decides
+        per step (`StepCommand.speculate`)."""
         return self.speculation is not None and bucket <= self.speculate_up_to
 
     def _plain_decode(self, batch: DecodeBatch, bucket: int) -> torch.Tensor:
-        """One token a row. In a speculative engine (a bucket above `speculate_up_to`) its rows may come from a
-        verify step: their state rolls back first, and each row's hidden state is kept for a later draft (the
-        engine then sends it as promoted: verify_accepted 0)."""
+        """One token a row (`batch`: the fixed inputs' first `bucket` rows). In a speculative engine its rows may
+        come from a verify step: their state rolls back first; the MTP head runs over the last step's positions as
+        a speculative step's would (its KV there, which later drafts attend to); each row's hidden state is kept
+        for a later draft (the engine then sends it as promoted: verify_accepted 0)."""
         if self.speculation is None:
             return self.model.decode(self.state, batch)
-        self.state.commit_verified(batch.slots, self.speculation.keep[:bucket])
-        hidden = self.model.decode_hidden(self.state, batch)
-        self.state.verify_hidden[self.state.verify_rows(batch.slots), 0] = hidden
+        state = self.state
+        state.commit_verified(batch.slots, self.speculation.keep[:bucket])
+        self._head_over_last_step(bucket)
+        hidden = self.model.decode_hidden(state, batch)
+        state.verify_hidden[state.verify_rows(batch.slots), 0] = hidden
         return self.model.logits(hidden)
 
     # Slots ----------------------------------------------------------------------------------------------------------
@@ -259,7 +267,11 @@ class RankRuntime:
         """Queue one step on the device without waiting for it: rank 0 returns what `finish` reads its tokens
         from, the other ranks None. Overlap scheduling launches step k+1 before finishing step k; step k+1's
         UNKNOWN_TOKEN rows then take step k's tokens on the device."""
-        replay = self.graphs is not None and self.graphs.captured(cmd.bucket)
+        if cmd.speculate and not (cmd.decode_tokens and self.can_speculate(cmd.bucket)):
+            raise SlotProtocolError(f"rank {self.rank}: a speculative step of bucket {cmd.bucket} "
+                                    f"({len(cmd.decode_tokens)} rows), which this rank does not speculate")
+        graphs = self.speculative_graphs if cmd.speculate else self.graphs
+        replay = graphs is not None and graphs.captured(cmd.bucket)
         if not (replay and cmd.decode_tokens):
             on_launched()
         self._apply_slot_changes(cmd)
@@ -273,7 +285,7 @@ class RankRuntime:
             self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
             if self.speculation:
                 self.speculation.fill(cmd, self.state.verify_steps + 1)
-        if n and self.speculates(cmd.bucket):
+        if cmd.speculate:
             decode_draw, speculation = self._speculative_decode(cmd, replay)
             if replay:
                 on_launched()
@@ -350,8 +362,9 @@ class RankRuntime:
         """A speculative decode step over the fixed inputs of `bucket` rows (what a graph captures; eagerly, what
         runs): draft k tokens with the MTP head from the hidden state before the row's input token, and verify the
         input token and the drafts in one forward (k + 1 tokens a row), whose GDN layers start from the state after
-        the tokens the row's last step kept (`SpeculationInputs.keep`). Returns the logits of every row's first position [bucket, V], of the k after
-        it [bucket, k, V] (views of one [bucket, k + 1, V]), and the drafts [bucket, k]."""
+        the tokens the row's last step kept (`SpeculationInputs.keep`). Returns the logits of every row's first
+        position [bucket, V], of the k after it [bucket, k, V] (views of one [bucket, k + 1, V]), and the drafts
+        [bucket, k]."""
         model, state, spec = self.model, self.state, self.speculation
         k, ps = state.verify_steps, state.page_size
         T = k + 1
@@ -360,26 +373,8 @@ class RankRuntime:
         def program():
             tokens, positions = inputs.input_ids[:bucket], inputs.positions[:bucket]
             slots, table = inputs.slots[:bucket], inputs.page_table[:bucket]
-            accepted, keep = spec.accepted[:bucket], spec.keep[:bucket]
             rows = state.verify_rows(slots)
-            steps = spec.steps
-            token_table = table.repeat_interleave(T, dim=0)  # each token's row's pages
-
-            def verify_batch(starts: torch.Tensor) -> VerifyBatch:
-                where = starts[:, None] + steps  # [bucket, T]
-                pages = table.long().gather(1, where // ps)
-                return VerifyBatch(input_ids=tokens, positions=where.flatten(), slots=slots, page_table=token_table,
-                                   seq_lens=where.flatten() + 1, slot_mapping=(pages * ps + where % ps).flatten(),
-                                   tokens_per_row=T, kept=keep)
-
-            # The head over the last verify step's positions, each with the token after it (the kept drafts, then
-            # the row's input token): the output before the input token drafts the token after it.
-            before = accepted - 1
-            following = torch.cat([state.drafts[rows], tokens[:, None]], dim=1).scatter(
-                1, before[:, None], tokens[:, None])
-            h = model.mtp(following.flatten(), state.verify_hidden[rows].flatten(0, 1), state,
-                          verify_batch((positions - accepted).clamp(min=0)))
-            h = h.view(bucket, T, -1).gather(1, before.view(-1, 1, 1).expand(-1, 1, h.shape[-1])).squeeze(1)
+            h = self._head_over_last_step(bucket)
             drafts = [model.logits(h).argmax(-1)]
             for j in range(1, k):  # the head's chain: its own output and its last draft
                 at = positions + (j - 1)
@@ -388,7 +383,7 @@ class RankRuntime:
                 drafts.append(model.logits(h).argmax(-1))
             drafted = torch.stack(drafts, dim=1)
             drafted = torch.where(spec.use_override[:bucket, None], spec.override[:bucket], drafted)
-            batch = verify_batch(positions)
+            batch = self._verify_batch(bucket, positions)
             batch.input_ids = torch.cat([tokens[:, None], drafted], dim=1).flatten()
             hidden = model.verify_hidden(state, batch).view(bucket, T, -1)
             state.verify_hidden[rows] = hidden
@@ -398,12 +393,38 @@ class RankRuntime:
 
         return program
 
+    def _verify_batch(self, bucket: int, starts: torch.Tensor) -> VerifyBatch:
+        """The fixed inputs' first `bucket` rows as k + 1 tokens a row from `starts` (the input tokens only)."""
+        inputs, state, spec = self.inputs, self.state, self.speculation
+        T, ps = state.verify_steps + 1, state.page_size
+        table = inputs.page_table[:bucket]
+        where = starts[:, None] + spec.steps  # [bucket, T]
+        pages = table.long().gather(1, where // ps)
+        return VerifyBatch(input_ids=inputs.input_ids[:bucket], positions=where.flatten(), slots=inputs.slots[:bucket],
+                           page_table=table.repeat_interleave(T, dim=0), seq_lens=where.flatten() + 1,
+                           slot_mapping=(pages * ps + where % ps).flatten(), tokens_per_row=T,
+                           kept=spec.keep[:bucket])
+
+    def _head_over_last_step(self, bucket: int) -> torch.Tensor:
+        """The MTP head over each row's last step's positions, each with the token after it (the kept drafts,
+        then the row's input token): its KV there, which later drafts attend to, and its output at the last kept
+        position [bucket, H], which drafts the token after the input token."""
+        model, state, spec, inputs = self.model, self.state, self.speculation, self.inputs
+        T = state.verify_steps + 1
+        tokens, accepted = inputs.input_ids[:bucket], spec.accepted[:bucket]
+        rows = state.verify_rows(inputs.slots[:bucket])
+        before = accepted - 1
+        following = torch.cat([state.drafts[rows], tokens[:, None]], dim=1).scatter(1, before[:, None], tokens[:, None])
+        h = model.mtp(following.flatten(), state.verify_hidden[rows].flatten(0, 1), state,
+                      self._verify_batch(bucket, (inputs.positions[:bucket] - accepted).clamp(min=0)))
+        return h.view(bucket, T, -1).gather(1, before.view(-1, 1, 1).expand(-1, 1, h.shape[-1])).squeeze(1)
+
     def _speculative_decode(self, cmd: StepCommand, replay: bool) -> tuple:
         """Run the speculative step (a graph's replay, or its program); rank 0 draws every row's first token as a
         plain decode step would, and the k positions after it for the rows without penalties (whose counts would
         see the drafts); `finish` keeps the drafts up to the first that differs from the token drawn before it."""
         n = len(cmd.decode_tokens)
-        outputs = self.graphs(cmd.bucket) if replay else self.speculative_program(cmd.bucket)()
+        outputs = self.speculative_graphs(cmd.bucket) if replay else self.speculative_program(cmd.bucket)()
         if not self.sampling:
             return None, None
         first_logits, extra_logits, drafted = outputs

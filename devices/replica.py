@@ -141,8 +141,10 @@ class Replica:
             prefill_scratch_bytes=prefill_activation_bytes(spec.cfg, self.local, self.dtype, spec.prefill_token_budget)
             if spec.device == "cuda" else 0,
             buckets=spec.buckets,
-            graph_reserve=lambda b: decode_activation_bytes(
-                spec.cfg, self.local, self.dtype, self._graph_rows(b)) + (
+            # A pool each: one-token decode steps, speculative ones, prefill steps.
+            graph_reserve=lambda b: decode_activation_bytes(spec.cfg, self.local, self.dtype, b) + (
+                decode_activation_bytes(spec.cfg, self.local, self.dtype, self._speculative_rows(b))
+                if self._speculative_rows(b) else 0) + (
                 prefill_activation_bytes(spec.cfg, self.local, self.dtype, max(self.prefill_buckets))
                 if self.prefill_buckets else 0) if self._graphs else 0,
             snapshot_bytes=snapshot_bytes,
@@ -177,18 +179,20 @@ class Replica:
                 for r in self.ranks:
                     r.runtime.prefill_graphs = None
             backend = self.ranks[0].backend
-            for kind, graphs in (("decode", backend.graphs), ("prefill", backend.prefill_graphs)):
+            kinds = [("decode", backend.graphs), ("prefill", backend.prefill_graphs)]
+            if spec.speculative_tokens:
+                kinds.insert(1, ("speculative", backend.speculative_graphs))
+            for kind, graphs in kinds:
                 stats = graphs.stats if graphs is not None else {}
                 log.info("%d %s graphs per rank (buckets %s; %d nodes in the largest, %.0f MiB of pool)", len(stats),
                          kind, sorted(stats), stats[max(stats)]["nodes"] if stats else 0,
                          sum(st["pool_bytes"] for st in stats.values()) / 2**20)
             log.info("graphs captured in %.1f s", time.perf_counter() - started)
 
-    def _graph_rows(self, bucket: int) -> int:
-        """Token rows of the largest decode step up to `bucket` rows: a verify step's k + 1 a row where it
-        speculates."""
+    def _speculative_rows(self, bucket: int) -> int:
+        """Token rows of the largest speculative step up to `bucket` rows (k + 1 a row; 0 without speculation)."""
         k, most = self.spec.speculative_tokens, self.spec.speculative_max_batch
-        return max(bucket, min(bucket, bucket if most is None else most) * (k + 1))
+        return min(bucket, bucket if most is None else most) * (k + 1) if k else 0
 
     @property
     def _graphs(self) -> bool:
@@ -249,6 +253,9 @@ class Replica:
         with r.backend.context():
             r.backend.warm_up_collective()
             r.runtime.graphs = r.backend.capture_decode(r.runtime.decode_programs(self.buckets), progress=rank == 0)
+            if self.spec.speculative_tokens:
+                r.runtime.speculative_graphs = r.backend.capture_speculative(
+                    r.runtime.speculative_programs(self.buckets), progress=rank == 0)
             if self.prefill_buckets:
                 programs = r.runtime.prefill_programs(self.prefill_buckets, self.plan.prefill_slots)
                 r.runtime.prefill_graphs = r.backend.capture_prefill(programs, progress=rank == 0,

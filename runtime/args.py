@@ -46,8 +46,11 @@ class EngineArgs:
     # its steps run without overlap scheduling and without CUDA graphs.
     speculative_tokens: int = 0
     # Decode steps of more rows than this decode one token a row (a verify step's k + 1 rows a request grow
-    # costlier with the batch); None: every step speculates.
+    # costlier with the batch); None: no limit.
     speculative_max_batch: int | None = None
+    # Each decode bucket speculates only while its steps are measured to give tokens faster than one-token steps
+    # (`runtime.speculation`); False: every step up to speculative_max_batch speculates (tests, benchmarks).
+    speculative_adaptive: bool = True
     # Tests and benchmarks: drafts proposed on the host, (prompt ids, output ids so far, k) -> k token ids, in place
     # of the head's (which still runs). None: the head's.
     speculative_drafter: Callable[[list[int], list[int], int], list[int]] | None = None
@@ -100,6 +103,8 @@ class EngineArgs:
                 isinstance(self.speculative_max_batch, bool) or not isinstance(self.speculative_max_batch, int)
                 or self.speculative_max_batch < 0):
             raise ValueError(f"speculative_max_batch must be an integer >= 0, got {self.speculative_max_batch!r}")
+        if not isinstance(self.speculative_adaptive, bool):
+            raise ValueError(f"speculative_adaptive must be True or False, got {self.speculative_adaptive!r}")
         if self.speculative_acceptance is not None:
             values = tuple(self.speculative_acceptance)
             if len(values) != self.speculative_tokens or not all(

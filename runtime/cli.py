@@ -136,7 +136,11 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help='vLLM\'s form of --speculative-tokens: \'{"method": "mtp", "num_speculative_tokens": K}\'')
     parser.add_argument("--speculative-max-batch", type=_int_in(0), metavar="N", default=None,
                         help="with speculation: a decode step whose batch (padded to its graph bucket) is above "
-                             "N decodes one token a request (default: every step speculates)")
+                             "N decodes one token a request (default: no limit)")
+    parser.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction,
+                        default=defaults.speculative_adaptive,
+                        help="with speculation: each batch size speculates only while its steps are measured to "
+                             "give tokens faster than one-token steps (--no-speculative-adaptive: always)")
     parser.add_argument("--speculative-acceptance", type=_probabilities, metavar="P1,P2,...", default=None,
                         help="benchmarks only: keep draft j with probability Pj instead of when it equals the drawn "
                              "token, emulating a trained head on random weights (outputs are not the model's)")
@@ -245,7 +249,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         stats_interval_s=ns.stats_interval, warmup=ns.warmup, async_scheduling=ns.async_scheduling,
         enable_prefix_caching=ns.enable_prefix_caching, prefix_cache_state_gib=ns.prefix_cache_state_gib,
         speculative_tokens=speculative_tokens(ns), speculative_acceptance=ns.speculative_acceptance,
-        speculative_max_batch=ns.speculative_max_batch,
+        speculative_max_batch=ns.speculative_max_batch, speculative_adaptive=ns.speculative_adaptive,
     )
 
 

@@ -35,6 +35,7 @@ from .metrics import EngineMetrics
 from .params import SamplingParams
 from .prefix_cache import PrefixCache
 from .scheduler import CapacityError, Scheduler, default_buckets
+from .speculation import SpeculationPolicy
 from .step_budget import StepBudget
 from .text import IncrementalDetokenizer, PromptTooLong, StopMatcher, TextTokenizer
 
@@ -179,12 +180,15 @@ class AsyncEngine:
         self.model_name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         buckets = sorted(args.buckets) if args.buckets else default_buckets(args.max_batch)
         self.speculative = args.speculative_tokens
+        self.speculation = SpeculationPolicy(args.speculative_tokens, args.speculative_max_batch,
+                                             args.speculative_adaptive)
         if self.speculative:
             if self.cfg.mtp_num_hidden_layers != 1:
                 raise ValueError(f"speculative_tokens needs the checkpoint's one-layer MTP head (Qwen3.5's); its "
                                  f"config has mtp_num_hidden_layers {self.cfg.mtp_num_hidden_layers}")
-            log.info("speculative decoding: %d tokens drafted a step by the MTP head, without overlap scheduling "
-                     "and without prefill graphs", self.speculative)
+            log.info("speculative decoding: %d tokens drafted a step by the MTP head (%s), without overlap "
+                     "scheduling and without prefill graphs", self.speculative,
+                     "where it is measured to pay" if args.speculative_adaptive else "every step")
         spec = ReplicaSpec(
             checkpoint=args.model, cfg=self.cfg, device=args.device, tp=args.tp, dtype=args.dtype,
             max_batch=args.max_batch, max_model_len=self.max_model_len, prefill_slots=args.prefill_slots,
@@ -215,6 +219,7 @@ class AsyncEngine:
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="deltaserve-step-loop")
         if args.warmup if args.warmup is not None else args.device == "cuda":
             await self._warm_up()
+            self.speculation.reset()
         if args.stats_interval_s > 0:
             self._stats_task = asyncio.get_running_loop().create_task(self._log_stats(args.stats_interval_s))
         log.info("engine ready in %.1f s: model %s on %s (tp=%d, %s), max_batch %d, max_model_len %d",
@@ -467,7 +472,7 @@ class AsyncEngine:
             except BaseException:
                 self._emit(outputs)  # the tokens drawn before the failure still reach their streams
                 raise
-            self._observe_step(plan, time.perf_counter() - started)
+            self._observe_step(plan, time.perf_counter() - started, result)
             self._count(plan, result)
             outputs = self._apply(plan, result)
         self._emit(outputs)  # closing: the last step's outputs come before `close` ends the requests
@@ -508,9 +513,13 @@ class AsyncEngine:
                 if step is not None:
                     step[1].close()
 
-    def _observe_step(self, plan, seconds: float) -> None:
+    def _observe_step(self, plan, seconds: float, result: StepResult | None = None) -> None:
         self.metrics.step_seconds.observe(seconds)
         self.scheduler.step_budget.observe(plan.bucket, sum(w.length for w in plan.prefill), seconds)
+        if self.speculative and plan.decode_ids and not plan.prefill and result is not None:
+            rows = len(plan.decode_ids)
+            self.speculation.observe(plan.bucket, plan.speculate, seconds,
+                                     (rows + sum(map(len, result.decode_more))) / rows)
 
     def _command(self, plan) -> StepCommand:
         reqs = self.requests
@@ -532,6 +541,7 @@ class AsyncEngine:
             cmd.decode_positions.append(len(req.prompt_ids) + n - 1)
             cmd.decode_token_index.append(n)
         if self.speculative and plan.decode_ids:
+            cmd.speculate = plan.speculate = self.speculation.decide(plan.bucket)
             promoted = {p.request_id for p in plan.promotions}
             cmd.verify_accepted = [0 if rid in promoted else reqs[rid].verify_accepted for rid in plan.decode_ids]
             drafter = self.args.speculative_drafter
@@ -552,11 +562,6 @@ class AsyncEngine:
                 self.metrics.count_prefix(len(req.prompt_ids), w.start)
         return cmd
 
-    def _speculates(self, bucket: int) -> bool:
-        """Whether a decode step of `bucket` rows drafts and verifies (the ranks' `RankRuntime.speculates`)."""
-        most = self.args.speculative_max_batch
-        return bool(self.speculative) and (most is None or bucket <= most)
-
     def _count(self, plan, result: StepResult | None = None) -> None:
         """The scheduler's bookkeeping of a step: what the next plan depends on. Without speculation none of it
         is the tokens (overlap scheduling counts before they are back); a speculative step's `result` says how
@@ -566,7 +571,7 @@ class AsyncEngine:
         self.scheduler.on_decode_done(plan.decode_ids, counts)
         self.metrics.count_tokens(sum(w.length for w in plan.prefill),
                                   sum(counts or [1] * len(plan.decode_ids)) + sum(1 for w in plan.prefill if w.last))
-        if counts and self._speculates(plan.bucket):
+        if counts and plan.speculate:
             self.metrics.spec_drafts.inc(self.speculative * len(counts))
             self.metrics.spec_accepted.inc(sum(counts) - len(counts))
             for position in range(max(counts) - 1):
@@ -582,13 +587,12 @@ class AsyncEngine:
             if sampled is not None and w.request_id in self.requests:
                 self._on_token(self.requests[w.request_id], sampled, now, later)
         more = result.decode_more or [[]] * len(result.decode)
-        verified = self._speculates(plan.bucket)
         for rid, sampled, extra in zip(plan.decode_ids, result.decode, more):
             req = self.requests.get(rid)
             if req is None:
                 continue
             # What its next speculative step rolls back to; after a one-token step, nothing (as if promoted).
-            req.verify_accepted = 1 + len(extra) if verified else 0
+            req.verify_accepted = 1 + len(extra) if plan.speculate else 0
             for token in [sampled, *extra]:  # in order, until one ends the request
                 if req.finished:
                     break

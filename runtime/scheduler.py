@@ -105,6 +105,7 @@ class StepPlan:
     restores: list[SnapshotCopy] = field(default_factory=list)
     page_copies: list[tuple[int, int]] = field(default_factory=list)
     snapshots: list[SnapshotCopy] = field(default_factory=list)
+    speculate: bool = False  # the engine's choice: the decode rows draft and verify (`runtime.speculation`)
 
     @property
     def empty(self) -> bool:

@@ -519,7 +519,8 @@ def test_speculative_decoding_keeps_the_tokens_of_plain_decoding(real_geometry_c
 
     async def run(k: int, drafter=None):
         args = EngineArgs(model=real_geometry_ckpt, device="cuda", max_batch=4, max_model_len=1024,
-                          load_format="random", dtype="float32", speculative_tokens=k, speculative_drafter=drafter)
+                          load_format="random", dtype="float32", speculative_tokens=k, speculative_drafter=drafter,
+                          speculative_adaptive=False)
         async with AsyncEngine(args) as engine:
             graphs = engine.replica.ranks[0].backend.graphs
             assert graphs.buckets and not graphs.eager  # the speculative steps replay captured graphs

@@ -135,7 +135,8 @@ def _prompts():
 
 async def _serve(ckpt, prompts, params, tp=1, **kw):
     """Every prompt at once (staggered finishes: slots are promoted and compacted under the others); the outputs
-    and the engine's speculative counters."""
+    and the engine's speculative counters. Every step speculates unless `speculative_adaptive` is given."""
+    kw.setdefault("speculative_adaptive", False)
     args = EngineArgs(model=ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20, tp=tp, **kw)
     async with AsyncEngine(args) as engine:
         async def one(i, ids):
@@ -253,8 +254,8 @@ def test_speculation_needs_the_head(tmp_path):
 
 
 def test_the_speculative_programs_on_inert_inputs_touch_only_the_trash(tiny_ckpt):
-    """What a graph capture runs before recording: every bucket's program over inert inputs leaves every request
-    slot's state, drafts and hidden states and every page as they were."""
+    """What a graph capture runs before recording: every bucket's programs (one-token and speculative) over inert
+    inputs leave every request slot's state, drafts and hidden states and every page as they were."""
     from deltaserve.devices.rank import RankRuntime
 
     runner = CpuRunner(tiny_ckpt, mtp=True, verify_steps=3, num_slots=6, num_pages=40)
@@ -267,8 +268,9 @@ def test_the_speculative_programs_on_inert_inputs_touch_only_the_trash(tiny_ckpt
         return [state.conv[:, :6], state.ssm[:, :6], state.verify_hidden[:6], state.drafts[:6]]
     before = [t.clone() for t in request_state()]
     pages = [state.k_cache[:, :40].clone(), state.v_cache[:, :40].clone()]
-    programs = runtime.decode_programs([1, 2, 4])
-    for b, program in programs.items():
+    for b, program in runtime.decode_programs([1, 2, 4]).items():  # sets the inputs inert
+        assert program().shape[0] == b
+    for b, program in runtime.speculative_programs([1, 2, 4]).items():
         first, extra, drafted = program()
         assert first.shape[0] == b and extra.shape[:2] == (b, 3) and drafted.shape == (b, 3)
     assert all(torch.equal(x, y) for x, y in zip(before, request_state()))
@@ -295,7 +297,8 @@ def test_steps_above_the_speculative_batch_limit_decode_one_token_and_hand_over_
 
     async def main():
         args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20,
-                          speculative_tokens=3, speculative_drafter=drafter, speculative_max_batch=2)
+                          speculative_tokens=3, speculative_drafter=drafter, speculative_max_batch=2,
+                          speculative_adaptive=False)
         async with AsyncEngine(args) as engine:
             async def one(i, wait_for=None):
                 if wait_for is not None:
@@ -352,3 +355,78 @@ def test_speculation_over_cached_prefixes_keeps_the_tokens(tiny_tp_ckpt):
         spec = asyncio.run(serve(tp=tp, speculative_tokens=3))
         assert [ids for ids, _ in spec] == [ids for ids, _ in plain]
         assert [cached for _, cached in spec] == [cached for _, cached in plain] and spec[2][1] > 0
+
+
+def test_the_policy_speculates_where_it_is_measured_to_pay():
+    """Each bucket tries both kinds, then takes the one with fewer seconds a token, and tries the other again
+    every RETRY steps; buckets above the limit never speculate; not adaptive: every step does."""
+    from deltaserve.runtime.speculation import RETRY, TRIES, SpeculationPolicy
+
+    def serve(policy, bucket, spec_s, plain_s, tokens, steps):
+        kinds = []
+        for _ in range(steps):
+            kind = policy.decide(bucket)
+            policy.observe(bucket, kind, spec_s if kind else plain_s, tokens if kind else 1.0)
+            kinds.append(kind)
+        return kinds
+
+    policy = SpeculationPolicy(3, max_batch=16)
+    kinds = serve(policy, 4, spec_s=0.010, plain_s=0.004, tokens=3.0, steps=2 * RETRY)  # 3.3 ms a token < 4
+    assert kinds[:2 * TRIES] == [True] * TRIES + [False] * TRIES
+    assert kinds[2 * TRIES:].count(False) == 2  # the retries, at steps RETRY and 2 RETRY
+    kinds = serve(SpeculationPolicy(3), 8, spec_s=0.010, plain_s=0.004, tokens=1.2, steps=RETRY)  # 8.3 > 4
+    assert kinds[2 * TRIES:].count(True) == 1
+    assert serve(policy, 32, 0.001, 0.004, 4.0, 5) == [False] * 5  # above max_batch
+    assert serve(SpeculationPolicy(3, adaptive=False), 8, 0.010, 0.004, 1.0, 5) == [True] * 5
+    policy.reset()
+    assert not policy.buckets and policy.yield_ == 1.0
+
+
+def test_adaptive_speculation_runs_both_kinds_of_step_and_changes_no_output(tiny_tp_ckpt, plain_greedy):
+    """With the policy on, a bucket's steps alternate between speculative and one-token ones (rolling back what
+    a verify step left): the tokens and log-probs are still plain decoding's."""
+    prompts = _prompts()
+    drafter = _continuation_drafter(plain_greedy, prompts, set(range(2, 40, 3)))
+
+    async def main():
+        args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20,
+                          speculative_tokens=3, speculative_drafter=drafter)
+        async with AsyncEngine(args) as engine:
+            outs = [await _collect(engine, p, _greedy(i)) for i, p in enumerate(prompts)]
+            return outs, engine.speculation.buckets[1].times
+
+    outs, times = asyncio.run(main())
+    assert [o[0] for o in outs] == [o[0] for o in plain_greedy]
+    for (_, lps), (_, ref_lps, _) in zip(outs, plain_greedy):
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
+    assert len(times[True]) > 0 and len(times[False]) > 0
+
+
+def test_one_token_steps_keep_the_heads_kv_as_speculative_steps_do(tiny_ckpt):
+    """The head's KV at the positions a request decoded is the same whether every step decoded one token (the
+    head run over each step's last position) or every step speculated with drafts that were all kept."""
+    prompt = _prompts()[2]
+    params = SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True)
+
+    async def head_kv(**kw):
+        args = EngineArgs(model=tiny_ckpt, max_model_len=256, max_batch=1, cpu_memory_bytes=96 << 20,
+                          speculative_tokens=3, enable_prefix_caching=False, **kw)
+        async with AsyncEngine(args) as engine:
+            ids, _ = await _collect(engine, prompt, params)
+            state = engine.replica.ranks[0].runtime.state
+            return ids, state.k_cache[-1, :4].flatten(0, 1).clone()  # the first request's pages: 0, 1, ...
+
+    plain_ids, one_token = asyncio.run(head_kv(speculative_max_batch=0))
+    drafter = _continuation_drafter([(plain_ids, None, None)], [prompt])
+    spec_ids, speculated = asyncio.run(head_kv(speculative_adaptive=False, speculative_drafter=drafter))
+    assert spec_ids == plain_ids
+    written = len(prompt) + len(plain_ids) - 3 - 2  # up to the last step's first position, either way
+    assert one_token[:written].abs().sum() > 0
+    assert torch.allclose(one_token[:written], speculated[:written], atol=1e-4)
+
+
+async def _collect(engine, prompt, params):
+    last = None
+    async for out in engine.generate(prompt, params):
+        last = out
+    return last.token_ids, [e.logprob for e in last.logprobs or []]

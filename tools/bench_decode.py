@@ -69,6 +69,7 @@ async def open_engine(size: str, layers: int | None, batches: list[int], context
                           max_model_len=context * 2, buckets=sorted(set(batches)), prefill_slots=1,
                           prefill_token_budget=512, kernel_config=kernel_config,
                           async_scheduling=async_scheduling, speculative_tokens=speculative_tokens,
+                          speculative_adaptive=False,
                           speculative_acceptance=speculative_acceptance)
         async with AsyncEngine(args) as engine:
             yield engine

@@ -7,10 +7,11 @@ eager step.
 Per bucket: graph nodes, graph memory (private pool growth), capture time, max |replay - eager| over the live
 rows' logits, eager and replay step times and the speed-up. A prefill bucket replays a one-chunk prefill of 7/8
 of its tokens, padded to the bucket, against the same padded inputs run eagerly; its speed-up is against the
-chunk prefilled eagerly unpadded, as without the graph. Exit status 1 on any capture failure or mismatch. On the CPU there are no graphs: it says so and checks that each decode bucket's
-batched eager step equals running its rows one at a time, and each prefill bucket's padded inputs, run eagerly,
-the chunk alone. With --speculative-tokens K each decode bucket's speculative step ("verify" rows) is checked the
-same way against its program run eagerly (on the CPU: against itself, run again from the same state).
+chunk prefilled eagerly unpadded, as without the graph. Exit status 1 on any capture failure or mismatch. On
+the CPU there are no graphs: it says so and checks that each decode bucket's batched eager step equals running its
+rows one at a time, and each prefill bucket's padded inputs, run eagerly, the chunk alone. With
+--speculative-tokens K each decode bucket's speculative step ("verify" rows, beside its one-token step) is checked
+the same way against its program run eagerly (on the CPU: against itself, run again from the same state).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def check_bucket(rank_objs, bucket: int, context: int, dot_dir: str | None, rank
     backend, model, runtime = rank_objs.backend, rank_objs.model, rank_objs.runtime
     rows = bucket
     fill_live_rows(runtime, rows, bucket, context, seed=bucket)
+    if runtime.speculation:  # rows whose last step kept everything: the one-token graph rolls nothing back
+        runtime.speculation.fill_inert()
     batch = runtime.inputs.batch(bucket)
     saved = snapshot(runtime.state)
     eager = model.decode(runtime.state, batch)[:rows].float().clone()
@@ -118,7 +121,7 @@ def check_speculative_bucket(rank_objs, bucket: int, context: int, dot_dir: str 
             pool.copy_(copy)
 
     program = runtime.speculative_program(bucket)
-    graphs = getattr(backend, "graphs", None)
+    graphs = getattr(backend, "speculative_graphs", None)
     result = {"bucket": bucket}
     if graphs is not None and not graphs.captured(bucket):
         result["failed"] = True
@@ -221,11 +224,13 @@ async def run(ns) -> int:
         print(f"{'kind':>7} {'bucket':>6} {'nodes':>6} {'graph MiB':>9} {'capture s':>9} {'max|diff|':>10} "
               f"{'rel':>8} {'eager ms':>9} {'replay ms':>9} {'speed-up':>8}")
         for bucket in replica.buckets:
-            speculative = replica.ranks[0].runtime.speculates(bucket)
-            check = check_speculative_bucket if speculative else check_bucket
-            results = await replica.group.call(
-                lambda rank: _on_rank(replica, rank, check, bucket, ns.context, ns.dot), timeout_s=600)
-            failures += report("verify" if speculative else "decode", bucket, results[0], ns.tolerance)
+            checks = [("decode", check_bucket)]
+            if replica.ranks[0].runtime.can_speculate(bucket):
+                checks.append(("verify", check_speculative_bucket))
+            for kind, check in checks:
+                results = await replica.group.call(
+                    lambda rank: _on_rank(replica, rank, check, bucket, ns.context, ns.dot), timeout_s=600)
+                failures += report(kind, bucket, results[0], ns.tolerance)
         for bucket in replica.prefill_buckets or prefill_graph_buckets(ns.prefill_tokens):
             results = await replica.group.call(
                 lambda rank: _on_rank(replica, rank, check_prefill_bucket, bucket, ns.dot), timeout_s=600)
