@@ -130,10 +130,11 @@ class RankRuntime:
         tp: int = 1,
         acceptance: tuple[float, ...] | None = None,
         speculate_up_to: int | None = None,
+        draft_vocab: int = 0,
     ) -> None:
         """With speculation (state.verify_steps > 0): decode steps of at most `speculate_up_to` rows (None: any)
         may draft and verify (`StepCommand.speculate`); acceptance: benchmarks' emulated draft acceptance
-        (`EngineArgs.speculative_acceptance`)."""
+        (`EngineArgs.speculative_acceptance`); draft_vocab: drafts among the first that many token ids (0: all)."""
         self.model, self.state, self.rank, self.max_batch, self.tp = model, state, rank, max_batch, tp
         self.acceptance = acceptance
         self.speculate_up_to = max_batch if speculate_up_to is None else speculate_up_to
@@ -156,6 +157,7 @@ class RankRuntime:
         self.last_tokens = self.sampling.last_tokens if self.sampling else \
             torch.zeros(state.num_slots + 1, dtype=torch.long, device=device)
         self.speculation = SpeculationInputs(max_batch, state.verify_steps, device) if state.verify_steps else None
+        self.draft_head = model.w["lm_head.weight"][:draft_vocab] if draft_vocab else None  # a view: no copy
 
     def prefill_programs(self, buckets: list[int], requests: int = 1) -> dict[int, GraphProgram]:
         """For each bucket of tokens, a prefill of up to `requests` chunks over the fixed inputs and the state,
@@ -375,12 +377,12 @@ class RankRuntime:
             slots, table = inputs.slots[:bucket], inputs.page_table[:bucket]
             rows = state.verify_rows(slots)
             h = self._head_over_last_step(bucket)
-            drafts = [model.logits(h).argmax(-1)]
+            drafts = [self._draft(h)]
             for j in range(1, k):  # the head's chain: its own output and its last draft
                 at = positions + (j - 1)
                 mapping = table.long().gather(1, (at // ps)[:, None]).squeeze(1) * ps + at % ps
                 h = model.mtp(drafts[-1], h, state, DecodeBatch(tokens, at, slots, table, at + 1, mapping))
-                drafts.append(model.logits(h).argmax(-1))
+                drafts.append(self._draft(h))
             drafted = torch.stack(drafts, dim=1)
             drafted = torch.where(spec.use_override[:bucket, None], spec.override[:bucket], drafted)
             batch = self._verify_batch(bucket, positions)
@@ -392,6 +394,12 @@ class RankRuntime:
             return logits[:, 0], logits[:, 1:], drafted
 
         return program
+
+    def _draft(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's greedy token from its output `h`, among the draft vocabulary's ids when there is one."""
+        if self.draft_head is None:
+            return self.model.logits(h).argmax(-1)
+        return self.model.ops.linear(h, self.draft_head).argmax(-1)
 
     def _verify_batch(self, bucket: int, starts: torch.Tensor) -> VerifyBatch:
         """The fixed inputs' first `bucket` rows as k + 1 tokens a row from `starts` (the input tokens only)."""

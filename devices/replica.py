@@ -64,6 +64,7 @@ class ReplicaSpec:
     # Speculative decoding with the checkpoint's MTP head: k drafts a decode row (0: off).
     speculative_tokens: int = 0
     speculative_acceptance: tuple[float, ...] | None = None  # benchmarks: EngineArgs.speculative_acceptance
+    speculative_draft_vocab: int = 0  # drafts among the first N token ids (0: all)
     speculative_max_batch: int | None = None  # larger decode steps decode one token a row (None: none larger)
 
 
@@ -243,6 +244,7 @@ class Replica:
                 r.model, state, rank=rank, max_batch=plan.max_batch,
                 max_pages_per_seq=-(-(spec.max_model_len + k) // plan.page_size), device=r.backend.device,
                 tp=spec.tp, acceptance=spec.speculative_acceptance, speculate_up_to=spec.speculative_max_batch,
+                draft_vocab=spec.speculative_draft_vocab,
             )
             log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)
             if r.runtime.sampling:  # a speculative step draws k rows a request after the first

@@ -51,6 +51,10 @@ class EngineArgs:
     # Each decode bucket speculates only while its steps are measured to give tokens faster than one-token steps
     # (`runtime.speculation`); False: every step up to speculative_max_batch speculates (tests, benchmarks).
     speculative_adaptive: bool = True
+    # The head drafts among the first N token ids only (BPE ids run from frequent to rare): each draft reads N
+    # rows of lm_head instead of all. Outputs do not change, only which drafts are proposed; 0: the whole
+    # vocabulary.
+    speculative_draft_vocab: int = 0
     # Tests and benchmarks: drafts proposed on the host, (prompt ids, output ids so far, k) -> k token ids, in place
     # of the head's (which still runs). None: the head's.
     speculative_drafter: Callable[[list[int], list[int], int], list[int]] | None = None
@@ -103,6 +107,9 @@ class EngineArgs:
                 isinstance(self.speculative_max_batch, bool) or not isinstance(self.speculative_max_batch, int)
                 or self.speculative_max_batch < 0):
             raise ValueError(f"speculative_max_batch must be an integer >= 0, got {self.speculative_max_batch!r}")
+        if isinstance(self.speculative_draft_vocab, bool) or not isinstance(self.speculative_draft_vocab, int) or \
+                self.speculative_draft_vocab < 0:
+            raise ValueError(f"speculative_draft_vocab must be an integer >= 0, got {self.speculative_draft_vocab!r}")
         if not isinstance(self.speculative_adaptive, bool):
             raise ValueError(f"speculative_adaptive must be True or False, got {self.speculative_adaptive!r}")
         if self.speculative_acceptance is not None:

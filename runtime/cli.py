@@ -137,6 +137,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--speculative-max-batch", type=_int_in(0), metavar="N", default=None,
                         help="with speculation: a decode step whose batch (padded to its graph bucket) is above "
                              "N decodes one token a request (default: no limit)")
+    parser.add_argument("--speculative-draft-vocab", type=_int_in(0), metavar="N", default=0,
+                        help="with speculation: the head drafts among the first N token ids only, reading N rows of "
+                             "lm_head a draft instead of all (outputs do not change; 0: the whole vocabulary)")
     parser.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction,
                         default=defaults.speculative_adaptive,
                         help="with speculation: each batch size speculates only while its steps are measured to "
@@ -250,6 +253,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=ns.enable_prefix_caching, prefix_cache_state_gib=ns.prefix_cache_state_gib,
         speculative_tokens=speculative_tokens(ns), speculative_acceptance=ns.speculative_acceptance,
         speculative_max_batch=ns.speculative_max_batch, speculative_adaptive=ns.speculative_adaptive,
+        speculative_draft_vocab=ns.speculative_draft_vocab,
     )
 
 

@@ -186,6 +186,9 @@ class AsyncEngine:
             if self.cfg.mtp_num_hidden_layers != 1:
                 raise ValueError(f"speculative_tokens needs the checkpoint's one-layer MTP head (Qwen3.5's); its "
                                  f"config has mtp_num_hidden_layers {self.cfg.mtp_num_hidden_layers}")
+            if args.speculative_draft_vocab > self.cfg.vocab_size:
+                raise ValueError(f"speculative_draft_vocab {args.speculative_draft_vocab} exceeds the vocabulary "
+                                 f"({self.cfg.vocab_size} tokens)")
             log.info("speculative decoding: %d tokens drafted a step by the MTP head (%s), without overlap "
                      "scheduling and without prefill graphs", self.speculative,
                      "where it is measured to pay" if args.speculative_adaptive else "every step")
@@ -195,6 +198,7 @@ class AsyncEngine:
             prefill_token_budget=args.prefill_token_budget, buckets=buckets, cuda_graph=args.cuda_graph,
             prefill_graph_tokens=args.prefill_graph_tokens, speculative_tokens=args.speculative_tokens,
             speculative_acceptance=args.speculative_acceptance, speculative_max_batch=args.speculative_max_batch,
+            speculative_draft_vocab=args.speculative_draft_vocab,
             memory_fraction=args.memory_fraction, cpu_memory_bytes=args.cpu_memory_bytes,
             step_timeout_s=args.step_timeout_s, capture_timeout_s=args.capture_timeout_s, use_nccl=args.use_nccl,
             random_weights=args.load_format == "random", seed=args.seed, kernel_config=args.kernel_config,

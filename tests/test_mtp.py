@@ -430,3 +430,29 @@ async def _collect(engine, prompt, params):
     async for out in engine.generate(prompt, params):
         last = out
     return last.token_ids, [e.logprob for e in last.logprobs or []]
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 64])
+def test_a_draft_vocabulary_limits_the_drafts_not_the_output(tiny_tp_ckpt, plain_greedy, draft_vocab):
+    """With speculative_draft_vocab N the head drafts among token ids below N (lm_head's first N rows); the
+    output is plain decoding's either way."""
+    async def main():
+        args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20,
+                          speculative_tokens=3, speculative_adaptive=False, speculative_draft_vocab=draft_vocab)
+        async with AsyncEngine(args) as engine:
+            state = engine.replica.ranks[0].runtime.state
+            drafts = []
+            for i, p in enumerate(_prompts()):
+                outs = await _collect(engine, p, _greedy(i))
+                drafts.append(state.drafts[:4].clone())  # the last step's drafts of the slots in use
+                yield outs
+            yield torch.cat(drafts)
+
+    async def run_all():
+        return [item async for item in main()]
+
+    *outs, drafts = asyncio.run(run_all())
+    assert [o[0] for o in outs] == [o[0] for o in plain_greedy]
+    assert (drafts.max() < 64) == bool(draft_vocab)
+    with pytest.raises(ValueError, match="speculative_draft_vocab must be an integer >= 0"):
+        EngineArgs(speculative_draft_vocab=-1)

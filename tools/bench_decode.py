@@ -1,7 +1,7 @@
 """Decode step benchmark on a GPU: CUDA-graph replay and eager step per batch size, against the HBM floor.
 
     python -m deltaserve.tools.bench_decode --size 4b [--layers N] [--batches 1,8,32,64] [--context 1024] [--tp 1]
-        [--speculative-tokens K]
+        [--speculative-tokens K [--acceptance P1,...] [--draft-vocab N]]
 
 Weights are random (generated on the device). The floor of a step is the bytes it must move (every weight
 read once, the lm_head in full, the embedding rows of the batch; GDN conv and recurrent state read and
@@ -61,7 +61,8 @@ def step_bytes(cfg, weights, tp: int, dtype, rows: int, context: int) -> int:
 @contextlib.asynccontextmanager
 async def open_engine(size: str, layers: int | None, batches: list[int], context: int, tp: int,
                       kernel_config: KernelConfig | None = None, async_scheduling: bool = True,
-                      speculative_tokens: int = 0, speculative_acceptance: tuple[float, ...] | None = None):
+                      speculative_tokens: int = 0, speculative_acceptance: tuple[float, ...] | None = None,
+                      draft_vocab: int = 0):
     """An engine on random bf16 weights of a `size`-shaped config, with a graph bucket for each batch size."""
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as folder:
         write_checkpoint(folder, size, layers=layers, weights=False)
@@ -69,7 +70,7 @@ async def open_engine(size: str, layers: int | None, batches: list[int], context
                           max_model_len=context * 2, buckets=sorted(set(batches)), prefill_slots=1,
                           prefill_token_budget=512, kernel_config=kernel_config,
                           async_scheduling=async_scheduling, speculative_tokens=speculative_tokens,
-                          speculative_adaptive=False,
+                          speculative_adaptive=False, speculative_draft_vocab=draft_vocab,
                           speculative_acceptance=speculative_acceptance)
         async with AsyncEngine(args) as engine:
             yield engine
@@ -134,7 +135,8 @@ async def speculative_run(ns) -> str:
     for k in (0, ns.speculative_tokens):
         async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns),
                                ns.async_scheduling, speculative_tokens=k,
-                               speculative_acceptance=acceptance if k else None) as engine:
+                               speculative_acceptance=acceptance if k else None,
+                               draft_vocab=ns.draft_vocab if k else 0) as engine:
             for rows in batches:
                 m = engine.metrics
                 drafted, accepted = m.spec_drafts._value.get(), m.spec_accepted._value.get()
@@ -147,7 +149,8 @@ async def speculative_run(ns) -> str:
     expected = 1.0 + sum(math.prod(acceptance[: n + 1]) for n in range(len(acceptance or ())))
     source = f"emulated {ns.acceptance}" if acceptance else "the random head's"
     lines = [f"{ns.size} ({ns.layers or 'all'} layers), tp={ns.tp}, bf16, context {ns.context}, random weights; "
-             f"engine step through generate, greedy; acceptance {source}", "",
+             f"engine step through generate, greedy; acceptance {source}"
+             + (f"; drafts among the first {ns.draft_vocab} token ids" if ns.draft_vocab else ""), "",
              f"| batch | step ms, plain | step ms, {k} drafts | speculative / plain | tokens a speculative step "
              f"| TPOT ms, plain | TPOT ms, speculative | step / expected tokens ({expected:.3f}) ms |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -241,6 +244,9 @@ def main(argv=None) -> int:
                              "one without")
     parser.add_argument("--acceptance", default=None, metavar="P1,...,PK",
                         help="with --speculative-tokens: emulate a trained head's acceptance per draft position")
+    parser.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                        help="with --speculative-tokens: the head drafts among the first N token ids "
+                             "(EngineArgs.speculative_draft_vocab)")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():

@@ -3,17 +3,19 @@
 # in OUT (default $OUT, else ./gpu-session), a summary line per stage printed. Device time is scarce: put the
 # stages in the order they matter and give the call the whole 600 s.
 #
-#   bash tools/lab/gpu_session.sh [STAGES]     (default: tests,spec,prefix,fewrows)
+#   bash tools/lab/gpu_session.sh [STAGES]     (default: tests,spec,prefix)
 #
 # after the device set-up of `docs/benchmarks/log/gpu-2026-12-05.md` (nccl4py from a carried wheel, then
 # `pip install --no-deps --no-build-isolation -e .`).
 #
-# tests   the GPU tests of what changed last (speculation, capture_check's speculative buckets, prefill graphs)
-# spec    #32: the speculative step against a plain one, with the 27B head's published acceptance emulated
-# prefix  #31: the prefix-cache serving rows, cache on and off (tools/lab/prefix_cache_rows.sh)
+# tests   the GPU tests of what changed last (speculation with both graphs a bucket, capture_check, prefill
+#         graphs of packed chunks)
+# spec    #32: the speculative step against a plain one, with the 27B head's published acceptance emulated, with
+#         the whole vocabulary and with drafts among the first 32k ids
+# prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
 # fewrows #30: the few-row kernel's tile sweep, then the batch-8 decode step with it and without it
 set -uo pipefail
-STAGES=${1:-tests,spec,prefix,fewrows}
+STAGES=${1:-tests,spec,prefix}
 DIR=${OUT:-gpu-session}
 mkdir -p "$DIR"
 T0=$(date +%s)
@@ -26,9 +28,11 @@ for stage in ${STAGES//,/ }; do
           -k "speculative or capture_check or prefill_graphs" > "$DIR/tests.log" 2>&1
       grep -E "passed|failed|speculation k=|on/off" "$DIR/tests.log" | tail -8 ;;
     spec)
-      timeout 200 python3 -m deltaserve.tools.bench_decode --size 4b --batches 1,8 --speculative-tokens 4 \
-          --acceptance 0.92,0.84,0.65,0.54 > "$DIR/spec.md" 2>&1
-      grep "^| [0-9]" "$DIR/spec.md" ;;
+      for vocab in 0 32768; do
+        timeout 150 python3 -m deltaserve.tools.bench_decode --size 4b --batches 1,8 --speculative-tokens 4 \
+            --acceptance 0.92,0.84,0.65,0.54 --draft-vocab $vocab > "$DIR/spec-$vocab.md" 2>&1
+        grep "^| [0-9]" "$DIR/spec-$vocab.md" | sed "s/^/draft vocab $vocab /"
+      done ;;
     prefix)
       timeout 300 bash tools/lab/prefix_cache_rows.sh /tmp/prefix-rows
       rm -rf /tmp/prefix-rows/ck4b && tar czf "$DIR/prefix-rows.tgz" -C /tmp prefix-rows ;;
