@@ -72,13 +72,13 @@ SNAPSHOT_FRACTION = 0.1
 
 
 def prefill_graph_buckets(most_tokens: int) -> list[int]:
-    """Powers of two from 16 to 512, then every 256 tokens up to `most_tokens`: a chunk of n tokens replays the
-    smallest bucket of at least n, so a chunk above 512 tokens pads by less than 256 (doubling would nearly double a
+    """Powers of two from 16 to 512, then every 128 tokens up to `most_tokens`: a chunk of n tokens replays the
+    smallest bucket of at least n, so a chunk above 512 tokens pads by less than 128 (doubling would nearly double a
     1088-token chunk's work)."""
     buckets, b = [], 16
     while b <= most_tokens:
         buckets.append(b)
-        b = b * 2 if b < 512 else b + 256
+        b = b * 2 if b < 512 else b + 128
     return buckets
 
 

@@ -21,7 +21,7 @@ class EngineArgs:
     max_model_len: int | None = None  # default: min(config max_position_embeddings, 32768)
     cuda_graph: bool = True
     # With graphs, prefill steps of up to this many tokens replay a graph (captured at 16, 32, ... 512, then
-    # every 256 tokens): a 512-token prefill's TTFT fell from 29.8 to 12.4 ms (H100, run S2); 0: none.
+    # every 128 tokens): a 512-token prefill's TTFT fell from 29.8 to 12.4 ms (H100, run S2); 0: none.
     prefill_graph_tokens: int = 2048
     seed: int = 0
     prefill_token_budget: int = 2048  # prompt tokens per step at most (chunked prefill)
