@@ -125,6 +125,7 @@ class _Request:
     stops: StopMatcher
     queue: _Outputs = field(default_factory=_Outputs)
     output_ids: list[int] = field(default_factory=list)
+    drawn_ids: list[int] = field(default_factory=list)  # every token drawn, a stop token too (the scheduler's)
     logprobs: list[TokenLogprob] | None = None
     text: str = ""
     finished: bool = False
@@ -383,8 +384,9 @@ class AsyncEngine:
         if len(self.scheduler.waiting) >= self.args.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        drawn: list[int] = []  # the request's tokens, shared with the scheduler
         # CapacityError if it can never fit
-        self.scheduler.add(request_id, len(prompt_ids), params.max_tokens, prompt_ids=prompt_ids)
+        self.scheduler.add(request_id, len(prompt_ids), params.max_tokens, prompt_ids=prompt_ids, drawn=drawn)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self.cfg.generation.eos_token_ids)
@@ -398,7 +400,7 @@ class AsyncEngine:
             request_id, prompt_ids, params, sampling, frozenset(stop_ids),
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             StopMatcher(params.stop, params.include_stop_str_in_output),
-            logprobs=[] if params.logprobs is not None else None,
+            logprobs=[] if params.logprobs is not None else None, drawn_ids=drawn,
         )
         self.requests[request_id] = req
         self.metrics.waiting.set(len(self.scheduler.waiting))
@@ -534,6 +536,7 @@ class AsyncEngine:
             bucket=plan.bucket, step_seed=self._rng.getrandbits(62), seq=next(self._steps),
             restore_snapshots=[(c.snapshot, c.slot) for c in plan.restores], copy_pages=list(plan.page_copies),
             save_snapshots=[(c.slot, c.snapshot) for c in plan.snapshots],
+            finish_snapshots=[(c.slot, c.snapshot) for c in plan.finish_snapshots],
         )
         # Requests that finished before this plan were retired by it, so every row here is live. The scheduler
         # counts a step's tokens when the step is handed over; with overlap the last of them may still be on its
@@ -607,6 +610,7 @@ class AsyncEngine:
         token = sampled.token
         since_last = None if req.last_token_time is None else now - req.last_token_time
         req.last_token_time = now
+        req.drawn_ids.append(token)
         req.output_ids.append(token)
         if req.logprobs is not None:
             req.logprobs.append(TokenLogprob(token, sampled.logprob, sampled.top))

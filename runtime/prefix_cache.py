@@ -175,8 +175,9 @@ class SnapshotPool:
 
     @property
     def held_pages(self) -> int:
-        """KV pages the snapshots hold (their tails')."""
-        return sum(snap.tail_page is not None for snap in self.lru.values())
+        """KV pages the snapshots hold (their tails'; a request's end-of-prompt and end-of-answer snapshots may
+        share one)."""
+        return len({snap.tail_page for snap in self.lru.values() if snap.tail_page is not None})
 
     def touch(self, snap: Snapshot) -> None:
         self.lru.move_to_end(snap.index)

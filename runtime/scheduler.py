@@ -6,7 +6,9 @@ Resources
 - KV pages: admission reserves a request's whole lifetime (prompt + max_tokens) of pages, so a running request
   never waits for memory; a request that could never fit is rejected when it is added. With prefix caching
   (`runtime.prefix_cache`) the pages of a cached prompt prefix are shared, its recurrent state is restored from a
-  snapshot, and only the rest of the prompt is prefilled.
+  snapshot, and only the rest of the prompt is prefilled. A request that ends while decoding leaves its generated
+  pages keyed and a snapshot of its state after the last token it was fed, so a prompt resending the conversation
+  (prompt, answer, more) resumes after the answer.
 - Prefill slots (state slots `max_batch ..`): the GDN state of a request while its prompt is prefilled.
 - Decode slots 0..n-1, dense: a request whose prompt is done takes slot n (`slot_for_new_request`); when one
   retires, the last slot moves into its hole (`compaction_after_retire`).
@@ -18,7 +20,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from .prefix_cache import ROOT_KEY, PrefixCache
+from .prefix_cache import ROOT_KEY, PrefixCache, chain_key
 from .step_budget import StepBudget
 
 
@@ -51,6 +53,9 @@ class SchedRequest:
     keyed_pages: int = 0
     cached: int = 0
     branch: int = 0
+    # The engine's list of the tokens drawn for it, appended as they reach the host (None: not tracked). Each but
+    # the last drawn is fed back as the next step's input: what a snapshot at its end holds.
+    drawn: list[int] | None = None
 
     @property
     def lifetime_tokens(self) -> int:
@@ -105,12 +110,14 @@ class StepPlan:
     restores: list[SnapshotCopy] = field(default_factory=list)
     page_copies: list[tuple[int, int]] = field(default_factory=list)
     snapshots: list[SnapshotCopy] = field(default_factory=list)
+    # Decode slots of requests ending here into snapshots, before anything else (the compactions move slots).
+    finish_snapshots: list[SnapshotCopy] = field(default_factory=list)
     speculate: bool = False  # the engine's choice: the decode rows draft and verify (`runtime.speculation`)
 
     @property
     def empty(self) -> bool:
         return not (self.decode_ids or self.prefill or self.compactions or self.released_prefill_slots
-                    or self.restores)
+                    or self.restores or self.finish_snapshots)
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -189,8 +196,9 @@ class Scheduler:
 
     # Requests -------------------------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt_len: int, max_tokens: int,
-            prompt_ids: list[int] | None = None) -> SchedRequest:
-        """Queue a request; with its `prompt_ids`, it may share a cached prefix and leaves its own cached."""
+            prompt_ids: list[int] | None = None, drawn: list[int] | None = None) -> SchedRequest:
+        """Queue a request; with its `prompt_ids`, it may share a cached prefix and leaves its own cached, and with
+        `drawn` (the engine's list of its tokens, which the engine appends to) its answer too."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if prompt_len < 1:
@@ -213,6 +221,7 @@ class Scheduler:
         req = SchedRequest(request_id, prompt_len, max_tokens)
         if prompt_ids is not None and self.cache.enabled:
             req.prompt_ids, req.keys = list(prompt_ids), self.cache.keys(prompt_ids)
+            req.drawn = drawn
         self.requests[request_id] = req
         self.waiting.append(request_id)
         return req
@@ -260,7 +269,9 @@ class Scheduler:
             self.finish(req.request_id)
 
     # Planning -------------------------------------------------------------------------------------------------------
-    def _retire(self) -> tuple[list[Compaction], list[int]]:
+    def _retire(self) -> tuple[list[Compaction], list[int], list[SnapshotCopy]]:
+        # Snapshots first: they name the decode slots as they are before this step's compactions move them.
+        snapshots = [copy for rid in self.to_retire if (copy := self._finish_snapshot(self.requests[rid]))]
         compactions, released = [], []
         for rid in self.to_retire:
             req = self.requests.pop(rid)
@@ -284,7 +295,25 @@ class Scheduler:
                 released.append(req.prefill_slot)
             req.phase = Phase.FINISHED
         self.to_retire.clear()
-        return compactions, released
+        return compactions, released, snapshots
+
+    def _finish_snapshot(self, req: SchedRequest) -> SnapshotCopy | None:
+        """A decoding request that ends here: its generated full pages keyed and a snapshot of its decode slot,
+        whose state holds the prompt and every drawn token but the last (the last step fed them). Not with
+        lookahead: a verify step's state also holds drafts."""
+        fed = req.generated - 1
+        if (req.phase is not Phase.DECODE or req.drawn is None or self.lookahead or fed < 1
+                or len(req.drawn) < fed or self.cache.snapshots.capacity == 0):
+            return None
+        tokens = req.prompt_ids + req.drawn[:fed]
+        ps, full = self.page_size, len(tokens) // self.page_size
+        for i in range(len(req.keys), full):
+            req.keys.append(chain_key(req.keys[i - 1] if i else ROOT_KEY, tokens[i * ps : (i + 1) * ps]))
+        for i in range(req.keyed_pages, full):
+            self.pages.register(req.pages[i], req.keys[i])
+        req.keyed_pages = max(req.keyed_pages, full)
+        snap = self._snapshot(req, len(tokens), tokens)
+        return None if snap is None else SnapshotCopy(req.decode_slot, snap)
 
     def _promote(self) -> list[Promotion]:
         promotions = []
@@ -376,23 +405,24 @@ class Scheduler:
                                     first=start == req.cached))
         return work, snapshots
 
-    def _snapshot(self, req: SchedRequest, position: int) -> int | None:
-        """A snapshot slot for the request's state after `position` prompt tokens, or None."""
+    def _snapshot(self, req: SchedRequest, position: int, tokens: list[int] | None = None) -> int | None:
+        """A snapshot slot for the request's state after `position` of its `tokens` (default: its prompt), or
+        None."""
         full = position // self.page_size
         anchor = req.keys[full - 1] if full else ROOT_KEY
-        tail = tuple(req.prompt_ids[full * self.page_size : position])
+        tail = tuple((tokens or req.prompt_ids)[full * self.page_size : position])
         snap = self.cache.snapshots.add(anchor, tail, position, req.pages[full] if tail else None)
         return None if snap is None else snap.index
 
     def schedule(self) -> StepPlan:
-        compactions, released = self._retire()
+        compactions, released, finished = self._retire()
         promotions = self._promote()
         self._admit()
         decode_ids = list(self.decode_slots)
         bucket = self.bucket_for(len(decode_ids))
         prefill, snapshots = self._prefill_chunks(bucket)
         plan = StepPlan(compactions, released, promotions, decode_ids, bucket, prefill, self._restores,
-                        self._page_copies, snapshots)
+                        self._page_copies, snapshots, finished)
         self._restores, self._page_copies = [], []
         return plan
 

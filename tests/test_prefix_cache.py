@@ -25,7 +25,8 @@ def scheduler(num_pages=48, snapshots=6, budget=10, max_batch=4):
 
 class Ranks:
     """What the ranks would hold, by content: each page's token per position, each state slot's and snapshot's
-    consumed prompt. Every read checks that what is there is what the reader's request wrote or shares."""
+    consumed tokens. Every read checks that what is there is what the reader's request wrote or shares. Requests
+    added with `add` draw tokens (a few symbols, so later prompts can resend them) that the scheduler sees."""
 
     def __init__(self, s: Scheduler) -> None:
         self.s = s
@@ -33,11 +34,29 @@ class Ranks:
         self.slot = {}  # state slot -> the tokens its state has consumed
         self.snap = {}  # snapshot -> the tokens its state has consumed
         self.prompts = {}  # request id -> prompt ids
+        self.drawn = {}  # request id -> its drawn tokens (shared with the scheduler)
         self.skipped = {}  # request id -> prompt tokens a cached prefix spared
+
+    def add(self, rid, prompt, max_tokens):
+        self.prompts[rid], self.drawn[rid] = prompt, []
+        self.s.add(rid, len(prompt), max_tokens, prompt_ids=prompt, drawn=self.drawn[rid])
+
+    def _draw(self, rid):
+        if rid in self.drawn:
+            self.drawn[rid].append(len(self.drawn[rid]) * 7 % 3)
 
     def step(self, cancel=()):
         s = self.s
         plan = s.schedule()
+        for c in plan.finish_snapshots:  # before the compactions move the slots
+            self.snap[c.snapshot] = self.slot[c.slot]
+        moved = dict(self.slot)
+        for c in plan.compactions:
+            if c.moved_from is not None:
+                moved[c.hole] = moved[c.moved_from]
+        for p in plan.promotions:
+            moved[p.to_slot] = self.slot[p.from_slot]
+        self.slot = moved
         for c in plan.restores:
             self.slot[c.slot] = self.snap[c.snapshot]
         for src, dst in plan.page_copies:
@@ -55,14 +74,23 @@ class Ranks:
             for pos in range(w.start, w.start + w.length):
                 self.page[(w.pages[pos // PS], pos % PS)] = prompt[pos]
             self.slot[w.slot] = tuple(prompt[: w.start + w.length])
+            if w.start + w.length == len(prompt):
+                self._draw(w.request_id)
         for c in plan.snapshots:
             self.snap[c.snapshot] = self.slot[c.slot]
-        for rid in plan.decode_ids:  # decode reads the whole prompt's KV and writes past it
+        for i, rid in enumerate(plan.decode_ids):  # decode reads the prompt's KV, writes its input token's, draws
             req, prompt = s.requests[rid], self.prompts[rid]
             for pos in range(len(prompt)):
                 assert self.page.get((req.pages[pos // PS], pos % PS)) == prompt[pos], "a decoding row's page changed"
             pos = len(prompt) + req.generated - 1
-            self.page[(req.pages[pos // PS], pos % PS)] = ("out", rid, pos)
+            if rid in self.drawn:  # its state: the prompt and every token drawn before the input one
+                token = self.drawn[rid][req.generated - 1]
+                assert self.slot[i] == tuple(prompt) + tuple(self.drawn[rid][: req.generated - 1])
+            else:
+                token = ("out", rid, pos)
+            self.page[(req.pages[pos // PS], pos % PS)] = token
+            self.slot[i] += (token,)
+            self._draw(rid)
         s.on_prefill_done(plan.prefill)
         s.on_decode_done(plan.decode_ids)
         for rid in cancel:
@@ -84,11 +112,18 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(cut=st.integers(1, 40), extra=st.lists(alphabet, max_size=8), max_tokens=st.integers(1, 6))
     def add(self, cut, extra, max_tokens):
-        prompt = (self.base[:cut] + extra)[:50]
-        rid = f"r{self.n}"
+        self._add((self.base[:cut] + extra)[:50], max_tokens)
+
+    @rule(which=st.integers(0, 50), extra=st.lists(alphabet, min_size=1, max_size=8), max_tokens=st.integers(1, 6))
+    def next_turn(self, which, extra, max_tokens):
+        """A conversation's next turn: an earlier request's prompt, what it drew so far, a new message."""
+        if self.ranks.drawn:
+            rid = sorted(self.ranks.drawn)[which % len(self.ranks.drawn)]
+            self._add((self.ranks.prompts[rid] + self.ranks.drawn[rid] + extra)[:56], max_tokens)
+
+    def _add(self, prompt, max_tokens):
+        self.ranks.add(f"r{self.n}", prompt, max_tokens)
         self.n += 1
-        self.s.add(rid, len(prompt), max_tokens, prompt_ids=prompt)
-        self.ranks.prompts[rid] = prompt
 
     @rule(which=st.integers(0, 50))
     def cancel(self, which):
@@ -269,3 +304,41 @@ def test_outputs_with_the_cache_equal_those_without(tiny_ckpt, tiny_tp_ckpt, tp)
     assert sum(hits) > 0 and "deltaserve_prefix_cache_hits_total" in metrics
     hit_line = [line for line in metrics.splitlines() if line.startswith("deltaserve_prefix_cache_hits_total")]
     assert float(hit_line[0].split()[-1]) == sum(hits)
+
+
+@pytest.mark.parametrize("tp,overlap", [(1, True), (1, False), (2, True)])
+@pytest.mark.parametrize("ending", ["length", "stop token"])
+def test_the_next_turn_resumes_after_the_answer(tiny_ckpt, tiny_tp_ckpt, tp, overlap, ending):
+    """A request that ends while decoding leaves its answer cached: the next turn (prompt, answer as drawn, a new
+    message) resumes after the answer's last fed token, whether the answer ended at max_tokens or at a stop token
+    (with overlap scheduling the stop token was fed to one more step), and computes what it would without it."""
+    ckpt = tiny_ckpt if tp == 1 else tiny_tp_ckpt
+    rng = random.Random(8)
+    prompt = [rng.randrange(500) for _ in range(37)]
+    message = [rng.randrange(500) for _ in range(21)]
+
+    async def conversation(cache: bool, stop: int | None):
+        args = EngineArgs(model=ckpt, max_model_len=256, max_batch=4, prefill_slots=2, cpu_memory_bytes=64 << 20,
+                          prefill_token_budget=32, tp=tp, enable_prefix_caching=cache, async_scheduling=overlap)
+        first = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                               stop_token_ids=[stop] if stop is not None else [])
+        async with AsyncEngine(args) as engine:
+            answer = await _last(engine.generate(prompt, first))
+            drawn = answer.token_ids + ([stop] if answer.finish_reason == "stop" else [])
+            second = await _last(engine.generate(prompt + drawn + message, SamplingParams(
+                max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)))
+            assert engine.resources_free()
+        return answer, drawn, second
+
+    stop = None
+    if ending == "stop token":  # a token the greedy answer draws after a few others, for the first time
+        greedy, _, _ = asyncio.run(conversation(False, None))
+        stop = next(t for i, t in enumerate(greedy.token_ids) if i >= 4 and t not in greedy.token_ids[:i])
+    answer, drawn, cached = asyncio.run(conversation(True, stop))
+    _, _, plain = asyncio.run(conversation(False, stop))
+    assert answer.finish_reason == ("stop" if stop is not None else "length")
+    assert cached.token_ids == plain.token_ids and plain.num_cached_tokens == 0
+    for x, y in zip(cached.logprobs, plain.logprobs):
+        assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < 1e-5
+    fed = len(prompt) + len(drawn) - 1  # every drawn token but the last was an input
+    assert cached.num_cached_tokens == fed + (1 if overlap and stop is not None else 0)
