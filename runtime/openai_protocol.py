@@ -60,6 +60,7 @@ class ParsedRequest:
     model: str | None
     chat_template_kwargs: dict = field(default_factory=dict)
     messages: list | None = None
+    return_token_ids: bool = False  # completions (vLLM's field): each choice carries its token ids
 
 
 def _typed(body: dict, name: str, types, what: str):
@@ -156,7 +157,8 @@ def parse_completion(body: dict) -> ParsedRequest:
         raise _bad("'prompt' must not be empty", "prompt")
     if len(prompts) > 64:
         raise _bad("at most 64 prompts per request", "prompt")
-    return ParsedRequest(prompts, _params(kwargs), stream, usage_options, model)
+    return_ids = _typed(body, "return_token_ids", (bool,), "a boolean") or False
+    return ParsedRequest(prompts, _params(kwargs), stream, usage_options, model, return_token_ids=return_ids)
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -254,6 +254,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if out.logprobs is not None:
             logprobs = completion_logprobs(out.logprobs, engine.tokenizer.token_text, 0)
         choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason})
+        if parsed.return_token_ids:
+            choices[-1].update(prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids)
         prompt_tokens += len(out.prompt_token_ids)
         completion_tokens += len(out.token_ids)
         cached_tokens += out.num_cached_tokens
@@ -309,6 +311,8 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
             await sse.send(_unavailable(engine).body())
             break
         choice = {"index": i, "text": out.delta_text, "logprobs": None, "finish_reason": out.finish_reason}
+        if parsed.return_token_ids:
+            choice["token_ids"] = list(out.delta_token_ids)
         if out.logprobs is not None and out.delta_token_ids:
             fresh = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):]
             choice["logprobs"] = completion_logprobs(fresh, engine.tokenizer.token_text, offsets[i])
@@ -316,7 +320,8 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
         totals[i] = [len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens]
         # With per-chunk usage the client is counting tokens: a chunk for every token, its text empty while an
         # incomplete UTF-8 sequence waits (as vLLM streams), so its timing is the token's, not the text's.
-        if out.delta_text or out.finished or choice["logprobs"] or (continuous_usage and out.delta_token_ids):
+        if out.delta_text or out.finished or choice["logprobs"] or (
+                (continuous_usage or parsed.return_token_ids) and out.delta_token_ids):
             chunk = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
                      "choices": [choice]}
             if continuous_usage:

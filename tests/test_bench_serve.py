@@ -145,7 +145,9 @@ def test_shared_prefixes_and_multi_turn_conversations_hit_the_prefix_cache(tiny_
                               "--random-input-len", "20", "--random-output-len", "5", "--ignore-eos"])
     assert talks["completed"] == 6 and talks["turns"] == [0, 1, 2, 0, 1, 2]
     assert talks["input_lens"] == [20, 45, 70] * 2  # history: the last prompt, its 5-token answer, 20 new tokens
-    assert talks["cached_tokens"] == [0, 20, 45] * 2  # each turn resumes where the turn before it ended
+    # Each turn resumes after the turn before's answer (sent back as drawn, `return_token_ids`), all but its last
+    # token, which no step was fed.
+    assert talks["cached_tokens"] == [0, 24, 49] * 2
     assert len(talks["median_ttft_ms_by_turn"]) == 3 and talks["mean_input_len_by_turn"] == [20, 45, 70]
     assert "turn 3" in bench_serve.report(talks)
 

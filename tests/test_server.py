@@ -451,3 +451,32 @@ def test_a_chat_template_error_is_a_400(tiny_ckpt, tmp_path):
         return True
 
     assert with_server(ckpt, body)
+
+
+def test_completions_return_token_ids_as_vllm_does(tiny_ckpt):
+    """`return_token_ids`: the non-streamed choice carries the prompt's and the answer's ids, each streamed chunk
+    its new ids, which add up to the answer; a non-boolean is a 400 naming the field."""
+    async def main():
+        async with AsyncEngine(EngineArgs(model=tiny_ckpt, max_model_len=256, max_batch=2,
+                                          cpu_memory_bytes=32 << 20)) as engine:
+            runner = await serve(engine, "127.0.0.1", 0)
+            url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+            body = {"prompt": [5, 6, 7, 8], "max_tokens": 7, "ignore_eos": True, "temperature": 0,
+                    "return_token_ids": True}
+            try:
+                async with aiohttp.ClientSession() as session:
+                    async with session.post(url, json=body) as r:
+                        whole = await r.json()
+                    async with session.post(url, json={**body, "stream": True}) as r:
+                        lines = [ln[6:] for ln in (await r.text()).splitlines() if ln.startswith("data: ")]
+                    async with session.post(url, json={**body, "return_token_ids": "yes"}) as r:
+                        bad = (r.status, await r.json())
+            finally:
+                await runner.cleanup()
+        return whole, [json.loads(x) for x in lines[:-1]], bad
+
+    whole, chunks, bad = asyncio.run(main())
+    choice = whole["choices"][0]
+    assert choice["prompt_token_ids"] == [5, 6, 7, 8] and len(choice["token_ids"]) == 7
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    assert bad[0] == 400 and bad[1]["error"]["param"] == "return_token_ids"

@@ -12,8 +12,8 @@ Prompts are random token ids (so their lengths are exact on any server that take
   tokens (a system prompt and different questions).
 - `--multi-turn T`: `--num-prompts` conversations of T turns, turns of a conversation one after another; each turn
   resends the history (the last prompt, then the answer, then `--random-input-len` new tokens). The answer goes
-  back as random ids of its length, so prompts stay token ids on any server; an engine that caches generated
-  tokens would hit a little more with the real ones. The result gives TTFT per turn.
+  back as the ids the server drew where it returns them (vLLM's `return_token_ids`, which ours serves), so an
+  engine that caches its answers hits them, else as random ids of its length. The result gives TTFT per turn.
 The cached prompt tokens a server reports (`usage.prompt_tokens_details.cached_tokens`) give the hit rate. Tokens are counted from `usage` on every chunk (`stream_options.
 continuous_usage_stats`, as vLLM serves it), so a chunk held back for an incomplete UTF-8 sequence, or one that
 carries two tokens, still counts right; a server without it is counted by chunks, and the result says so.
@@ -55,6 +55,7 @@ class RequestResult:
     counted_by_usage: bool = False
     turn: int = 0  # --multi-turn: the turn's index in its conversation
     text: str = ""
+    token_ids: list[int] | None = None  # the answer's ids, where the server returns them (`return_token_ids`)
 
 
 def random_requests(n: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
@@ -83,10 +84,13 @@ def prefix_requests(n: int, prefix_len: int, suffix_len: int, num_prefixes: int,
 
 
 async def stream_one(session: aiohttp.ClientSession, url: str, model: str | None, prompt: list[int],
-                     max_tokens: int, sampling: dict, headers: dict) -> RequestResult:
-    """One streamed completion; `sampling` goes into the body as it is (temperature, top_p, ignore_eos, ...)."""
+                     max_tokens: int, sampling: dict, headers: dict, token_ids: bool = False) -> RequestResult:
+    """One streamed completion; `sampling` goes into the body as it is (temperature, top_p, ignore_eos, ...);
+    `token_ids`: ask for the answer's ids (vLLM's `return_token_ids`; servers that ignore it leave them None)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, **sampling,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if token_ids:
+        body["return_token_ids"] = True
     if model:
         body["model"] = model
     result = RequestResult(prompt_len=len(prompt))
@@ -112,6 +116,9 @@ async def stream_one(session: aiohttp.ClientSession, url: str, model: str | None
                 now = time.perf_counter()
                 text = "".join(c.get("text") or "" for c in chunk.get("choices", []))
                 pieces.append(text)
+                for c in chunk.get("choices", []):
+                    if isinstance(c.get("token_ids"), list):
+                        result.token_ids = (result.token_ids or []) + c["token_ids"]
                 usage = chunk.get("usage")
                 cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
                 if isinstance(cached, int):
@@ -228,10 +235,13 @@ async def run(args: argparse.Namespace) -> dict:
             talk, results = random.Random(args.seed * 7919 + index), []
             async with gate:
                 for turn in range(turns):
-                    if turn:
-                        answer = [talk.randrange(vocab) for _ in range(results[-1].output_tokens)]
+                    if turn:  # the answer as drawn where the server said, else as many random tokens
+                        last = results[-1]
+                        answer = last.token_ids if last.token_ids and len(last.token_ids) == last.output_tokens \
+                            else [talk.randrange(vocab) for _ in range(last.output_tokens)]
                         prompt = prompt + answer + [talk.randrange(vocab) for _ in range(args.random_input_len)]
-                    result = await stream_one(session, url, args.model, prompt, max_tokens, sampling, headers)
+                    result = await stream_one(session, url, args.model, prompt, max_tokens, sampling, headers,
+                                              token_ids=turns > 1)
                     result.turn = turn
                     results.append(result)
                     bar.update(1)
