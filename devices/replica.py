@@ -20,7 +20,7 @@ from deltaserve.model.config import ModelConfig
 from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.sharding import LocalSizes
 from deltaserve.model.state import ModelState, StateSizes, decode_activation_bytes, prefill_activation_bytes
-from deltaserve.model.weights import load_rank_weights, random_rank_weights, weight_bytes
+from deltaserve.model.weights import bytes_by_dtype, load_rank_weights, random_rank_weights
 
 from .backend import device_backend
 from .capacity import CapacityPlan, plan_capacity
@@ -65,6 +65,7 @@ class ReplicaSpec:
     speculative_tokens: int = 0
     speculative_acceptance: tuple[float, ...] | None = None  # benchmarks: EngineArgs.speculative_acceptance
     speculative_draft_vocab: int = 0  # drafts among the first N token ids (0: all)
+    fp8_kernels: bool = False  # FP8 checkpoints: weights kept in FP8 (EngineArgs.fp8_kernels)
     speculative_max_batch: int | None = None  # larger decode steps decode one token a row (None: none larger)
 
 
@@ -222,15 +223,18 @@ class Replica:
         r.backend = self.backend.open_rank(rank, self.collective)
         with r.backend.context():
             mtp = spec.speculative_tokens > 0
+            fp8 = spec.fp8_kernels and bool(spec.cfg.fp8_block)
             if spec.random_weights:
                 weights = random_rank_weights(spec.cfg, rank=rank, tp=spec.tp, device=r.backend.device,
-                                              dtype=self.dtype, seed=spec.seed, progress=rank == 0, mtp=mtp)
+                                              dtype=self.dtype, seed=spec.seed, progress=rank == 0, mtp=mtp,
+                                              fp8_block=spec.cfg.fp8_block if fp8 else 0)
             else:
-                weights = load_rank_weights(spec.checkpoint, spec.cfg, rank=rank, tp=spec.tp,
-                                            device=r.backend.device, dtype=self.dtype, progress=rank == 0, mtp=mtp)
+                weights = load_rank_weights(spec.checkpoint, spec.cfg, rank=rank, tp=spec.tp, device=r.backend.device,
+                                            dtype=self.dtype, progress=rank == 0, mtp=mtp, keep_fp8=fp8)
+            held = bytes_by_dtype(weights)
             r.model = Qwen35Shard(spec.cfg, weights, self.local, ops=r.backend.ops, all_reduce=r.backend.all_reduce)
-            log.info("rank %d/%d: %.1f MiB of weights on %s", rank, spec.tp, weight_bytes(weights) / 2**20,
-                     r.backend.device)
+            log.info("rank %d/%d: %.1f MiB of weights on %s (%s)", rank, spec.tp, sum(held.values()) / 2**20,
+                     r.backend.device, ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in sorted(held.items())))
             return r.backend.free_memory(spec.memory_fraction)
 
     def _allocate(self, rank: int) -> None:

@@ -1,6 +1,7 @@
 """Projections, alone and fused with the block's input add-and-norm: the torch references, then the one-row
 Triton GEMVs (batch-1 decode) and the few-row kernel (2 to 16 rows, with `KernelConfig.few_rows`); larger batches
-stay on cuBLAS."""
+stay on cuBLAS. A weight kept in FP8 (`fp8.Fp8Weight`) takes the FP8 kernel at every row count, after an unfused
+add-and-norm."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp8
 from .config import DEFAULT, KernelConfig, Tile, WholeRows
 from .launch import _dot_bf16, pdl_options, wait_for_previous_kernel
 from .norm import add_rms_norm, add_rms_norm_reference, silu_mul, silu_mul_reference
@@ -17,8 +19,10 @@ from .norm import add_rms_norm, add_rms_norm_reference, silu_mul, silu_mul_refer
 # Torch references
 
 
-def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_reference(x: torch.Tensor, weight) -> torch.Tensor:
     """A projection: x [T, K] @ weight [N, K]^T."""
+    if isinstance(weight, fp8.Fp8Weight):
+        return fp8.linear_reference(x, weight)
     return x @ weight.t()
 
 
@@ -204,7 +208,9 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul_rows: int = 0, cfg:
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
+    if isinstance(weight, fp8.Fp8Weight):
+        return fp8.linear(x, weight, cfg)
     if cfg.gemv_one_row and x.shape[0] == 1:
         return gemv(x, weight, cfg)
     if few_rows_takes(x, weight, cfg):
@@ -378,14 +384,14 @@ def _fuses_norm(x: torch.Tensor, cfg: KernelConfig) -> bool:
 
 
 def add_rms_norm_linear(x, residual, norm_weight, eps: float, weight, cfg: KernelConfig = DEFAULT):
-    if _fuses_norm(x, cfg):
+    if _fuses_norm(x, cfg) and not isinstance(weight, fp8.Fp8Weight):
         return norm_gemv(x, residual, norm_weight, eps, weight, cfg=cfg)
     normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)
     return linear(normed, weight, cfg), residual
 
 
 def add_rms_norm_gate_up(x, residual, norm_weight, eps: float, gate_up, cfg: KernelConfig = DEFAULT):
-    if _fuses_norm(x, cfg):
+    if _fuses_norm(x, cfg) and not isinstance(gate_up, fp8.Fp8Weight):
         return norm_gemv(x, residual, norm_weight, eps, gate_up, silu_mul_rows=gate_up.shape[0] // 2, cfg=cfg)
     normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)
     if few_rows_takes(normed, gate_up, cfg):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.kernels.ops import ForwardOps, reference_ops
 
 from .batch import DecodeBatch, PrefillBatch, VerifyBatch
@@ -70,12 +71,31 @@ class Qwen35Shard:
     }
 
     def _fuse_projections(self) -> None:
-        """Concatenate each layer's same-input projections (this rank's shards) into one weight, in place."""
+        """Concatenate each layer's same-input projections (this rank's shards) into one weight, in place. FP8
+        parts fuse into one FP8 weight where each ends on a block boundary; FP8 and other parts do not fuse (the
+        GDN's FP8 qkv and z beside its small bf16 b and a: `linear_attn.in_proj_ba.weight` apart)."""
         w = self.w
         for p in self.layer_prefixes:
             for fused, parts in self._FUSED.items():
-                if p + parts[0] in w:
-                    w[p + fused] = torch.cat([w.pop(p + part) for part in parts], dim=0)
+                if p + parts[0] not in w:
+                    continue
+                tensors = [w[p + part] for part in parts]
+                kinds = [isinstance(t, Fp8Weight) for t in tensors]
+                if not any(kinds):
+                    w[p + fused] = torch.cat(tensors, dim=0)
+                elif all(kinds) and Fp8Weight.cat(tensors) is not None:
+                    w[p + fused] = Fp8Weight.cat(tensors)
+                elif fused == "linear_attn.in_proj_all.weight" and kinds == [True, True, False, False] and \
+                        Fp8Weight.cat(tensors[:2]) is not None:
+                    w[p + fused] = Fp8Weight.cat(tensors[:2])
+                    w[p + "linear_attn.in_proj_ba.weight"] = torch.cat(tensors[2:], dim=0)
+                else:  # no shared block grid: the parts as the model dtype, fused
+                    dtype = next(t.dtype for t in tensors if not isinstance(t, Fp8Weight)) if not all(kinds) \
+                        else self.dtype
+                    w[p + fused] = torch.cat([t.dequantise(dtype) if isinstance(t, Fp8Weight) else t
+                                              for t in tensors], dim=0)
+                for part in parts:
+                    del w[p + part]
 
     # A block's input norm is zero-centred, norm(x) * (1 + w), and only the block's first projection reads it, so
     # (1 + w) is folded into that projection's columns here and the ops get norm weight None. The one-row add-and-norm
@@ -88,11 +108,14 @@ class Qwen35Shard:
 
     def _fold_block_norms(self) -> None:
         """Scale each block's first (fused) projection by its input norm's (1 + w), in place, in fp32; drop the
-        norm weight."""
+        norm weight. An FP8 projection's blocks share a scale across columns: its norm stays, applied by the
+        ops."""
         w = self.w
         for p in self.layer_prefixes:
             for norm, readers in self._BLOCK_NORMS.items():
                 (reader,) = [p + r for r in readers if p + r in w]
+                if isinstance(w[reader], Fp8Weight):
+                    continue
                 scale = 1.0 + w.pop(p + norm).float()
                 for rows in w[reader].split(4096):  # the fused weight is this shard's own copy; bounds the fp32 one
                     rows.copy_(rows.float() * scale)
@@ -102,6 +125,8 @@ class Qwen35Shard:
         column halves, in place, as `_fold_block_norms` does."""
         w, H = self.w, self.cfg.hidden_size
         fc = w["mtp.fc.weight"]
+        if isinstance(fc, Fp8Weight):
+            return
         for half, norm in enumerate(("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")):
             cols = fc[:, half * H : (half + 1) * H]
             cols.copy_(cols.float() * (1.0 + w.pop(norm).float()))
@@ -112,16 +137,24 @@ class Qwen35Shard:
     def _mlp(self, x: torch.Tensor, residual: torch.Tensor, p: str):
         w, ops = self.w, self.ops
         gate_up = w[p + "mlp.gate_up_proj.weight"]
-        h, residual = ops.add_rms_norm_gate_up(x, residual, None, self.cfg.rms_norm_eps, gate_up)
+        norm = w.get(p + "post_attention_layernorm.weight")  # None: folded into gate_up
+        h, residual = ops.add_rms_norm_gate_up(x, residual, norm, self.cfg.rms_norm_eps, gate_up)
         return self.all_reduce(ops.linear(h, w[p + "mlp.down_proj.weight"])), residual
 
     def _input_projection(self, x: torch.Tensor, residual: torch.Tensor | None, p: str, weight: str):
         """The layer's input add-and-norm and the first projection of its mixer; (projected, new residual)."""
-        return self.ops.add_rms_norm_linear(x, residual, None, self.cfg.rms_norm_eps, self.w[p + weight])
+        norm = self.w.get(p + "input_layernorm.weight")  # None: folded into the projection
+        return self.ops.add_rms_norm_linear(x, residual, norm, self.cfg.rms_norm_eps, self.w[p + weight])
 
     def _gdn_inputs(self, x: torch.Tensor, residual: torch.Tensor | None, p: str):
         """Views of the fused [qkv | z | b | a] projection, and the new residual."""
-        y, residual = self._input_projection(x, residual, p, "linear_attn.in_proj_all.weight")
+        w, ops = self.w, self.ops
+        ba = w.get(p + "linear_attn.in_proj_ba.weight")
+        if ba is None:
+            y, residual = self._input_projection(x, residual, p, "linear_attn.in_proj_all.weight")
+        else:  # an FP8 [qkv | z] and the bf16 [b | a]: two projections of one add-and-norm
+            normed, residual = ops.add_rms_norm(x, residual, w[p + "input_layernorm.weight"], self.cfg.rms_norm_eps)
+            y = torch.cat([ops.linear(normed, w[p + "linear_attn.in_proj_all.weight"]), ops.linear(normed, ba)], dim=1)
         C, hv = self.local.gdn_conv_dim, self.local.gdn_value_heads
         vd = hv * self.cfg.linear_value_head_dim
         mixed, z, b, a = y.split([C, vd, hv, hv], dim=1)
@@ -267,8 +300,10 @@ class Qwen35Shard:
         if not self.has_mtp:
             raise RuntimeError("the model was loaded without its MTP head")
         cfg, w, ops, p = self.cfg, self.w, self.ops, MTP_LAYER
-        embedded, _ = ops.add_rms_norm(w["embed_tokens.weight"][token_ids], None, None, cfg.rms_norm_eps)
-        normed, _ = ops.add_rms_norm(hidden, None, None, cfg.rms_norm_eps)  # both (1 + w) are folded into fc
+        # Both (1 + w) are folded into fc (not into an FP8 fc: then their weights are still here).
+        embedded, _ = ops.add_rms_norm(w["embed_tokens.weight"][token_ids], None,
+                                       w.get("mtp.pre_fc_norm_embedding.weight"), cfg.rms_norm_eps)
+        normed, _ = ops.add_rms_norm(hidden, None, w.get("mtp.pre_fc_norm_hidden.weight"), cfg.rms_norm_eps)
         x = ops.linear(torch.cat([embedded, normed], dim=1), w["mtp.fc.weight"])
         attn, _ = self._mixers(batch)
         x, residual = attn(x, None, p, state, batch, self.mtp_kv_index)

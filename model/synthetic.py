@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .config import FP8_BLOCK
-from .weights import MTP_PREFIX, model_shapes, quantise_fp8, random_tensor
+from .weights import FP8_PROJECTIONS, MTP_PREFIX, model_shapes, quantise_fp8, random_tensor
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +125,6 @@ def random_tensors(cfg: dict, seed: int, dtype: torch.dtype, mtp: bool = True):
     for name, shape in model_shapes(mc, mtp).items():
         yield name, random_tensor(name, shape, mc.num_hidden_layers, gen).to(dtype)
 
-
-# The projections an FP8 checkpoint stores in FP8; the embedding, lm_head, norms, the conv and the small GDN
-# projections (in_proj_a, in_proj_b) stay in the checkpoint's dtype, as in the published ones.
-FP8_PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-                   "up_proj.weight", "down_proj.weight", "in_proj_qkv.weight", "in_proj_z.weight", "out_proj.weight")
 
 
 def write_checkpoint(

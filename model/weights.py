@@ -16,6 +16,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from deltaserve.kernels.fp8 import Fp8Weight
+
 from .config import ModelConfig
 from .sharding import shard_plan
 
@@ -156,10 +158,11 @@ def model_shapes(cfg: ModelConfig, mtp: bool) -> dict[str, tuple[int, ...]]:
 
 def iter_rank_tensors(
     checkpoint_dir: str | os.PathLike, cfg: ModelConfig, rank: int = 0, tp: int = 1, progress: bool = True,
-    mtp: bool = False,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    mtp: bool = False, keep_fp8: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
     """Yield (canonical name, this rank's slice on the CPU) for every tensor the model needs (with mtp, the
-    multi-token-prediction head's too), checked first."""
+    multi-token-prediction head's too), checked first. Block-scaled FP8 tensors come dequantised to float32, or
+    with keep_fp8 as `Fp8Weight` (values and scales, both sharded)."""
     shapes = model_shapes(cfg, mtp)
     located = _locate(checkpoint_files(checkpoint_dir))
     if mtp and any(n.startswith(MTP_PREFIX) and n not in located for n in shapes):
@@ -202,8 +205,9 @@ def iter_rank_tensors(
             _check_fp8(name, shape, cfg, located, handles, plan, tp)
 
     if fp8 and rank == 0:
-        log.info("%d of %d tensors are block-scaled FP8 (%.2f GB): dequantised to the model dtype as they are read",
-                 len(fp8), len(shapes), sum(sizes[n] for n in fp8) * tp / 1e9)
+        log.info("%d of %d tensors are block-scaled FP8 (%.2f GB): %s", len(fp8), len(shapes),
+                 sum(sizes[n] for n in fp8) * tp / 1e9,
+                 "kept in FP8 for the FP8 kernels" if keep_fp8 else "dequantised to the model dtype as they are read")
     bar = tqdm(
         total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"loading weights (rank {rank}/{tp})",
         disable=not progress, leave=False,
@@ -216,7 +220,8 @@ def iter_rank_tensors(
             if name in fp8:
                 scale_path, scale_stored = located[_scale_name(name)]
                 scale = _read(handles[scale_path], scale_stored, _scale_plan(plan, cfg.fp8_block))
-                tensor = dequantise_fp8(tensor, scale, cfg.fp8_block)
+                tensor = Fp8Weight(tensor, scale.float(), cfg.fp8_block) if keep_fp8 else \
+                    dequantise_fp8(tensor, scale, cfg.fp8_block)
             bar.update(sizes[name])
             yield name, tensor
     finally:
@@ -228,8 +233,8 @@ _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
 # Block-scaled FP8 (quant_method "fp8"): NAME.weight in float8_e4m3fn, NAME.weight_scale_inv in float32 with one
-# entry per block of FP8_BLOCK x FP8_BLOCK; the weight is the FP8 value times its block's entry. For now the
-# weights are dequantised as they are read, to the model dtype: FP8 checkpoints serve correctly, at the bf16 cost.
+# entry per block of FP8_BLOCK x FP8_BLOCK; the weight is the FP8 value times its block's entry. Read as
+# `kernels.fp8.Fp8Weight` for the FP8 kernels, or dequantised to the model dtype (`EngineArgs.fp8_kernels`).
 
 
 def _scale_name(name: str) -> str:
@@ -245,12 +250,17 @@ def dequantise_fp8(values: torch.Tensor, scale: torch.Tensor, block: int) -> tor
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
 
+# The projections an FP8 checkpoint stores in FP8; the embedding, lm_head, norms, the conv and the small GDN
+# projections (in_proj_a, in_proj_b) stay in the checkpoint's dtype, as in the published ones.
+FP8_PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                   "up_proj.weight", "down_proj.weight", "in_proj_qkv.weight", "in_proj_z.weight", "out_proj.weight")
+
 
 def quantise_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 values, scale per block) of a 2-D weight, each block scaled so its largest magnitude is FP8_MAX."""
     n, k = weight.shape
     rows, cols = -(-n // block), -(-k // block)
-    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32)
+    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32, device=weight.device)
     padded[:n, :k] = weight.float()
     tiles = padded.view(rows, block, cols, block)
     scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
@@ -303,16 +313,19 @@ def load_rank_weights(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     mtp: bool = False,
-) -> dict[str, torch.Tensor]:
-    """This rank's weights by canonical name, on `device`, in `dtype` (A_log and dt_bias stay fp32); with mtp the
-    multi-token-prediction head's too."""
+    keep_fp8: bool = False,
+) -> dict[str, torch.Tensor | Fp8Weight]:
+    """This rank's weights by canonical name, on `device`, in `dtype` (A_log and dt_bias stay fp32, and with
+    keep_fp8 the FP8 ones FP8); with mtp the multi-token-prediction head's too."""
     weights = {name: _as_model_tensor(name, tensor, device, dtype)
-               for name, tensor in iter_rank_tensors(checkpoint_dir, cfg, rank, tp, progress, mtp)}
+               for name, tensor in iter_rank_tensors(checkpoint_dir, cfg, rank, tp, progress, mtp, keep_fp8)}
     return _tie(cfg, weights)
 
 
-def _as_model_tensor(name: str, tensor: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+def _as_model_tensor(name: str, tensor, device, dtype: torch.dtype):
     """A checkpoint tensor as the forward holds it: conv weights [C, K], A_log/dt_bias in fp32, contiguous."""
+    if isinstance(tensor, Fp8Weight):
+        return tensor.to(device)
     if name.endswith("conv1d.weight"):
         tensor = tensor.squeeze(1)  # [C, 1, K] depthwise -> [C, K]
     target = torch.float32 if name.endswith(_FP32_TENSORS) else dtype
@@ -325,9 +338,23 @@ def _tie(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.
     return weights
 
 
-def weight_bytes(weights: dict[str, torch.Tensor]) -> int:
+def weight_bytes(weights: dict[str, torch.Tensor | Fp8Weight]) -> int:
     """Bytes held, counting a tied lm_head once."""
-    return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in weights.values()}.values())
+    return sum(bytes_by_dtype(weights).values())
+
+
+def bytes_by_dtype(weights: dict[str, torch.Tensor | Fp8Weight]) -> dict[str, int]:
+    """Bytes held per storage dtype (an FP8 weight's scales with it), counting a tied lm_head once."""
+    held: dict[str, int] = {}
+    seen = set()
+    for t in weights.values():
+        key = (t.values if isinstance(t, Fp8Weight) else t).data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        name = str(t.dtype).removeprefix("torch.")
+        held[name] = held.get(name, 0) + (t.nbytes if isinstance(t, Fp8Weight) else t.numel() * t.element_size())
+    return held
 
 
 def random_tensor(name: str, shape: tuple[int, ...], num_layers: int, generator: torch.Generator) -> torch.Tensor:
@@ -367,8 +394,10 @@ def random_tensor(name: str, shape: tuple[int, ...], num_layers: int, generator:
 def random_rank_weights(
     cfg: ModelConfig, *, rank: int = 0, tp: int = 1, device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16, seed: int = 0, progress: bool = True, mtp: bool = False,
-) -> dict[str, torch.Tensor]:
-    """Random weights generated on `device` (no checkpoint files): for benchmarks at real sizes.
+    fp8_block: int = 0,
+) -> dict[str, torch.Tensor | Fp8Weight]:
+    """Random weights generated on `device` (no checkpoint files): for benchmarks at real sizes; with fp8_block,
+    the projections an FP8 checkpoint stores in FP8 (`FP8_PROJECTIONS`) as `Fp8Weight`, each shard quantised.
 
     Every rank generates each full tensor from the same seed and keeps its slice, so shards agree.
     """
@@ -382,6 +411,9 @@ def random_rank_weights(
         plan = shard_plan(name, cfg, rank, tp)
         if plan is not None:
             full = torch.cat([full.narrow(plan.dim, a, b - a) for a, b in plan.ranges], dim=plan.dim)
-        weights[name] = _as_model_tensor(name, full, device, dtype)
+        if fp8_block and name.endswith(FP8_PROJECTIONS):
+            weights[name] = Fp8Weight(*quantise_fp8(full, fp8_block), fp8_block)
+        else:
+            weights[name] = _as_model_tensor(name, full, device, dtype)
         del full
     return _tie(cfg, weights)

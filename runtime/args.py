@@ -55,6 +55,10 @@ class EngineArgs:
     # rows of lm_head instead of all. Outputs do not change, only which drafts are proposed; 0: the whole
     # vocabulary.
     speculative_draft_vocab: int = 0
+    # FP8 checkpoints (block-scaled, Qwen's format): keep those weights in FP8 and run the FP8 projection kernel
+    # (`kernels.fp8`: half the bytes a decode step reads); False: dequantise them to `dtype` as they are read.
+    # Off until its speed is measured.
+    fp8_kernels: bool = False
     # Tests and benchmarks: drafts proposed on the host, (prompt ids, output ids so far, k) -> k token ids, in place
     # of the head's (which still runs). None: the head's.
     speculative_drafter: Callable[[list[int], list[int], int], list[int]] | None = None
@@ -110,6 +114,8 @@ class EngineArgs:
         if isinstance(self.speculative_draft_vocab, bool) or not isinstance(self.speculative_draft_vocab, int) or \
                 self.speculative_draft_vocab < 0:
             raise ValueError(f"speculative_draft_vocab must be an integer >= 0, got {self.speculative_draft_vocab!r}")
+        if not isinstance(self.fp8_kernels, bool):
+            raise ValueError(f"fp8_kernels must be True or False, got {self.fp8_kernels!r}")
         if not isinstance(self.speculative_adaptive, bool):
             raise ValueError(f"speculative_adaptive must be True or False, got {self.speculative_adaptive!r}")
         if self.speculative_acceptance is not None:

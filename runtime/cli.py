@@ -137,6 +137,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--speculative-max-batch", type=_int_in(0), metavar="N", default=None,
                         help="with speculation: a decode step whose batch (padded to its graph bucket) is above "
                              "N decodes one token a request (default: no limit)")
+    parser.add_argument("--fp8-kernels", action="store_true",
+                        help="FP8 checkpoints: keep the block-scaled FP8 weights in FP8 and run the FP8 projection "
+                             "kernel (half the bytes); by default they are dequantised to --dtype as they are read")
     parser.add_argument("--speculative-draft-vocab", type=_int_in(0), metavar="N", default=0,
                         help="with speculation: the head drafts among the first N token ids only, reading N rows of "
                              "lm_head a draft instead of all (outputs do not change; 0: the whole vocabulary)")
@@ -253,7 +256,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=ns.enable_prefix_caching, prefix_cache_state_gib=ns.prefix_cache_state_gib,
         speculative_tokens=speculative_tokens(ns), speculative_acceptance=ns.speculative_acceptance,
         speculative_max_batch=ns.speculative_max_batch, speculative_adaptive=ns.speculative_adaptive,
-        speculative_draft_vocab=ns.speculative_draft_vocab,
+        speculative_draft_vocab=ns.speculative_draft_vocab, fp8_kernels=ns.fp8_kernels,
     )
 
 

@@ -199,7 +199,7 @@ class AsyncEngine:
             prefill_token_budget=args.prefill_token_budget, buckets=buckets, cuda_graph=args.cuda_graph,
             prefill_graph_tokens=args.prefill_graph_tokens, speculative_tokens=args.speculative_tokens,
             speculative_acceptance=args.speculative_acceptance, speculative_max_batch=args.speculative_max_batch,
-            speculative_draft_vocab=args.speculative_draft_vocab,
+            speculative_draft_vocab=args.speculative_draft_vocab, fp8_kernels=args.fp8_kernels,
             memory_fraction=args.memory_fraction, cpu_memory_bytes=args.cpu_memory_bytes,
             step_timeout_s=args.step_timeout_s, capture_timeout_s=args.capture_timeout_s, use_nccl=args.use_nccl,
             random_weights=args.load_format == "random", seed=args.seed, kernel_config=args.kernel_config,

@@ -585,3 +585,21 @@ def test_packed_chunks_padded_to_a_bucket_equal_them_unpadded(tiny_ckpt):
         assert rel(now[:, pages], want[:, pages]) <= REDUCTION
         assert torch.equal(now[:, [p for p in range(state.num_pages) if p not in pages]],
                            want[:, [p for p in range(state.num_pages) if p not in pages]])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fp8_projection_equals_its_reference(rows, dtype):
+    """The FP8 kernel (each tile widened in registers, its block's scale on the partial sums) against the weight
+    dequantised, at decode and prefill row counts, N and K not multiples of the tiles or the 128-blocks."""
+    from deltaserve.kernels import fp8
+    from deltaserve.model.weights import quantise_fp8
+
+    g = torch.Generator().manual_seed(rows)
+    weight = fp8.Fp8Weight(*quantise_fp8(torch.randn(200, 300, generator=g) * 0.05, 128))
+    weight = weight.to(DEVICE)
+    x = torch.randn(rows, 300, generator=g).to(DEVICE, dtype)
+    ref = fp8.linear_reference(x, weight)
+    out = fp8.linear(x, weight)
+    assert out.dtype == dtype and out.shape == (rows, 200)
+    assert rel(out.float(), ref.float()) <= (1e-5 if dtype == torch.float32 else 1e-2)

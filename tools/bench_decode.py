@@ -62,15 +62,16 @@ def step_bytes(cfg, weights, tp: int, dtype, rows: int, context: int) -> int:
 async def open_engine(size: str, layers: int | None, batches: list[int], context: int, tp: int,
                       kernel_config: KernelConfig | None = None, async_scheduling: bool = True,
                       speculative_tokens: int = 0, speculative_acceptance: tuple[float, ...] | None = None,
-                      draft_vocab: int = 0):
-    """An engine on random bf16 weights of a `size`-shaped config, with a graph bucket for each batch size."""
+                      draft_vocab: int = 0, fp8: bool = False):
+    """An engine on random bf16 weights of a `size`-shaped config, with a graph bucket for each batch size; fp8:
+    the projections an FP8 checkpoint holds in FP8 random FP8, on the FP8 kernels."""
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as folder:
-        write_checkpoint(folder, size, layers=layers, weights=False)
+        write_checkpoint(folder, size, layers=layers, weights=False, fp8=fp8)
         args = EngineArgs(model=folder, device="cuda", tp=tp, load_format="random", max_batch=max(batches),
                           max_model_len=context * 2, buckets=sorted(set(batches)), prefill_slots=1,
                           prefill_token_budget=512, kernel_config=kernel_config,
                           async_scheduling=async_scheduling, speculative_tokens=speculative_tokens,
-                          speculative_adaptive=False, speculative_draft_vocab=draft_vocab,
+                          speculative_adaptive=False, speculative_draft_vocab=draft_vocab, fp8_kernels=fp8,
                           speculative_acceptance=speculative_acceptance)
         async with AsyncEngine(args) as engine:
             yield engine
@@ -80,7 +81,7 @@ async def run(ns) -> list[dict]:
     batches = [int(b) for b in ns.batches.split(",")]
     results = []
     async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns),
-                           ns.async_scheduling) as engine:
+                           ns.async_scheduling, fp8=ns.fp8) as engine:
         replica = engine.replica
         bw = await replica.group.call(lambda rank: copy_bandwidth(replica.ranks[rank].backend.device))
         engine_steps = {rows: (await engine_step_time(engine, rows, ns.context))[0] for rows in batches}
@@ -136,7 +137,7 @@ async def speculative_run(ns) -> str:
         async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns),
                                ns.async_scheduling, speculative_tokens=k,
                                speculative_acceptance=acceptance if k else None,
-                               draft_vocab=ns.draft_vocab if k else 0) as engine:
+                               draft_vocab=ns.draft_vocab if k else 0, fp8=ns.fp8) as engine:
             for rows in batches:
                 m = engine.metrics
                 drafted, accepted = m.spec_drafts._value.get(), m.spec_accepted._value.get()
@@ -179,7 +180,8 @@ def _measure(replica, rank, rows, context):
 def table(ns, results) -> str:
     k = kernel_config(ns)
     lines = [
-        f"{ns.size} ({ns.layers or 'all'} layers), tp={ns.tp}, bf16, context {ns.context}, "
+        f"{ns.size} ({ns.layers or 'all'} layers), tp={ns.tp}, bf16{', FP8 projections' if ns.fp8 else ''}, "
+        f"context {ns.context}, "
         f"copy bandwidth {results[0]['copy_tbps']:.2f} TB/s; one-row projections by "
         f"{'the Triton GEMV' if k.gemv_one_row else 'cuBLAS'}; input add-and-norms "
         f"{'fused into the one-row projections' if k.gemv_one_row and k.fused_norm else 'by their own kernel'}; "
@@ -218,6 +220,9 @@ def add_engine_args(parser: argparse.ArgumentParser, batches: str) -> None:
     parser.add_argument("--whole-rows", **on_off, help="one-row GEMVs over whole weight rows a program where K "
                         f"splits into two spans, or all by the loop over K tiles (default "
                         f"{'on' if DEFAULT.whole_rows else 'off'})")
+    parser.add_argument("--fp8", action="store_true",
+                        help="the projections an FP8 checkpoint holds in FP8 (random, block-scaled) on the FP8 "
+                             "kernels; the floor counts their bytes")
     parser.add_argument("--few-rows", type=int, default=None, metavar="N",
                         help="projections of 2 to N rows by the few-row kernel, 0: cuBLAS (default "
                         f"{DEFAULT.few_rows})")

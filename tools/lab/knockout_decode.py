@@ -71,7 +71,7 @@ async def _measure(ns, rows: int, knocked_out: str | None) -> tuple[float, int]:
     if knocked_out:
         setattr(_home(knocked_out), knocked_out, stand_in)
     try:
-        async with open_engine(ns.size, ns.layers, [rows], ns.context, ns.tp, kernel_config(ns)) as engine:
+        async with open_engine(ns.size, ns.layers, [rows], ns.context, ns.tp, kernel_config(ns), fp8=ns.fp8) as engine:
             replica = engine.replica
             return (await replica.group.call(lambda rank: _step_time(replica, rank, rows, ns.context, stand_in)))[0]
     finally:

@@ -72,7 +72,7 @@ def report(result: dict, top: int) -> str:
 async def run(ns) -> list[dict]:
     batches = [int(b) for b in ns.batches.split(",")]
     async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns),
-                           speculative_tokens=ns.speculative_tokens) as engine:
+                           speculative_tokens=ns.speculative_tokens, fp8=ns.fp8) as engine:
         replica = engine.replica
         out = []
         for rows in batches:

@@ -100,7 +100,7 @@ async def run(ns) -> None:
     acceptance = tuple(float(p) for p in ns.acceptance.split(",")) if ns.acceptance else None
     async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns),
                            async_scheduling=False, speculative_tokens=ns.speculative_tokens,
-                           speculative_acceptance=acceptance) as engine:
+                           speculative_acceptance=acceptance, fp8=ns.fp8) as engine:
         print("| batch | engine step ms | execute ms | sample ms (launch to read-back) | gap between executes ms "
               "| of it, to the hand-off ms | of it, hand-off to rank 0's start ms |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
