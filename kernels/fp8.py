@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .config import DEFAULT, KernelConfig
-from .launch import _dot_bf16
+from .launch import _dot_bf16, multiprocessors
 
 
 @dataclass
@@ -97,14 +97,18 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_row_stride, scal
 
 
 def linear(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
-    """x [T, K] @ weight^T on the Triton kernel, in x's dtype. Tiles: 16 rows up to 16 (decode), else 64."""
+    """x [T, K] @ weight^T on the Triton kernel, in x's dtype. Tiles: 16 rows up to 16 (decode), else 64; the
+    widest column tile that still gives every SM two programs (a decode step reads each weight once, so its speed
+    is how many loads are in flight), 16 at the narrowest."""
     M, K = x.shape
     N = weight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block_m = 16 if M <= 16 else 64
-    block_n, block_k = 64, min(128, weight.block)
+    programs = 2 * multiprocessors(x.device)
+    block_n = next((b for b in (64, 32) if triton.cdiv(M, block_m) * triton.cdiv(N, b) >= programs), 16)
+    block_k = min(128, weight.block)
     _fp8_linear_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
         x, weight.values, weight.scale, out, M, N, K, x.stride(0), weight.scale.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, QBLOCK=weight.block,

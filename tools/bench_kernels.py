@@ -1,7 +1,7 @@
 """Kernel benchmark on a GPU: time, achieved bandwidth or FLOP rate, and the ratio to ceilings measured in the
 same run (a large device-to-device copy; a large bf16 matmul), and for GDN the ratio to fla-core.
 
-    python -m deltaserve.tools.bench_kernels [--size 4b|9b|27b] [--out FILE] [--only decode,projections,prefill,sampling]
+    python -m deltaserve.tools.bench_kernels [--size 4b|9b|27b] [--out FILE] [--only decode,projections,few_rows,fp8,prefill,sampling]
         [--sweeps decode,scan,prep,attention,sampler,rounds,gemv]
 """
 
@@ -178,6 +178,30 @@ def norm_projections(cfg, rows: list, bw: float, sweep: bool) -> None:
         del weights
 
 
+def fp8_projections(cfg, rows: list, bw: float, flops: float, counts=(1, 8, 2048)) -> None:
+    """The FP8 projection (`kernels.fp8.linear`) on every shape of the model, at decode and prefill row counts,
+    against its bytes over the copy bandwidth and the bf16 projection the engine runs otherwise (`gemv.linear`),
+    timed as `projections` does."""
+    from deltaserve.kernels import fp8
+    from deltaserve.model.weights import quantise_fp8
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    for name, (n, k) in projection_shapes(cfg).items():
+        copies = max(2, -(-(512 << 20) // (n * k)))
+        weights = [fp8.Fp8Weight(*quantise_fp8(torch.randn(n, k, device=dev) * 0.02, 128)) for _ in range(copies)]
+        plain = [w.dequantise(bf) for w in weights[:max(2, copies // 2)]]
+        for m in counts:
+            x = torch.randn(m, k, device=dev, dtype=bf)
+            nbytes = n * k + (m * k + m * n) * 2
+            t = graph_time_per_call(lambda w: lambda: fp8.linear(x, w), weights)
+            t_bf16 = graph_time_per_call(lambda w: lambda: gemv.linear(x, w), plain)
+            bound = max(nbytes / bw, 2 * m * n * k / flops)
+            rows.append((f"fp8 projection {name}", f"{m} x {k} -> {n}", t, f"{nbytes / t / 1e12:.2f} TB/s",
+                         f"{bound / t:.0%} of its bound (bytes or bf16 FLOPs); the bf16 projection {t_bf16 * 1e6:.1f}"
+                         f" us = {t_bf16 / t:.2f}x ours"))
+        del weights, plain
+
+
 def few_row_projections(cfg, rows: list, bw: float, sweep: bool, counts=(2, 4, 8, 16)) -> None:
     """Few-row projections (decode batches of 2-16, a speculative verify): the few-row kernel against cuBLAS on
     every shape of the model at each row count, timed as `projections` does; the MLP's gate_up with silu(gate) *
@@ -211,7 +235,7 @@ def few_row_projections(cfg, rows: list, bw: float, sweep: bool, counts=(2, 4, 8
         del weights
 
 
-SECTIONS = ("decode", "projections", "few_rows", "prefill", "sampling")
+SECTIONS = ("decode", "projections", "few_rows", "fp8", "prefill", "sampling")
 
 
 def run(size: str, sweeps=SWEEPS, sections=SECTIONS) -> list[tuple]:
@@ -239,6 +263,8 @@ def run(size: str, sweeps=SWEEPS, sections=SECTIONS) -> list[tuple]:
         projections(cfg, rows, bw, "gemv" in sweeps)
     if "few_rows" in sections:
         few_row_projections(cfg, rows, bw, "few_rows" in sweeps)
+    if "fp8" in sections:
+        fp8_projections(cfg, rows, bw, flops)
     N, S = 64, 64
     mixed = torch.randn(N, C, device=dev, dtype=bf)
     a, b = torch.randn(N, hv, device=dev, dtype=bf), torch.randn(N, hv, device=dev, dtype=bf)

@@ -14,6 +14,8 @@
 #         the whole vocabulary and with drafts among the first 32k ids
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
 # fewrows #30: the few-row kernel's tile sweep, then the batch-8 decode step with it and without it
+# fp8     #33: the FP8 accuracy gate at the 9B and 27B widths, the FP8 projection per shape, then the 27B decode
+#         step with FP8 projections against bf16 (its floor counts the FP8 bytes)
 set -uo pipefail
 STAGES=${1:-tests,spec,prefix}
 DIR=${OUT:-gpu-session}
@@ -25,7 +27,7 @@ for stage in ${STAGES//,/ }; do
   case $stage in
     tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -o log_cli=true --log-cli-level=INFO \
-          -k "speculative or capture_check or prefill_graphs" > "$DIR/tests.log" 2>&1
+          -k "speculative or capture_check or prefill_graphs or fp8" > "$DIR/tests.log" 2>&1
       grep -E "passed|failed|speculation k=|on/off" "$DIR/tests.log" | tail -8 ;;
     spec)
       for vocab in 0 32768; do
@@ -44,7 +46,15 @@ for stage in ${STAGES//,/ }; do
             > "$DIR/decode-few-rows-$n.md" 2>&1
         grep "^| [0-9]" "$DIR/decode-few-rows-$n.md" | sed "s/^/few_rows=$n /"
       done ;;
-    *) echo "unknown stage $stage (tests, spec, prefix, fewrows)"; exit 2 ;;
+    fp8)
+      timeout 150 python3 -m deltaserve.tools.bench_kernels --size 27b --only fp8 > "$DIR/fp8-kernels.md" 2>&1
+      grep "fp8 projection" "$DIR/fp8-kernels.md"
+      for flag in --fp8 ""; do
+        timeout 150 python3 -m deltaserve.tools.bench_decode --size 27b --batches 1,16 $flag \
+            > "$DIR/decode-27b$flag.md" 2>&1
+        grep "^| [0-9]" "$DIR/decode-27b$flag.md" | sed "s/^/27b ${flag:-bf16} /"
+      done ;;
+    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, fp8)"; exit 2 ;;
   esac
   stamp "$stage done"
 done
