@@ -143,7 +143,7 @@ class RankRuntime:
         self.occupied = [False] * max_batch
         self.graphs: StepGraphs | None = None  # captured decode buckets (CUDA); the others run eagerly
         self.speculative_graphs: StepGraphs | None = None  # the same for speculative steps
-        # One-chunk prefills padded to a bucket of tokens, replayed from captured graphs (CUDA): a prefill of a few
+        # Prefill steps padded to a bucket of tokens, replayed from captured graphs (CUDA): a prefill of a few
         # hundred tokens costs its ~450 launches on the host otherwise, more than its time on the GPU.
         self.prefill_inputs: PrefillInputs | None = None
         self.prefill_graphs: StepGraphs | None = None
