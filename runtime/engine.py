@@ -190,8 +190,8 @@ class AsyncEngine:
             if args.speculative_draft_vocab > self.cfg.vocab_size:
                 raise ValueError(f"speculative_draft_vocab {args.speculative_draft_vocab} exceeds the vocabulary "
                                  f"({self.cfg.vocab_size} tokens)")
-            log.info("speculative decoding: %d tokens drafted a step by the MTP head (%s), without overlap "
-                     "scheduling and without prefill graphs", self.speculative,
+            log.info("speculative decoding: %d tokens drafted a step by the MTP head (%s); speculative steps run "
+                     "without overlap scheduling, and prefills without graphs", self.speculative,
                      "where it is measured to pay" if args.speculative_adaptive else "every step")
         spec = ReplicaSpec(
             checkpoint=args.model, cfg=self.cfg, device=args.device, tp=args.tp, dtype=args.dtype,
@@ -436,8 +436,7 @@ class AsyncEngine:
         applying a step, a cancellation) poisons the replica and ends every live request with an error: no
         request is left waiting on a loop that is gone."""
         try:
-            overlap = self.args.async_scheduling and not self.speculative
-            await (self._run_steps_overlapped() if overlap else self._run_steps())
+            await (self._run_steps_overlapped() if self.args.async_scheduling else self._run_steps())
         except ReplicaPoisoned as exc:
             self._poison(str(exc))
         except asyncio.CancelledError:  # the ranks may be anywhere in a step
@@ -459,6 +458,7 @@ class AsyncEngine:
                 await self._wakeup.wait()
                 continue
             plan = sched.schedule()
+            self._decide(plan)
             self._update_gauges()
             if plan.empty:
                 self._emit(outputs)
@@ -488,29 +488,46 @@ class AsyncEngine:
         tokens reach the host (rank 0 takes them on the device, and launches k+1 before it reads k's), so the
         devices wait neither for the loop's routing, stop checks and outputs nor for the tokens' trip to the host.
         A request that a token or stop string ends at step k has a row in step k+1 too: that one extra token is
-        drawn and dropped. max_tokens needs no tokens: the scheduler retires at it."""
+        drawn and dropped. max_tokens needs no tokens: the scheduler retires at it. A speculative step runs without
+        overlap: its inputs are the tokens of the step before it, and the next plan needs the tokens it keeps."""
         sched = self.scheduler
         previous = in_flight = None  # (plan, step, handed over at)
         last_done = 0.0  # a step handed over early starts only once the one before it is done
+
+        async def finish(done) -> None:
+            nonlocal last_done
+            done_plan, done_step, handed = done
+            result = await done_step
+            now = time.perf_counter()
+            self._observe_step(done_plan, now - max(handed, last_done), result)
+            last_done = now
+            if done_plan.speculate:
+                self._count(done_plan, result)
+            self._emit(self._apply(done_plan, result))
+
         try:
             while not self._closing:
                 plan = sched.schedule() if sched.has_work else None
+                if plan is not None:
+                    self._decide(plan)
                 if (plan is None or plan.empty) and in_flight is None:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
                 previous, in_flight = in_flight, None
+                if plan is not None and plan.speculate and previous is not None:
+                    await finish(previous)
+                    previous = None
                 if plan is not None and not plan.empty:
                     in_flight = (plan, self.replica.start_step(self._command(plan), overlapped=True),
                                  time.perf_counter())
-                    self._count(plan)
+                    if plan.speculate:
+                        await finish(in_flight)
+                        in_flight = None
+                    else:
+                        self._count(plan)
                 if previous is not None:
-                    done_plan, done_step, handed = previous
-                    result = await done_step
-                    now = time.perf_counter()
-                    self._observe_step(done_plan, now - max(handed, last_done))
-                    last_done = now
-                    self._emit(self._apply(done_plan, result))
+                    await finish(previous)
             if in_flight is not None:  # closing: the last step's tokens come before `close` ends the requests
                 self._emit(self._apply(in_flight[0], await in_flight[1]))
                 in_flight = None
@@ -548,7 +565,7 @@ class AsyncEngine:
             cmd.decode_positions.append(len(req.prompt_ids) + n - 1)
             cmd.decode_token_index.append(n)
         if self.speculative and plan.decode_ids:
-            cmd.speculate = plan.speculate = self.speculation.decide(plan.bucket)
+            cmd.speculate = plan.speculate
             promoted = {p.request_id for p in plan.promotions}
             cmd.verify_accepted = [0 if rid in promoted else reqs[rid].verify_accepted for rid in plan.decode_ids]
             drafter = self.args.speculative_drafter
@@ -569,6 +586,10 @@ class AsyncEngine:
                 self.metrics.count_prefix(len(req.prompt_ids), w.start)
         return cmd
 
+    def _decide(self, plan) -> None:
+        """Whether the plan's decode rows speculate (`runtime.speculation`), before its command is made."""
+        plan.speculate = bool(self.speculative and plan.decode_ids) and self.speculation.decide(plan.bucket)
+
     def _count(self, plan, result: StepResult | None = None) -> None:
         """The scheduler's bookkeeping of a step: what the next plan depends on. Without speculation none of it
         is the tokens (overlap scheduling counts before they are back); a speculative step's `result` says how
@@ -576,6 +597,10 @@ class AsyncEngine:
         counts = [1 + len(more) for more in result.decode_more] if result and result.decode_more else None
         self.scheduler.on_prefill_done(plan.prefill)
         self.scheduler.on_decode_done(plan.decode_ids, counts)
+        if self.speculative and not plan.speculate:
+            for rid in plan.decode_ids:  # a one-token step leaves nothing to roll back (the next may be in flight)
+                if rid in self.requests:
+                    self.requests[rid].verify_accepted = 0
         self.metrics.count_tokens(sum(w.length for w in plan.prefill),
                                   sum(counts or [1] * len(plan.decode_ids)) + sum(1 for w in plan.prefill if w.last))
         if counts and plan.speculate:
