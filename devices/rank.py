@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk, PrefillInputs, VerifyBatch
+from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk, PrefillInputs, VerifyBatch, upload
 from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.state import ModelState
 
@@ -164,10 +164,14 @@ class RankRuntime:
         padded to the bucket: what a prefill graph captures. A program reads what a fill for its bucket wrote
         (`prefill_inputs.fill`, or `fill_inert` before a capture)."""
         state = self.state
-        self.prefill_inputs = PrefillInputs(max(buckets), self.inputs.width, state.trash_slot, state.trash_page,
-                                            state.page_size, self.device, requests=requests)
+        head = state.num_slots if state.verify_steps else None  # the verify pools' trash row
+        inputs = self.prefill_inputs = PrefillInputs(max(buckets), self.inputs.width, state.trash_slot,
+                                                     state.trash_page, state.page_size, self.device,
+                                                     requests=requests, head_trash=head)
+        if head is not None:
+            return {b: (lambda b=b: self._prefill_with_head(inputs.batch(b), *inputs.head_inputs(b))) for b in buckets}
         model = self.model
-        return {b: (lambda batch=self.prefill_inputs.batch(b): model.prefill(state, batch)) for b in buckets}
+        return {b: (lambda batch=inputs.batch(b): model.prefill(state, batch)) for b in buckets}
 
     def _prefill_bucket(self, chunks: list[PrefillChunk]) -> int:
         """The smallest captured bucket a step's prefill chunks fit together, or 0."""
@@ -329,12 +333,14 @@ class RankRuntime:
                 for c in chunks:
                     if c.start == 0:
                         self.state.reset_slot(c.slot)
-                self.prefill_inputs.fill(chunks, bucket)
+                self.prefill_inputs.fill(chunks, bucket, *self._head_inputs(cmd))
                 prefill_logits = self.prefill_graphs(bucket)  # row i is chunk i's, the rest the padding's
             else:
                 batch = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
                 if self.state.verify_steps:
-                    prefill_logits = self._prefill_with_head(cmd, batch)
+                    following, rows = self._head_inputs(cmd)
+                    longs = upload({"following": following, "rows": rows}, torch.long, self.device)
+                    prefill_logits = self._prefill_with_head(batch, longs["following"], longs["rows"])
                 else:
                     prefill_logits = self.model.prefill(self.state, batch)
             for slot, snapshot in cmd.save_snapshots:
@@ -350,18 +356,25 @@ class RankRuntime:
         return LaunchedStep(self, cmd, decode_draw, prefill_draw, speculation)
 
     # Speculative decoding (k drafts a row) -----------------------------------------------------------------------
-    def _prefill_with_head(self, cmd: StepCommand, batch: PrefillBatch) -> torch.Tensor:
+    def _head_inputs(self, cmd: StepCommand) -> tuple[list[int] | None, list[int] | None]:
+        """A speculative engine's prefill: each chunk token's following token (the prompt's, 0 after its last),
+        and the verify-pool row each chunk's last hidden state goes to (the trash row unless it ends its prompt).
+        (None, None) without speculation."""
+        if not self.state.verify_steps:
+            return None, None
+        following = [t for p in cmd.prefill for t in p.token_ids[1:] + [p.next_token]]
+        return following, [p.slot if p.last else self.state.num_slots for p in cmd.prefill]
+
+    def _prefill_with_head(self, batch: PrefillBatch, following: torch.Tensor, head_rows: torch.Tensor) -> torch.Tensor:
         """A prefill whose chunks the MTP head also runs over (its KV at every prompt position; a prompt's last
         position, whose next token this step draws, is run again when the request first drafts). Keeps each
-        finished prompt's last hidden state, what its first draft starts from. Logits at the last tokens."""
+        finished prompt's last hidden state (`head_rows`), what its first draft starts from. Logits at the last
+        tokens. A program over fixed inputs too: what a speculative engine's prefill graph captures."""
         model, state = self.model, self.state
         hidden = model.prefill_hidden(state, batch)
-        following = [t for p in cmd.prefill for t in p.token_ids[1:] + [p.next_token]]
-        model.mtp(torch.tensor(following, device=self.device), hidden, state, batch)
+        model.mtp(following, hidden, state, batch)
         last_hidden = hidden[batch.last_token]
-        for i, p in enumerate(cmd.prefill):
-            if p.last:
-                state.verify_hidden[p.slot, 0] = last_hidden[i]
+        state.verify_hidden[head_rows, 0] = last_hidden
         return model.logits(last_hidden)
 
     def speculative_program(self, bucket: int) -> GraphProgram:

@@ -210,7 +210,7 @@ class Replica:
     @property
     def prefill_buckets(self) -> list[int]:
         """Captured prefill sizes in tokens (none without graphs): at most a step's prompt tokens."""
-        if not self._graphs or self.spec.speculative_tokens:  # the head's pass over the prompt is not captured
+        if not self._graphs:
             return []
         return prefill_graph_buckets(min(self.spec.prefill_graph_tokens, self.spec.prefill_token_budget))
 

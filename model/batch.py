@@ -184,13 +184,15 @@ class PrefillInputs:
     """Fixed-address inputs of a prefill of up to `requests` chunks padded to a bucket of tokens, what a prefill
     CUDA graph reads: requests 0.. are the chunks, the next pads the bucket in the trash slot and page, and the rest
     (up to `requests` + 1) are empty there (the kernels skip an empty request). Each bucket's batch is a view of the
-    same two buffers, so a graph captured over `batch(bucket)` reads what `fill` writes."""
+    same two buffers, so a graph captured over `batch(bucket)` reads what `fill` writes. With `head_trash` (the
+    verify pools' trash row: a speculative engine) they also hold the MTP head's inputs: each token's following
+    token, and the verify-pool row each request's last hidden state goes to."""
 
     def __init__(self, tokens: int, width: int, trash_slot: int, trash_page: int, page_size: int, device,
-                 requests: int = 1) -> None:
+                 requests: int = 1, head_trash: int | None = None) -> None:
         self.tokens, self.width, self.page_size = tokens, width, page_size
         self.trash_slot, self.trash_page = trash_slot, trash_page
-        self.requests = requests
+        self.requests, self.head_trash = requests, head_trash
         R = requests + 1
         # Each view's offset in its flat buffer (int64 or int32), the same for every bucket.
         self._views: dict[str, tuple[torch.dtype, int]] = {}
@@ -199,7 +201,9 @@ class PrefillInputs:
                                ("slot_mapping", torch.long, tokens), ("slots", torch.long, R),
                                ("context_lens", torch.long, R), ("last_token", torch.long, R),
                                ("cu_seqlens", torch.int32, R + 1), ("page_table", torch.int32, R * width),
-                               ("spans", torch.int32, 2 * self.chunks(tokens)), ("first", torch.int32, R + 1)):
+                               ("spans", torch.int32, 2 * self.chunks(tokens)), ("first", torch.int32, R + 1),
+                               ("following", torch.long, tokens if head_trash is not None else 0),
+                               ("head_rows", torch.long, R if head_trash is not None else 0)):
             self._views[name] = (dtype, sizes[dtype])
             sizes[dtype] += -(-n // ALIGN) * ALIGN
         self._flat = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
@@ -227,18 +231,25 @@ class PrefillInputs:
             gdn_chunks=GdnChunks(self._view("spans", 2 * n).view(n, 2), self._view("first", R + 1)),
         )
 
+    def head_inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(following token of each of `bucket` tokens, verify-pool row of each request's last hidden state)."""
+        return self._view("following", bucket), self._view("head_rows", self.requests + 1)
+
     def fill_inert(self, bucket: int) -> None:
         """Inputs for `bucket` that touch only the trash slot and page (a program's runs before its capture). Each
         bucket's batch reads what only a fill for that bucket writes: the request bounds and GDN chunks."""
-        self.fill([PrefillChunk([0], 0, self.trash_slot, [self.trash_page])], bucket)
+        head = ([0], [self.head_trash]) if self.head_trash is not None else (None, None)
+        self.fill([PrefillChunk([0], 0, self.trash_slot, [self.trash_page])], bucket, *head)
 
     def fits(self, chunks: list[PrefillChunk], bucket: int) -> bool:
         return (0 < len(chunks) <= self.requests and all(c.token_ids and len(c.pages) <= self.width for c in chunks)
                 and sum(len(c.token_ids) for c in chunks) <= bucket <= self.tokens)
 
-    def fill(self, chunks: list[PrefillChunk], bucket: int) -> None:
-        """Write the chunks and the padding requests up to `bucket`: one non-blocking copy per buffer, from pinned
-        memory made for this fill (a buffer reused while its last copy is in flight would change under it)."""
+    def fill(self, chunks: list[PrefillChunk], bucket: int, following: list[int] | None = None,
+             head_rows: list[int] | None = None) -> None:
+        """Write the chunks and the padding requests up to `bucket` (with the head's inputs: each chunk token's
+        following token, each chunk's verify-pool row): one non-blocking copy per buffer, from pinned memory made
+        for this fill (a buffer reused while its last copy is in flight would change under it)."""
         ps, R = self.page_size, self.requests + 1
         if not self.fits(chunks, bucket):
             raise ValueError(f"{len(chunks)} chunks of {sum(len(c.token_ids) for c in chunks)} tokens do not fit "
@@ -274,6 +285,9 @@ class PrefillInputs:
         spans, first = GdnChunks.layout(cu)
         spans += [bucket, bucket] * (self.chunks(bucket) - first[-1])
         first[-1] = self.chunks(bucket)
+        if self.head_trash is not None:
+            put("following", following)
+            put("head_rows", list(head_rows) + [self.head_trash] * (R - len(head_rows)))
         put("spans", spans)
         put("first", first)
         for dtype, flat in self._flat.items():

@@ -191,7 +191,7 @@ class AsyncEngine:
                 raise ValueError(f"speculative_draft_vocab {args.speculative_draft_vocab} exceeds the vocabulary "
                                  f"({self.cfg.vocab_size} tokens)")
             log.info("speculative decoding: %d tokens drafted a step by the MTP head (%s); speculative steps run "
-                     "without overlap scheduling, and prefills without graphs", self.speculative,
+                     "without overlap scheduling", self.speculative,
                      "where it is measured to pay" if args.speculative_adaptive else "every step")
         spec = ReplicaSpec(
             checkpoint=args.model, cfg=self.cfg, device=args.device, tp=args.tp, dtype=args.dtype,

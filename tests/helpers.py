@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from collections import Counter
+
 import torch
 
 from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk, VerifyBatch
@@ -132,3 +134,22 @@ async def wait_free(engine, timeout=10.0) -> bool:
             return True
         await asyncio.sleep(0.01)
     return engine.resources_free()
+
+
+class EagerPrograms:
+    """The CPU's stand-in for a rank's prefill graphs: each bucket's program run eagerly, so the padded fixed-input
+    path a graph replays (`RankRuntime.prefill_programs`) runs through the engine in CI."""
+
+    def __init__(self, programs) -> None:
+        self.programs, self.stats, self.buckets = programs, {}, sorted(programs)
+        self.replays = Counter()
+
+    def captured(self, bucket: int) -> bool:
+        return bucket in self.programs
+
+    def __call__(self, bucket: int):
+        self.replays[bucket] += 1
+        return self.programs[bucket]()
+
+    def destroy(self) -> None:
+        pass

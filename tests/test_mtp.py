@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 import torch
-from helpers import CpuRunner, hf_model, rel_err
+from helpers import CpuRunner, EagerPrograms, hf_model, rel_err
 from safetensors.torch import load_file
 
 from deltaserve.model.weights import checkpoint_files
@@ -456,3 +456,74 @@ def test_a_draft_vocabulary_limits_the_drafts_not_the_output(tiny_tp_ckpt, plain
     assert (drafts.max() < 64) == bool(draft_vocab)
     with pytest.raises(ValueError, match="speculative_draft_vocab must be an integer >= 0"):
         EngineArgs(speculative_draft_vocab=-1)
+
+
+def test_a_speculative_engines_padded_prefills_change_no_output_and_no_draft(tiny_tp_ckpt):
+    """A speculative engine's prefills through the padded fixed inputs its prefill graphs read, the head's inputs
+    with them (each token's following token, the rows its last hidden states go to): the tokens, log-probs and
+    the head's drafts of every prefill run eagerly."""
+    prompts = _prompts()
+
+    async def serve(padded: bool):
+        args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, prefill_slots=2,
+                          cpu_memory_bytes=96 << 20, prefill_token_budget=48, speculative_tokens=3,
+                          speculative_adaptive=False)
+        async with AsyncEngine(args) as engine:
+            runtime = engine.replica.ranks[0].runtime
+            if padded:
+                runtime.prefill_graphs = EagerPrograms(runtime.prefill_programs([16, 32, 64], 2))
+            outs, drafts = [], []
+            for i, p in enumerate(prompts):
+                outs.append(await _collect(engine, p, _greedy(i)))
+                drafts.append(runtime.state.drafts[:4].clone())
+            outs += await asyncio.gather(*[_collect(engine, p, _greedy(i)) for i, p in enumerate(prompts[:3])])
+            return outs, torch.cat(drafts), sum(runtime.prefill_graphs.replays.values()) if padded else 0
+
+    padded, padded_drafts, replays = asyncio.run(serve(True))
+    eager, eager_drafts, _ = asyncio.run(serve(False))
+    assert replays > 0
+    assert [o[0] for o in padded] == [o[0] for o in eager]
+    for (_, a), (_, b) in zip(padded, eager):
+        assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5
+    assert torch.equal(padded_drafts, eager_drafts)
+
+
+def test_the_padded_prefill_with_the_head_writes_what_the_eager_one_writes(tiny_ckpt):
+    """A speculative engine's prefill program over the padded fixed inputs (two chunks, one ending its prompt, one
+    not) against the eager prefill with the head: the logits, the head's KV and the last hidden state kept for
+    the first draft (only for the chunk that ends its prompt) are the same; nothing else changes."""
+    from deltaserve.devices.commands import PrefillCommand, StepCommand
+    from deltaserve.devices.rank import RankRuntime
+    from deltaserve.model.batch import PrefillBatch, PrefillChunk
+
+    runner = CpuRunner(tiny_ckpt, mtp=True, verify_steps=3, num_slots=6, num_pages=40)
+    state = runner.state
+    runtime = RankRuntime(runner.model, state, rank=1, max_batch=2, max_pages_per_seq=8, device="cpu")
+    g = torch.Generator().manual_seed(3)
+    ends, goes_on = (torch.randint(0, 300, (n,), generator=g).tolist() for n in (21, 12))
+    cmd = StepCommand(prefill=[PrefillCommand(ends, 0, 2, [0, 1], True),
+                               PrefillCommand(goes_on, 0, 3, [4], False, next_token=77)])
+    chunks = [PrefillChunk(p.token_ids, p.start, p.slot, p.pages) for p in cmd.prefill]
+    state.verify_hidden.copy_(torch.randn_like(state.verify_hidden))
+    pools = (state.k_cache, state.v_cache, state.verify_hidden, state.conv, state.ssm)
+    before = [t.clone() for t in pools]
+
+    following, rows = runtime._head_inputs(cmd)
+    assert following[len(ends) - 1] == 0 and following[-1] == 77 and rows == [2, state.num_slots]
+    eager = runtime._prefill_with_head(PrefillBatch.build(chunks, 16, state.trash_page, "cpu"),
+                                       torch.tensor(following), torch.tensor(rows))
+    after_eager = [t.clone() for t in pools]
+    for t, saved in zip(pools, before):
+        t.copy_(saved)
+    programs = runtime.prefill_programs([32, 64], requests=2)
+    runtime.prefill_inputs.fill(chunks, 64, following, rows)
+    for c in chunks:
+        state.reset_slot(c.slot)
+    padded = programs[64]()
+    assert padded.shape[0] == 3 and rel_err(padded[:2], eager) <= 1e-5
+    hidden_rows, pages = [0, 1, 2, 3, 4, 5], [0, 1, 4]
+    assert rel_err(state.verify_hidden[hidden_rows], after_eager[2][hidden_rows]) <= 1e-5
+    assert not torch.equal(state.verify_hidden[2], before[2][2])  # the prompt that ended kept its last hidden
+    assert torch.equal(state.verify_hidden[3], before[2][3])  # the one that goes on did not
+    for now, want in zip(state.k_cache[-1:], after_eager[0][-1:]):  # the head's KV layer
+        assert rel_err(now[pages], want[pages]) <= 1e-5

@@ -20,7 +20,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import CpuRunner, hf_model, wait_free
+from helpers import CpuRunner, EagerPrograms, hf_model, wait_free
 
 from deltaserve.devices.commands import UNKNOWN_TOKEN
 from deltaserve.devices.rank import RankRuntime
@@ -129,25 +129,6 @@ def test_prompts_of_several_chunks_alone_and_packed_match_the_model_and_hf(tiny_
         assert_logprobs_match(out, teacher_forced_logprobs(theirs, prompt, out.token_ids), LOGPROB_ATOL_HF)
 
 
-class EagerPrograms:
-    """The CPU's stand-in for a rank's prefill graphs: each bucket's program run eagerly, so the padded fixed-input
-    path a graph replays (`RankRuntime.prefill_programs`) runs through the engine in CI."""
-
-    def __init__(self, programs) -> None:
-        self.programs, self.stats, self.buckets = programs, {}, sorted(programs)
-        self.replays = Counter()
-
-    def captured(self, bucket: int) -> bool:
-        return bucket in self.programs
-
-    def __call__(self, bucket: int):
-        self.replays[bucket] += 1
-        return self.programs[bucket]()
-
-    def destroy(self) -> None:
-        pass
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_one_chunk_prefills_padded_to_a_bucket_change_no_output(tiny_tp_ckpt, tp):
     """Prefills that fit a bucket (one chunk or several packed) go through the padded fixed inputs a prefill graph
@@ -166,8 +147,8 @@ def test_one_chunk_prefills_padded_to_a_bucket_change_no_output(tiny_tp_ckpt, tp
                     r.runtime.prefill_graphs = EagerPrograms(r.runtime.prefill_programs([16, 32, 64], 2))
                     programs.append(r.runtime.prefill_graphs)
                     fill = r.runtime.prefill_inputs.fill
-                    r.runtime.prefill_inputs.fill = lambda chunks, bucket, fill=fill: (
-                        packed.append(len(chunks)), fill(chunks, bucket))
+                    r.runtime.prefill_inputs.fill = lambda chunks, bucket, *head, fill=fill: (
+                        packed.append(len(chunks)), fill(chunks, bucket, *head))
             alone = [(await collect(engine.generate(p, params)))[0] for p in prompts]
             together = await asyncio.gather(*[collect(engine.generate(p, params)) for p in prompts[:5]])
             assert await wait_free(engine)
