@@ -78,9 +78,10 @@ class StepCommand:
     decode_token_index: list[int] = field(default_factory=list)  # index of the token each row samples
     bucket: int = 0
     prefill: list[PrefillCommand] = field(default_factory=list)
-    # Prefix caching: (decode slot, snapshot) copies of requests that end here, before the slot changes; (snapshot,
-    # slot) state restores and (src, dst) KV page copies before the forward; (slot, snapshot) snapshots after it.
-    finish_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    # Prefix caching: (decode slot, snapshot, kept) copies of requests that end here, before the slot changes (kept:
+    # the tokens a last speculative step kept, rolled back to first; 0: none); (snapshot, slot) state restores and
+    # (src, dst) KV page copies before the forward; (slot, snapshot) snapshots after it.
+    finish_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
     restore_snapshots: list[tuple[int, int]] = field(default_factory=list)
     copy_pages: list[tuple[int, int]] = field(default_factory=list)
     save_snapshots: list[tuple[int, int]] = field(default_factory=list)

@@ -280,9 +280,11 @@ class RankRuntime:
         replay = graphs is not None and graphs.captured(cmd.bucket)
         if not (replay and cmd.decode_tokens):
             on_launched()
-        for slot, snapshot in cmd.finish_snapshots:  # before the compactions reuse the slots
+        for slot, snapshot, kept in cmd.finish_snapshots:  # before the compactions reuse the slots
             if not (0 <= slot < self.max_batch and self.occupied[slot]):
                 raise SlotProtocolError(f"rank {self.rank}: snapshot of decode slot {slot}, which is free")
+            if kept:
+                self.state.keep_verified(slot, kept)
             self.state.copy_slot(slot, self.state.snapshot_slot(snapshot))
         self._apply_slot_changes(cmd)
         if self.sampling:

@@ -557,7 +557,7 @@ class AsyncEngine:
             bucket=plan.bucket, step_seed=self._rng.getrandbits(62), seq=next(self._steps),
             restore_snapshots=[(c.snapshot, c.slot) for c in plan.restores], copy_pages=list(plan.page_copies),
             save_snapshots=[(c.slot, c.snapshot) for c in plan.snapshots],
-            finish_snapshots=[(c.slot, c.snapshot) for c in plan.finish_snapshots],
+            finish_snapshots=[(c.slot, c.snapshot, c.keep) for c in plan.finish_snapshots],
         )
         # Requests that finished before this plan were retired by it, so every row here is live. The scheduler
         # counts a step's tokens when the step is handed over; with overlap the last of them may still be on its

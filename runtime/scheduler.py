@@ -56,6 +56,7 @@ class SchedRequest:
     # The engine's list of the tokens drawn for it, appended as they reach the host (None: not tracked). Each but
     # the last drawn is fed back as the next step's input: what a snapshot at its end holds.
     drawn: list[int] | None = None
+    kept: int = 0  # the tokens its last speculative step kept (0: its last step decoded one token)
 
     @property
     def lifetime_tokens(self) -> int:
@@ -95,6 +96,7 @@ class SnapshotCopy:
 
     slot: int
     snapshot: int
+    keep: int = 0  # a finishing request's speculative step: roll the slot back to this many tokens first (0: none)
 
 
 @dataclass
@@ -261,6 +263,7 @@ class Scheduler:
         for i, rid in enumerate(decode_ids):
             req = self.requests[rid]
             req.generated += counts[i] if counts else 1
+            req.kept = counts[i] if counts else 0
             self._finish_at_max_tokens(req)
 
     def _finish_at_max_tokens(self, req: SchedRequest) -> None:
@@ -299,11 +302,11 @@ class Scheduler:
 
     def _finish_snapshot(self, req: SchedRequest) -> SnapshotCopy | None:
         """A decoding request that ends here: its generated full pages keyed and a snapshot of its decode slot,
-        whose state holds the prompt and every drawn token but the last (the last step fed them). Not with
-        lookahead: a verify step's state also holds drafts."""
+        whose state holds the prompt and every drawn token but the last (the last step fed them; after a
+        speculative step, once rolled back to the tokens it kept)."""
         fed = req.generated - 1
-        if (req.phase is not Phase.DECODE or req.drawn is None or self.lookahead or fed < 1
-                or len(req.drawn) < fed or self.cache.snapshots.capacity == 0):
+        if (req.phase is not Phase.DECODE or req.drawn is None or fed < 1 or len(req.drawn) < fed
+                or self.cache.snapshots.capacity == 0):
             return None
         tokens = req.prompt_ids + req.drawn[:fed]
         ps, full = self.page_size, len(tokens) // self.page_size
@@ -313,7 +316,7 @@ class Scheduler:
             self.pages.register(req.pages[i], req.keys[i])
         req.keyed_pages = max(req.keyed_pages, full)
         snap = self._snapshot(req, len(tokens), tokens)
-        return None if snap is None else SnapshotCopy(req.decode_slot, snap)
+        return None if snap is None else SnapshotCopy(req.decode_slot, snap, req.kept)
 
     def _promote(self) -> list[Promotion]:
         promotions = []

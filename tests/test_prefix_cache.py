@@ -342,3 +342,43 @@ def test_the_next_turn_resumes_after_the_answer(tiny_ckpt, tiny_tp_ckpt, tp, ove
         assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < 1e-5
     fed = len(prompt) + len(drawn) - 1  # every drawn token but the last was an input
     assert cached.num_cached_tokens == fed + (1 if overlap and stop is not None else 0)
+
+
+@pytest.mark.parametrize("corrupt_at", [(), (2, 3, 7, 8, 9)])
+def test_a_speculative_engines_next_turn_resumes_after_the_answer(tiny_tp_ckpt, corrupt_at):
+    """With speculation every step drafts three tokens and keeps some (drafts of the model's own continuation,
+    wrong at chosen positions): the answer's snapshot is the state rolled back to what the last step kept, and the
+    next turn resumes after the answer's last fed token with the outputs of an engine without the cache."""
+    rng = random.Random(9)
+    prompt = [rng.randrange(500) for _ in range(37)]
+    message = [rng.randrange(500) for _ in range(21)]
+    first = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    second = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+
+    async def conversation(cache: bool, drafter=None, k: int = 3):
+        args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, prefill_slots=2,
+                          cpu_memory_bytes=96 << 20, enable_prefix_caching=cache, speculative_tokens=k,
+                          speculative_adaptive=False, speculative_drafter=drafter)
+        async with AsyncEngine(args) as engine:
+            answer = await _last(engine.generate(prompt, first))
+            nxt = await _last(engine.generate(prompt + answer.token_ids + message, second))
+            accepted = engine.metrics.spec_accepted._value.get()
+            assert engine.resources_free()
+        return answer, nxt, accepted
+
+    greedy, _, _ = asyncio.run(conversation(False, k=0))
+    continuation = greedy.token_ids + [0] * 4
+
+    def drafter(prompt_ids, output, k):
+        n = len(output)
+        return [(continuation[n + j] + 1) % 300 if n + j in corrupt_at else continuation[n + j] for j in range(k)]
+
+    answer, cached, accepted = asyncio.run(conversation(True, drafter))
+    _, plain, _ = asyncio.run(conversation(False, drafter))
+    assert answer.token_ids == greedy.token_ids and accepted > 0
+    assert cached.token_ids == plain.token_ids and plain.num_cached_tokens == 0
+    for x, y in zip(cached.logprobs, plain.logprobs):
+        assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < 1e-5
+    # Every answer token but the last was fed; the last too where a kept draft carried it (the step drew past
+    # max_tokens, and the engine dropped what it drew after).
+    assert len(prompt) + len(answer.token_ids) - 1 <= cached.num_cached_tokens <= len(prompt) + len(answer.token_ids)
