@@ -243,9 +243,7 @@ def _scale_name(name: str) -> str:
 
 def dequantise_fp8(values: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
     """A block-scaled FP8 weight [N, K] in float32: each block x block tile times its scale entry."""
-    n, k = values.shape
-    full = scale.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-    return values.float() * full
+    return Fp8Weight(values, scale, block).dequantise()
 
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
