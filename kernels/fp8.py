@@ -67,23 +67,39 @@ def linear_reference(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_row_stride, scale_cols,
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, nw_ptr, sum_ptr, M, N, K, x_row_stride, scale_cols, eps,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr,
-                       FP32: tl.constexpr):
+                       FP32: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_NW: tl.constexpr):
     """out[m, n] = sum over K tiles of (x tile . widened w tile) * scale[n // QBLOCK, k // QBLOCK]; a K tile lies
-    inside one quantisation block (QBLOCK a multiple of BLOCK_K), so each column has one scale per tile."""
+    inside one quantisation block (QBLOCK a multiple of BLOCK_K), so each column has one scale per tile.
+    With NORM the input is rms_norm(x + res) * (1 + nw) (zero-centred): the sum, in the input dtype as the
+    reference adds, times (1 + nw) goes into the dots, its squares are summed on the way, and 1 / rms scales the
+    result at the end; the column tile 0 programs write the new residual x + res (`sum_ptr`)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_live, n_live = rm < M, rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    squares = tl.zeros([BLOCK_M], tl.float32)
     scale_row = (rn // QBLOCK).to(tl.int64) * scale_cols
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
         k_live = k < K
-        a = tl.load(x_ptr + rm.to(tl.int64)[:, None] * x_row_stride + k[None, :],
-                    mask=m_live[:, None] & k_live[None, :], other=0.0)
+        at = rm.to(tl.int64)[:, None] * x_row_stride + k[None, :]
+        xk_mask = m_live[:, None] & k_live[None, :]
+        a = tl.load(x_ptr + at, mask=xk_mask, other=0.0)
+        if NORM:
+            if HAS_RES:
+                r = tl.load(res_ptr + at, mask=xk_mask, other=0.0)
+                a = (a.to(tl.float32) + r.to(tl.float32)).to(a.dtype)  # rounded as the reference's add
+                if pid_n == 0:
+                    tl.store(sum_ptr + rm.to(tl.int64)[:, None] * K + k[None, :], a, mask=xk_mask)
+            af = a.to(tl.float32)
+            squares += tl.sum(af * af, axis=1)
+            if HAS_NW:
+                af *= 1.0 + tl.load(nw_ptr + k, mask=k_live, other=0.0).to(tl.float32)[None, :]
+            a = af.to(a.dtype)
         w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * K + k[None, :], mask=n_live[:, None] & k_live[None, :],
                     other=0.0).to(tl.float32)  # every e4m3 value is exact in bf16 and fp32
         s = tl.load(s_ptr + scale_row + k0 // QBLOCK, mask=n_live, other=0.0)
@@ -92,6 +108,8 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_row_stride, scal
         else:
             part = _dot_bf16(a, tl.trans(w))
         acc += part * s[None, :]
+    if NORM:
+        acc *= tl.rsqrt(squares / K + eps)[:, None]
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_live[:, None] & n_live[None, :])
 
@@ -110,7 +128,32 @@ def linear(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> t
     block_n = next((b for b in (64, 32) if triton.cdiv(M, block_m) * triton.cdiv(N, b) >= programs), 16)
     block_k = min(128, weight.block)
     _fp8_linear_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
-        x, weight.values, weight.scale, out, M, N, K, x.stride(0), weight.scale.shape[1],
+        x, weight.values, weight.scale, out, x, x, x, M, N, K, x.stride(0), weight.scale.shape[1], 0.0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, QBLOCK=weight.block,
-        FP32=x.dtype == torch.float32, num_warps=4, num_stages=3)
+        FP32=x.dtype == torch.float32, NORM=False, HAS_RES=False, HAS_NW=False, num_warps=4, num_stages=3)
     return out
+
+
+FUSED_NORM_ROWS = 16  # up to this many rows (decode) the add-and-norm runs inside the projection
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                        eps: float, weight: Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's input add-and-norm (zero-centred; norm_weight None: no (1 + w)) and the FP8 projection that
+    reads it, in one kernel for up to FUSED_NORM_ROWS rows: (projected, x + residual, or x without one). Each
+    column tile's programs sum the rows' squares themselves, so no load waits for the norm."""
+    M, K = x.shape
+    N = weight.shape[0]
+    x = x.contiguous()
+    has_res = residual is not None
+    summed = torch.empty_like(x) if has_res else x
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    programs = 2 * multiprocessors(x.device)
+    block_n = next((b for b in (64, 32) if triton.cdiv(N, b) >= programs), 16)
+    _fp8_linear_kernel[(triton.cdiv(M, 16), triton.cdiv(N, block_n))](
+        x, weight.values, weight.scale, out, residual.contiguous() if has_res else x,
+        norm_weight if norm_weight is not None else x, summed, M, N, K, K, weight.scale.shape[1], eps,
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=min(128, weight.block), QBLOCK=weight.block,
+        FP32=x.dtype == torch.float32, NORM=True, HAS_RES=has_res, HAS_NW=norm_weight is not None,
+        num_warps=4, num_stages=3)
+    return out, summed

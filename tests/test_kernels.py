@@ -603,3 +603,25 @@ def test_the_fp8_projection_equals_its_reference(rows, dtype):
     out = fp8.linear(x, weight)
     assert out.dtype == dtype and out.shape == (rows, 200)
     assert rel(out.float(), ref.float()) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("rows,residual,norm_weight", [(1, True, True), (5, True, False), (3, False, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fp8_projection_with_its_add_and_norm_equals_the_reference(rows, residual, norm_weight, dtype):
+    """Decode rows: the block's add-and-norm inside the FP8 projection (the sum's squares summed on the way,
+    1 / rms applied at the end, the new residual written) against the torch add-and-norm and FP8 reference."""
+    from deltaserve.kernels import fp8
+    from deltaserve.kernels.norm import add_rms_norm_reference
+    from deltaserve.model.weights import quantise_fp8
+
+    g = torch.Generator().manual_seed(rows)
+    weight = fp8.Fp8Weight(*quantise_fp8(torch.randn(200, 300, generator=g) * 0.05, 128)).to(DEVICE)
+    x = torch.randn(rows, 300, generator=g).to(DEVICE, dtype)
+    res = torch.randn(rows, 300, generator=g).to(DEVICE, dtype) if residual else None
+    nw = (torch.randn(300, generator=g) * 0.1).to(DEVICE, dtype) if norm_weight else None
+    normed, summed_ref = add_rms_norm_reference(x, res, nw, 1e-6)
+    ref = fp8.linear_reference(normed, weight)
+    out, summed = fp8.add_rms_norm_linear(x, res, nw, 1e-6, weight)
+    assert rel(out.float(), ref.float()) <= (1e-5 if dtype == torch.float32 else 2e-2)
+    # The new residual: exact in fp32; in bf16 within an ulp (the interpreter truncates where the GPU rounds).
+    assert torch.equal(summed, summed_ref) if dtype == torch.float32 else rel(summed, summed_ref) <= 1e-2
