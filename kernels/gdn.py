@@ -235,20 +235,27 @@ def _gdn_token(mixed_ptr, a_ptr, b_ptr, token, h, hk, ks, vs, kmask, vmask, C, a
 
 
 @triton.jit
+def _gdn_program(alog_ptr, dtb_ptr, slot_ptr, GROUP, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_V: tl.constexpr):
+    """A decode or verify program's row, value head and its key head, its dk and dv index ranges with their masks,
+    the head's dt bias and decay rate, and the row's slot (written by the host before the step: safe to read
+    before the wait for the previous kernel)."""
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    ks = tl.arange(0, BLOCK_K)
+    vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    decay_rate = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    return row, h, h // GROUP, ks, vs, ks < DK, vs < DV, dt_bias, decay_rate, tl.load(slot_ptr + row)
+
+
+@triton.jit
 def _gdn_decode_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, out_ptr,
                        C, ab_row_stride, trash, HV, GROUP, scale,
                        DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
-    row = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    hk = h // GROUP
-    ks = tl.arange(0, BLOCK_K)
-    vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    kmask, vmask = ks < DK, vs < DV
-    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
-    decay_rate = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    slot = tl.load(slot_ptr + row)  # written by the host before the step: safe before the wait
+    row, h, hk, ks, vs, kmask, vmask, dt_bias, decay_rate, slot = _gdn_program(
+        alog_ptr, dtb_ptr, slot_ptr, GROUP, DK, DV, BLOCK_K, BLOCK_V)
     wait_for_previous_kernel(PDL)
     q, k, v, decay, beta = _gdn_token(mixed_ptr, a_ptr, b_ptr, row, h, hk, ks, vs, kmask, vmask, C, ab_row_stride,
                                       dt_bias, decay_rate, scale, DK, DV, KEY_DIM)
@@ -292,16 +299,8 @@ def _gdn_verify_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, st
                        C, ab_row_stride, trash, steps_trash, HV, GROUP, scale, T: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, KEY_DIM: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
-    row = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    hk = h // GROUP
-    ks = tl.arange(0, BLOCK_K)
-    vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    kmask, vmask = ks < DK, vs < DV
-    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
-    decay_rate = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    slot = tl.load(slot_ptr + row)  # written by the host before the step: safe before the wait
+    row, h, hk, ks, vs, kmask, vmask, dt_bias, decay_rate, slot = _gdn_program(
+        alog_ptr, dtb_ptr, slot_ptr, GROUP, DK, DV, BLOCK_K, BLOCK_V)
     wait_for_previous_kernel(PDL)
     step_slot = tl.where(slot < 0, steps_trash, slot).to(tl.int64)
     slot = tl.where(slot < 0, trash, slot).to(tl.int64)
