@@ -81,14 +81,14 @@ class Qwen35Shard:
                     continue
                 tensors = [w[p + part] for part in parts]
                 kinds = [isinstance(t, Fp8Weight) for t in tensors]
+                gdn_split = fused == "linear_attn.in_proj_all.weight" and kinds == [True, True, False, False]
+                joined = Fp8Weight.cat(tensors[:2] if gdn_split else tensors) if all(kinds) or gdn_split else None
                 if not any(kinds):
                     w[p + fused] = torch.cat(tensors, dim=0)
-                elif all(kinds) and Fp8Weight.cat(tensors) is not None:
-                    w[p + fused] = Fp8Weight.cat(tensors)
-                elif fused == "linear_attn.in_proj_all.weight" and kinds == [True, True, False, False] and \
-                        Fp8Weight.cat(tensors[:2]) is not None:
-                    w[p + fused] = Fp8Weight.cat(tensors[:2])
-                    w[p + "linear_attn.in_proj_ba.weight"] = torch.cat(tensors[2:], dim=0)
+                elif joined is not None:
+                    w[p + fused] = joined
+                    if gdn_split:
+                        w[p + "linear_attn.in_proj_ba.weight"] = torch.cat(tensors[2:], dim=0)
                 else:  # no shared block grid: the parts as the model dtype, fused
                     dtype = next(t.dtype for t in tensors if not isinstance(t, Fp8Weight)) if not all(kinds) \
                         else self.dtype
