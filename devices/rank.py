@@ -283,8 +283,12 @@ class RankRuntime:
         for slot, snapshot, kept in cmd.finish_snapshots:  # before the compactions reuse the slots
             if not (0 <= slot < self.max_batch and self.occupied[slot]):
                 raise SlotProtocolError(f"rank {self.rank}: snapshot of decode slot {slot}, which is free")
-            if kept:
-                self.state.keep_verified(slot, kept)
+            if kept:  # roll back to what its last verify step kept (filled on the device: no host sync)
+                if not 1 <= kept <= self.state.verify_steps + 1:
+                    raise SlotProtocolError(f"rank {self.rank}: kept must be in [1, {self.state.verify_steps + 1}], "
+                                            f"got {kept}")
+                self.state.commit_verified(torch.full((1,), slot, device=self.device),
+                                           torch.full((1,), kept, device=self.device))
             self.state.copy_slot(slot, self.state.snapshot_slot(snapshot))
         self._apply_slot_changes(cmd)
         if self.sampling:

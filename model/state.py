@@ -146,15 +146,6 @@ class ModelState:
             mask = rolled.view((1, -1) + (1,) * (kept.dim() - 2))
             pool[:, rows] = torch.where(mask, kept, pool[:, rows])
 
-    def keep_verified(self, slot: int, kept: int) -> None:
-        """`commit_verified` for one slot, from the host: the state after the first `kept` tokens of its last
-        verify step (a request ending there, whose state is snapshotted)."""
-        if not 1 <= kept <= self.verify_steps + 1:
-            raise ValueError(f"kept must be in [1, {self.verify_steps + 1}], got {kept}")
-        if kept <= self.verify_steps:
-            self.conv[:, slot].copy_(self.conv_steps[:, slot, kept - 1])
-            self.ssm[:, slot].copy_(self.ssm_steps[:, slot, kept - 1])
-
     def move_verify_slot(self, src: int, dst: int) -> None:
         """A request slot's last verify step (its states, to roll back to before the next one, hidden states and
         drafts) follows its request into another slot (promotion, compaction)."""
