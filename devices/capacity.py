@@ -44,17 +44,19 @@ def plan_capacity(
     snapshot_bytes: int = 0,
     bytes_per_snapshot: int | None = None,
 ) -> CapacityPlan:
-    """Fit the largest batch <= requested_batch such that every row can hold a full-length context, after
-    `snapshot_bytes` for the prefix cache's state snapshots (as many as fit; each `bytes_per_snapshot`, by default
-    a request slot's)."""
+    """Fit the largest batch <= requested_batch whose state slots leave KV pages for at least one full-length
+    request, after `snapshot_bytes` for the prefix cache's state snapshots (as many as fit; each
+    `bytes_per_snapshot`, by default a request slot's). The rows share the pages: admission reserves each
+    request's prompt + max_tokens of them (`runtime.scheduler`), so short requests run many at once and a long
+    one waits for pages instead of lowering the batch of everyone."""
     buckets = sorted(buckets)
     per_snapshot = bytes_per_snapshot or bytes_per_slot
     snapshots = max(0, snapshot_bytes) // per_snapshot
     budget = free_bytes - prefill_scratch_bytes - snapshots * per_snapshot
     pages_per_request = -(-max_model_len // page_size)
-    # Each decode row needs its slot and a full context of pages; prefill slots need state but share those pages.
-    per_row = bytes_per_slot + pages_per_request * bytes_per_page
-    fixed = (prefill_slots + 2) * bytes_per_slot + bytes_per_page  # +2: trash slot and spare; +1 trash page
+    # Each decode row needs its slot; one full context of pages (+1 trash page) must fit beside them.
+    per_row = bytes_per_slot
+    fixed = (prefill_slots + 2) * bytes_per_slot + (pages_per_request + 1) * bytes_per_page  # +2: trash, spare
 
     def fit(reserve: int) -> int:
         return max(0, min(requested_batch, (budget - reserve - fixed) // per_row))
@@ -71,8 +73,8 @@ def plan_capacity(
                     f"{snapshots * per_snapshot / 2**20:.0f} MiB of prefix-cache snapshots and "
                     f"{reserve / 2**20:.0f} MiB graph "
                     f"reserve (bucket {buckets[0]}), leaves less than one row "
-                    f"({per_row / 2**20:.1f} MiB: state {bytes_per_slot / 2**20:.1f} MiB + {pages_per_request} KV "
-                    f"pages for max_model_len {max_model_len}); lower max_model_len or the "
+                    f"(state {bytes_per_slot / 2**20:.1f} MiB + {pages_per_request} KV pages of "
+                    f"{bytes_per_page / 2**20:.2f} MiB for max_model_len {max_model_len}); lower max_model_len or the "
                     f"prefix cache's state (--prefix-cache-state-gib), or free memory"
                 )
             index -= 1
@@ -85,6 +87,6 @@ def plan_capacity(
     # Everything left after the rows' slots goes to KV pages (so long and short requests share them).
     slots_bytes = (batch + prefill_slots + 1) * bytes_per_slot
     num_pages = (budget - reserve - slots_bytes) // bytes_per_page - 1
-    assert num_pages >= batch * pages_per_request
+    assert num_pages >= pages_per_request
     state = slots_bytes + (num_pages + 1) * bytes_per_page + snapshots * per_snapshot
     return CapacityPlan(batch, prefill_slots, num_pages, page_size, buckets[index], reserve, state, snapshots)

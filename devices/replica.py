@@ -162,6 +162,10 @@ class Replica:
             self.plan.max_batch, self.plan.prefill_slots, self.plan.num_pages, self.plan.num_pages * self.plan.page_size,
             self.plan.largest_bucket,
         )
+        full_length = self.plan.num_pages // -(-(spec.max_model_len + spec.speculative_tokens) // self.plan.page_size)
+        if full_length < self.plan.max_batch:
+            log.info("the KV pages hold %d requests of max_model_len %d at once; shorter ones share them (admission "
+                     "reserves each request's prompt + max_tokens)", full_length, spec.max_model_len)
         if snapshot_bytes:
             log.info("prefix cache: %d state snapshots per rank (%.2f GiB)", self.plan.snapshots,
                      self.plan.snapshots * self.sizes.bytes_per_slot / 2**30)

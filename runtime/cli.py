@@ -176,6 +176,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="stay up answering 503 after the engine fails, instead of exiting 1 (debugging)")
     parser.add_argument("--log-level", default="info", type=str.lower,
                         choices=["debug", "info", "warning", "error"], help="log verbosity")
+    parser.add_argument("--log-steps", action="store_true",
+                        help="log every engine step: decode rows, prompt tokens, time, device idle (logger "
+                             "deltaserve.steps, at debug)")
     parser.add_argument("--version", action="version", version=f"deltaserve {__version__}")
     return parser
 
@@ -332,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Serve a Qwen3.5 checkpoint over the OpenAI HTTP API."))
     ns = parser.parse_args(argv)  # a bad flag: argparse prints one line and exits 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.log_steps:
+        logging.getLogger("deltaserve.steps").setLevel(logging.DEBUG)
     try:
         return run(run_server(ns))
     except StartupError as exc:

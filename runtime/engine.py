@@ -40,6 +40,9 @@ from .step_budget import StepBudget
 from .text import IncrementalDetokenizer, PromptTooLong, StopMatcher, TextTokenizer
 
 log = logging.getLogger(__name__)
+# One line per step at DEBUG (`deltaserve serve --log-steps`): what it carried, its time, and how long the devices
+# waited for the host to hand it over, for reading an ITL tail or a host-bound loop.
+steps_log = logging.getLogger("deltaserve.steps")
 
 _INLINE_TOKENIZE_CHARS = 16_384  # shorter texts tokenise in well under a millisecond: not worth a thread hop
 
@@ -503,7 +506,7 @@ class AsyncEngine:
             done_plan, done_step, handed = done
             result = await done_step
             now = time.perf_counter()
-            self._observe_step(done_plan, now - max(handed, last_done), result)
+            self._observe_step(done_plan, now - max(handed, last_done), result, idle=max(handed - last_done, 0.0))
             last_done = now
             if done_plan.speculate:
                 self._count(done_plan, result)
@@ -540,9 +543,16 @@ class AsyncEngine:
                 if step is not None:
                     step[1].close()
 
-    def _observe_step(self, plan, seconds: float, result: StepResult | None = None) -> None:
+    def _observe_step(self, plan, seconds: float, result: StepResult | None = None, idle: float | None = None) -> None:
+        """idle: with overlap, how long the devices had nothing to run before this step was handed over."""
+        prompt_tokens = sum(w.length for w in plan.prefill)
         self.metrics.step_seconds.observe(seconds)
-        self.scheduler.step_budget.observe(plan.bucket, sum(w.length for w in plan.prefill), seconds)
+        self.scheduler.step_budget.observe(plan.bucket, prompt_tokens, seconds)
+        if steps_log.isEnabledFor(logging.DEBUG):
+            steps_log.debug("%d decode rows (bucket %d%s), %d prompt tokens in %d chunks (budget %d): %.2f ms%s",
+                            len(plan.decode_ids), plan.bucket, ", speculative" if plan.speculate else "",
+                            prompt_tokens, len(plan.prefill), plan.prompt_budget, seconds * 1e3,
+                            "" if idle is None else f", devices idle {idle * 1e3:.2f} ms before it")
         if self.speculative and plan.decode_ids and not plan.prefill and result is not None:
             rows = len(plan.decode_ids)
             self.speculation.observe(plan.bucket, plan.speculate, seconds,

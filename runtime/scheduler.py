@@ -115,6 +115,7 @@ class StepPlan:
     # Decode slots of requests ending here into snapshots, before anything else (the compactions move slots).
     finish_snapshots: list[SnapshotCopy] = field(default_factory=list)
     speculate: bool = False  # the engine's choice: the decode rows draft and verify (`runtime.speculation`)
+    prompt_budget: int = 0  # the prompt tokens this step could carry (`StepBudget`)
 
     @property
     def empty(self) -> bool:
@@ -383,10 +384,14 @@ class Scheduler:
                 return True
         return False
 
-    def _prefill_chunks(self, bucket: int) -> tuple[list[PrefillWork], list[SnapshotCopy]]:
-        # The oldest prompt first: prompts arriving together finish in order, not all at the end.
+    def prompt_budget(self, bucket: int) -> int:
+        """The prompt tokens a step beside `bucket` decode rows may carry."""
         budget = self.step_budget.tokens(bucket) if self.step_budget else self.prefill_token_budget
-        budget, work, snapshots = min(budget, self.prefill_token_budget), [], []
+        return min(budget, self.prefill_token_budget)
+
+    def _prefill_chunks(self, budget: int) -> tuple[list[PrefillWork], list[SnapshotCopy]]:
+        # The oldest prompt first: prompts arriving together finish in order, not all at the end.
+        work, snapshots = [], []
         ps = self.page_size
         for rid in self.prefilling:
             if budget == 0:
@@ -423,9 +428,10 @@ class Scheduler:
         self._admit()
         decode_ids = list(self.decode_slots)
         bucket = self.bucket_for(len(decode_ids))
-        prefill, snapshots = self._prefill_chunks(bucket)
+        budget = self.prompt_budget(bucket) if self.prefilling else 0
+        prefill, snapshots = self._prefill_chunks(budget)
         plan = StepPlan(compactions, released, promotions, decode_ids, bucket, prefill, self._restores,
-                        self._page_copies, snapshots, finished)
+                        self._page_copies, snapshots, finished, prompt_budget=budget)
         self._restores, self._page_copies = [], []
         return plan
 

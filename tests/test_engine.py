@@ -368,3 +368,23 @@ def test_profile_engine_step_splits_the_step_and_restores_what_it_wraps(tiny_ckp
     assert s["execute_s"] > 0 and s["sample_s"] > 0 and s["to_handoff_s"] > 0 and s["handoff_to_start_s"] > 0
     assert abs(s["gap_s"] - s["to_handoff_s"] - s["handoff_to_start_s"]) < 1e-9
     assert 0.5 * step < s["execute_s"] + s["gap_s"] < 1.5 * step
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_step_log_names_what_each_step_carried(tiny_ckpt, caplog, overlap):
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt, async_scheduling=overlap, prefill_token_budget=16)) as engine:
+            with caplog.at_level(logging.DEBUG, logger="deltaserve.steps"):
+                await collect(engine.generate(list(range(1, 41)), SamplingParams(max_tokens=3, **GREEDY)))
+
+    run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == "deltaserve.steps"]
+    # 40 prompt tokens in chunks of at most 16 (three steps), then two decode steps of one row.
+    assert [line.split(":")[0] for line in lines] == [
+        "0 decode rows (bucket 0), 16 prompt tokens in 1 chunks (budget 16)",
+        "0 decode rows (bucket 0), 16 prompt tokens in 1 chunks (budget 16)",
+        "0 decode rows (bucket 0), 8 prompt tokens in 1 chunks (budget 16)",
+        "1 decode rows (bucket 1), 0 prompt tokens in 0 chunks (budget 0)",
+        "1 decode rows (bucket 1), 0 prompt tokens in 0 chunks (budget 0)",
+    ]
+    assert all(("devices idle" in line) == overlap for line in lines)
