@@ -109,6 +109,9 @@ class StepResult:
     prefill: list[SampledToken | None]  # one per prefill command; None for chunks that do not end a prompt
     # Speculative decoding: per decode slot, the tokens after decode[i] that its accepted drafts add (in order)
     decode_more: list[list[SampledToken]] = field(default_factory=list)
+    # The step's time on rank 0's device, from its first queued operation to its last (`rank.StepClock`): what
+    # it cost, even while the host ran a step ahead. 0.0 where unknown.
+    device_seconds: float = 0.0
 
 
 class SlotProtocolError(RuntimeError):

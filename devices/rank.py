@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -276,6 +277,7 @@ class RankRuntime:
         if cmd.speculate and not (cmd.decode_tokens and self.can_speculate(cmd.bucket)):
             raise SlotProtocolError(f"rank {self.rank}: a speculative step of bucket {cmd.bucket} "
                                     f"({len(cmd.decode_tokens)} rows), which this rank does not speculate")
+        clock = StepClock(self.device) if self.sampling else None  # rank 0 times its steps
         graphs = self.speculative_graphs if cmd.speculate else self.graphs
         replay = graphs is not None and graphs.captured(cmd.bucket)
         if not (replay and cmd.decode_tokens):
@@ -359,7 +361,8 @@ class RankRuntime:
                 prefill_draw = self.sampling.draw(prefill_logits[last], setup)
         if not self.sampling:
             return None
-        return LaunchedStep(self, cmd, decode_draw, prefill_draw, speculation)
+        clock.stop()
+        return LaunchedStep(self, cmd, decode_draw, prefill_draw, speculation, clock)
 
     # Speculative decoding (k drafts a row) -----------------------------------------------------------------------
     def _head_inputs(self, cmd: StepCommand) -> tuple[list[int] | None, list[int] | None]:
@@ -514,15 +517,17 @@ class RankRuntime:
             for i, s in zip(last, sampling.collect(step.prefill)):
                 prefill[i] = s
         more = self._accept(decode, drawn, step.speculation, cmd.step_seed) if step.speculation else []
-        return StepResult(decode, prefill, more)
+        return StepResult(decode, prefill, more, step.clock.seconds() if step.clock else 0.0)
 
 
 class LaunchedStep:
     """Rank 0's step, queued on the device; `finish()` waits for its tokens (the worker's deferred result)."""
 
-    def __init__(self, runtime: RankRuntime, cmd: StepCommand, decode, prefill, speculation=None) -> None:
+    def __init__(self, runtime: RankRuntime, cmd: StepCommand, decode, prefill, speculation=None,
+                 clock: "StepClock | None" = None) -> None:
         self.runtime, self.cmd, self.decode, self.prefill = runtime, cmd, decode, prefill
         self.speculation = speculation  # a speculative step's (rows without penalties, drafts)
+        self.clock = clock
 
     def ready(self) -> bool:
         return all(d is None or d.ready() for d in (self.decode, self.prefill))
@@ -530,3 +535,33 @@ class LaunchedStep:
     @torch.inference_mode()
     def finish(self) -> StepResult:
         return self.runtime.finish(self)
+
+
+class StepClock:
+    """A step's time on its device: CUDA events around what it queues on the rank's stream (the step's own time,
+    wherever the host is meanwhile), or the host's clock on the CPU, where launching a step computes it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start = time.perf_counter()
+        self.end = None
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.end.record()
+        else:
+            self.end = time.perf_counter()
+
+    def seconds(self) -> float:
+        """Once the step's tokens are on the host (its last operation is then done or nearly)."""
+        if self.end is None:
+            return 0.0
+        if self.cuda:
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end) / 1e3
+        return self.end - self.start

@@ -65,6 +65,13 @@ class KernelConfig:
     few_rows_tile: Tile = Tile(32, 256, 4, 3)
     few_rows_silu_tile: Tile = Tile(32, 128, 4, 3)
 
+    # FP8 weights (`kernels.fp8`) above 16 rows (prefill): "w8a8" quantises the activations per token and 128
+    # columns and runs the FP8 tensor cores; "w8a16" widens the weights to the activations' dtype in registers.
+    fp8_prefill: str = "w8a8"
+    # (BLOCK_M, BLOCK_N, warps, stages) of each prefill kernel.
+    fp8_w8a8_tile: tuple[int, int, int, int] = (128, 128, 8, 3)
+    fp8_w8a16_tile: tuple[int, int, int, int] = (128, 128, 8, 3)
+
     # Prefill attention (BLOCK_M, BLOCK_N, warps, stages): the fastest of the H200 sweep at head dim 256. An fp32
     # model's tiles are twice the bytes: (128, 64, 8, 3) asked for 289 KB of shared memory (an H100 has 227 KB).
     prefill_attention_tile: tuple[int, int, int, int] = (128, 64, 8, 3)

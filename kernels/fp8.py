@@ -1,6 +1,13 @@
-"""Block-scaled FP8 weights kept in FP8 (`Fp8Weight`) and the projection that reads them: the torch reference, then
-the Triton kernel (W8A16: each FP8 tile widened to the activations' dtype in registers, its block's scale applied to
-the partial sums), one kernel for every row count. A decode step reads half the bytes of a bf16 weight.
+"""Block-scaled FP8 weights kept in FP8 (`Fp8Weight`) and the projections that read them, each beside its torch
+reference. A decode step reads half the bytes of a bf16 weight.
+
+- W8A16 (`linear_w8a16`, every row count): each FP8 tile widened to the activations' dtype in registers, its
+  block's scale applied to the partial sums. Few rows (decode) read each weight once with as many loads in flight
+  as the SMs hold: where the column tiles are too few for that (narrow outputs, long K) the K range is split across
+  programs, whose fp32 partial sums a second kernel adds in a fixed order (deterministic, unlike atomics).
+- W8A8 (`linear_w8a8`, prefill): the activations quantised to FP8 per token and 128 columns (dynamic scales, as
+  DeepSeek's and vLLM's block FP8), then FP8 tensor-core dots, twice the bf16 rate, both scales applied per K block.
+`linear` picks by the row count and `KernelConfig.fp8_prefill`.
 
 The format (Qwen's FP8 checkpoints, vLLM's "fp8" loader): values [N, K] float8_e4m3fn and scale [ceil(N / B),
 ceil(K / B)] float32 (`weight_scale_inv`), the real weight being each B x B tile of values times its entry.
@@ -16,6 +23,8 @@ import triton.language as tl
 
 from .config import DEFAULT, KernelConfig
 from .launch import _dot_bf16, multiprocessors
+
+FP8_MAX = 448.0  # the largest finite e4m3 value
 
 
 @dataclass
@@ -66,94 +75,184 @@ def linear_reference(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     return (x.float() @ weight.dequantise().t()).to(x.dtype)
 
 
+def quantise_activations_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] as e4m3 values and float32 scales [T, ceil(K / group)]: each row's `group` columns scaled so their
+    largest magnitude is FP8_MAX."""
+    t, k = x.shape
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(t, groups, group)
+    scale = padded.abs().amax(-1).clamp_min(1e-10) / FP8_MAX
+    values = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values.view(t, groups * group)[:, :k].contiguous(), scale
+
+
+def linear_w8a8_reference(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """`linear_w8a8`'s arithmetic in torch: the activations quantised, then both dequantised, in fp32."""
+    values, scale = quantise_activations_reference(x, weight.block)
+    dequantised = values.float() * scale.repeat_interleave(weight.block, 1)[:, : x.shape[1]]
+    return (dequantised @ weight.dequantise().t()).to(x.dtype)
+
+
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, res_ptr, nw_ptr, sum_ptr, M, N, K, x_row_stride, scale_cols, eps,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr,
-                       FP32: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_NW: tl.constexpr):
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, x_row_stride, scale_cols,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr,
+                  FP32: tl.constexpr, PARTIAL: tl.constexpr):
     """out[m, n] = sum over K tiles of (x tile . widened w tile) * scale[n // QBLOCK, k // QBLOCK]; a K tile lies
-    inside one quantisation block (QBLOCK a multiple of BLOCK_K), so each column has one scale per tile.
-    With NORM the input is rms_norm(x + res) * (1 + nw) (zero-centred): the sum, in the input dtype as the
-    reference adds, times (1 + nw) goes into the dots, its squares are summed on the way, and 1 / rms scales the
-    result at the end; the column tile 0 programs write the new residual x + res (`sum_ptr`)."""
+    inside one quantisation block (QBLOCK a multiple of BLOCK_K), so each column has one scale per tile. Program
+    (i, j, s) sums the K range [s * k_per_split, (s + 1) * k_per_split) (whole QBLOCKs); PARTIAL: into fp32
+    out[s, m, n], which `_sum_splits_kernel` adds up."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_live, n_live = rm < M, rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    scale_row = (rn // QBLOCK).to(tl.int64) * scale_cols
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + rk
+        k_live = k < k_end
+        a = tl.load(x_ptr + rm.to(tl.int64)[:, None] * x_row_stride + k[None, :],
+                    mask=m_live[:, None] & k_live[None, :], other=0.0)
+        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * K + k[None, :], mask=n_live[:, None] & k_live[None, :],
+                    other=0.0)
+        s = tl.load(s_ptr + scale_row + k0 // QBLOCK, mask=n_live, other=0.0)
+        if FP32:
+            part = tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:  # every e4m3 value is exact in bf16
+            part = _dot_bf16(a, tl.trans(w.to(tl.float32)))
+        acc += part * s[None, :]
+    out_mask = m_live[:, None] & n_live[None, :]
+    at = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + pid_k.to(tl.int64) * M * N + at, acc, mask=out_mask)
+    else:
+        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, out_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = the SPLITS fp32 partial sums [SPLITS, size] added in order, in out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < size
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(partial_ptr + s * size + offs, mask=live, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def decode_tiles(m: int, n: int, k: int, block: int, programs: int) -> tuple[int, int, int]:
+    """(BLOCK_N, splits, K a split) for a few-row W8A16 projection: 64-column tiles, and the K range split (in
+    whole blocks) until about `programs` programs run, each over at least two blocks."""
+    block_n = 64
+    tiles = triton.cdiv(m, 16) * triton.cdiv(n, block_n)
+    blocks = triton.cdiv(k, block)
+    splits = max(1, min(triton.cdiv(programs, tiles), blocks // 2))
+    per_split = triton.cdiv(blocks, splits) * block
+    return block_n, triton.cdiv(k, per_split), per_split
+
+
+def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
+    """x [T, K] @ weight^T on the W8A16 kernel, in x's dtype. Up to 16 rows (decode): `decode_tiles` for four
+    programs an SM; more rows: the prefill tile of `KernelConfig.fp8_w8a16_tile`."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_k = min(128, weight.block)
+    common = dict(BLOCK_K=block_k, QBLOCK=weight.block, FP32=x.dtype == torch.float32)
+    if M <= 16:
+        block_n, splits, per_split = decode_tiles(M, N, K, weight.block, 4 * multiprocessors(x.device))
+        target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+        _w8a16_kernel[(1, triton.cdiv(N, block_n), splits)](
+            x, weight.values, weight.scale, target, M, N, K, per_split, x.stride(0), weight.scale.shape[1],
+            BLOCK_M=16, BLOCK_N=block_n, PARTIAL=splits > 1, **common, num_warps=4, num_stages=3)
+        if splits > 1:
+            _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](target, out, M * N, SPLITS=splits, BLOCK=1024)
+        return out
+    block_m, block_n, warps, stages = cfg.fp8_w8a16_tile
+    _w8a16_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n), 1)](
+        x, weight.values, weight.scale, out, M, N, K, K, x.stride(0), weight.scale.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, PARTIAL=False, **common, num_warps=warps, num_stages=stages)
+    return out
+
+
+@triton.jit
+def _quantise_activations_kernel(x_ptr, q_ptr, s_ptr, K, x_row_stride, groups, GROUP: tl.constexpr):
+    """Row m's group g: its scale (largest magnitude / FP8_MAX) into s[m, g], its values / scale as e4m3."""
+    m, g = tl.program_id(0), tl.program_id(1)
+    k = g * GROUP + tl.arange(0, GROUP)
+    live = k < K
+    x = tl.load(x_ptr + m.to(tl.int64) * x_row_stride + k, mask=live, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0
+    q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+    tl.store(q_ptr + m.to(tl.int64) * K + k, q.to(q_ptr.dtype.element_ty), mask=live)
+    tl.store(s_ptr + m * groups + g, scale)
+
+
+@triton.jit
+def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, groups, scale_cols,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr):
+    """out = sum over K tiles of (a tile . w tile on the FP8 tensor cores) * a_scale[m, k // QBLOCK] *
+    w_scale[n // QBLOCK, k // QBLOCK], in fp32, stored in out's dtype (BLOCK_K divides QBLOCK)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_live, n_live = rm < M, rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    squares = tl.zeros([BLOCK_M], tl.float32)
-    scale_row = (rn // QBLOCK).to(tl.int64) * scale_cols
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * K
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    ws_row = (rn // QBLOCK).to(tl.int64) * scale_cols
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
         k_live = k < K
-        at = rm.to(tl.int64)[:, None] * x_row_stride + k[None, :]
-        xk_mask = m_live[:, None] & k_live[None, :]
-        a = tl.load(x_ptr + at, mask=xk_mask, other=0.0)
-        if NORM:
-            if HAS_RES:
-                r = tl.load(res_ptr + at, mask=xk_mask, other=0.0)
-                a = (a.to(tl.float32) + r.to(tl.float32)).to(a.dtype)  # rounded as the reference's add
-                if pid_n == 0:
-                    tl.store(sum_ptr + rm.to(tl.int64)[:, None] * K + k[None, :], a, mask=xk_mask)
-            af = a.to(tl.float32)
-            squares += tl.sum(af * af, axis=1)
-            if HAS_NW:
-                af *= 1.0 + tl.load(nw_ptr + k, mask=k_live, other=0.0).to(tl.float32)[None, :]
-            a = af.to(a.dtype)
-        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * K + k[None, :], mask=n_live[:, None] & k_live[None, :],
-                    other=0.0).to(tl.float32)  # every e4m3 value is exact in bf16 and fp32
-        s = tl.load(s_ptr + scale_row + k0 // QBLOCK, mask=n_live, other=0.0)
-        if FP32:
-            part = tl.dot(a, tl.trans(w), input_precision="ieee")
-        else:
-            part = _dot_bf16(a, tl.trans(w))
-        acc += part * s[None, :]
-    if NORM:
-        acc *= tl.rsqrt(squares / K + eps)[:, None]
+        a = tl.load(a_rows + k[None, :], mask=m_live[:, None] & k_live[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_live[:, None] & k_live[None, :], other=0.0)
+        a_s = tl.load(as_ptr + rm * groups + k0 // QBLOCK, mask=m_live, other=0.0)
+        w_s = tl.load(ws_ptr + ws_row + k0 // QBLOCK, mask=n_live, other=0.0)
+        acc += tl.dot(a, tl.trans(w)) * a_s[:, None] * w_s[None, :]
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_live[:, None] & n_live[None, :])
 
 
-def linear(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
-    """x [T, K] @ weight^T on the Triton kernel, in x's dtype. Tiles: 16 rows up to 16 (decode), else 64; the
-    widest column tile that still gives every SM two programs (a decode step reads each weight once, so its speed
-    is how many loads are in flight), 16 at the narrowest."""
+def quantise_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantise_activations_reference` on the Triton kernel."""
     M, K = x.shape
-    N = weight.shape[0]
+    groups = triton.cdiv(K, group)
+    values = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(M, groups, dtype=torch.float32, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_m = 16 if M <= 16 else 64
-    programs = 2 * multiprocessors(x.device)
-    block_n = next((b for b in (64, 32) if triton.cdiv(M, block_m) * triton.cdiv(N, b) >= programs), 16)
-    block_k = min(128, weight.block)
-    _fp8_linear_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
-        x, weight.values, weight.scale, out, x, x, x, M, N, K, x.stride(0), weight.scale.shape[1], 0.0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, QBLOCK=weight.block,
-        FP32=x.dtype == torch.float32, NORM=False, HAS_RES=False, HAS_NW=False, num_warps=4, num_stages=3)
+    _quantise_activations_kernel[(M, groups)](x, values, scale, K, x.stride(0), groups, GROUP=group)
+    return values, scale
+
+
+def linear_w8a8(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
+    """x [T, K] @ weight^T with x quantised to FP8 per token and block (`linear_w8a8_reference`), in x's dtype."""
+    return w8a8_matmul(*quantise_activations(x, weight.block), weight, x.dtype, cfg)
+
+
+def w8a8_matmul(values: torch.Tensor, scale: torch.Tensor, weight: Fp8Weight, dtype: torch.dtype,
+                cfg: KernelConfig = DEFAULT) -> torch.Tensor:
+    """Quantised activations (`quantise_activations`) @ weight^T on the FP8 tensor cores, in `dtype`."""
+    M, K = values.shape
+    N = weight.shape[0]
+    values, scale = values.contiguous(), scale.contiguous()
+    out = torch.empty(M, N, dtype=dtype, device=values.device)
+    block_m, block_n, warps, stages = cfg.fp8_w8a8_tile
+    _w8a8_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+        values, scale, weight.values, weight.scale, out, M, N, K, scale.shape[1], weight.scale.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(128, weight.block), QBLOCK=weight.block,
+        num_warps=warps, num_stages=stages)
     return out
 
 
-FUSED_NORM_ROWS = 16  # up to this many rows (decode) the add-and-norm runs inside the projection
-
-
-def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
-                        eps: float, weight: Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block's input add-and-norm (zero-centred; norm_weight None: no (1 + w)) and the FP8 projection that
-    reads it, in one kernel for up to FUSED_NORM_ROWS rows: (projected, x + residual, or x without one). Each
-    column tile's programs sum the rows' squares themselves, so no load waits for the norm."""
-    M, K = x.shape
-    N = weight.shape[0]
-    x = x.contiguous()
-    has_res = residual is not None
-    summed = torch.empty_like(x) if has_res else x
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    programs = 2 * multiprocessors(x.device)
-    block_n = next((b for b in (64, 32) if triton.cdiv(N, b) >= programs), 16)
-    _fp8_linear_kernel[(triton.cdiv(M, 16), triton.cdiv(N, block_n))](
-        x, weight.values, weight.scale, out, residual.contiguous() if has_res else x,
-        norm_weight if norm_weight is not None else x, summed, M, N, K, K, weight.scale.shape[1], eps,
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=min(128, weight.block), QBLOCK=weight.block,
-        FP32=x.dtype == torch.float32, NORM=True, HAS_RES=has_res, HAS_NW=norm_weight is not None,
-        num_warps=4, num_stages=3)
-    return out, summed
+def linear(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
+    """The FP8 projection: W8A16 up to 16 rows, above by `KernelConfig.fp8_prefill` ("w8a8" or "w8a16"); an
+    fp32 model (tests) stays W8A16."""
+    if x.shape[0] > 16 and cfg.fp8_prefill == "w8a8" and x.dtype != torch.float32:
+        return linear_w8a8(x, weight, cfg)
+    return linear_w8a16(x, weight, cfg)

@@ -1,7 +1,7 @@
 """Projections, alone and fused with the block's input add-and-norm: the torch references, then the one-row
 Triton GEMVs (batch-1 decode) and the few-row kernel (2 to 16 rows, with `KernelConfig.few_rows`); larger batches
-stay on cuBLAS. A weight kept in FP8 (`fp8.Fp8Weight`) takes the FP8 kernel at every row count, after an unfused
-add-and-norm."""
+stay on cuBLAS. A weight kept in FP8 (`fp8.Fp8Weight`) takes the FP8 kernels at every row count, after an unfused
+add-and-norm (fused into the FP8 kernel, the norm's loads inside its K loop made it 2.5x slower: 27B, H100)."""
 
 from __future__ import annotations
 
@@ -383,13 +383,7 @@ def _fuses_norm(x: torch.Tensor, cfg: KernelConfig) -> bool:
     return cfg.gemv_one_row and cfg.fused_norm and x.shape[0] == 1 and x.shape[1] < cfg.wide_input_k
 
 
-def _fuses_fp8_norm(x: torch.Tensor, weight, cfg: KernelConfig) -> bool:
-    return isinstance(weight, fp8.Fp8Weight) and cfg.fused_norm and x.shape[0] <= fp8.FUSED_NORM_ROWS
-
-
 def add_rms_norm_linear(x, residual, norm_weight, eps: float, weight, cfg: KernelConfig = DEFAULT):
-    if _fuses_fp8_norm(x, weight, cfg):
-        return fp8.add_rms_norm_linear(x, residual, norm_weight, eps, weight)
     if _fuses_norm(x, cfg) and not isinstance(weight, fp8.Fp8Weight):
         return norm_gemv(x, residual, norm_weight, eps, weight, cfg=cfg)
     normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)
@@ -397,9 +391,6 @@ def add_rms_norm_linear(x, residual, norm_weight, eps: float, weight, cfg: Kerne
 
 
 def add_rms_norm_gate_up(x, residual, norm_weight, eps: float, gate_up, cfg: KernelConfig = DEFAULT):
-    if _fuses_fp8_norm(x, gate_up, cfg):
-        projected, residual = fp8.add_rms_norm_linear(x, residual, norm_weight, eps, gate_up)
-        return silu_mul(projected, cfg), residual
     if _fuses_norm(x, cfg) and not isinstance(gate_up, fp8.Fp8Weight):
         return norm_gemv(x, residual, norm_weight, eps, gate_up, silu_mul_rows=gate_up.shape[0] // 2, cfg=cfg)
     normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)

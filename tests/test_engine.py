@@ -78,9 +78,10 @@ def test_seeded_request_is_the_same_alone_and_in_a_batch(tiny_ckpt):
 
 
 def test_a_batch_lowered_to_fit_memory_fills_its_last_bucket(tiny_ckpt):
-    # 3 MiB fits 5 rows where 8 were asked: the largest bucket (8) is cut to 5, and a step of 5 rows runs.
+    # 900 KiB holds the state of 5 rows (and one full-length request's pages) where 8 were asked: the largest
+    # bucket (8) is cut to 5, and a step of 5 rows runs.
     async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt, max_batch=8, cpu_memory_bytes=3 << 20,
+        async with AsyncEngine(engine_args(tiny_ckpt, max_batch=8, cpu_memory_bytes=900 << 10,
                                            enable_prefix_caching=False)) as engine:
             plan = engine.replica.plan
             prompts = [[7 + i, 40 + 3 * i, 99] for i in range(plan.max_batch)]
@@ -388,3 +389,5 @@ def test_step_log_names_what_each_step_carried(tiny_ckpt, caplog, overlap):
         "1 decode rows (bucket 1), 0 prompt tokens in 0 chunks (budget 0)",
     ]
     assert all(("devices idle" in line) == overlap for line in lines)
+    device_ms = [float(line.split(": ")[1].split(" ms on the device")[0]) for line in lines]
+    assert all(ms > 0 for ms in device_ms)  # rank 0 timed each step (on the CPU: its launch computes it)

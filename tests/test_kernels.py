@@ -587,41 +587,60 @@ def test_packed_chunks_padded_to_a_bucket_equal_them_unpadded(tiny_ckpt):
                            want[:, [p for p in range(state.num_pages) if p not in pages]])
 
 
-@pytest.mark.parametrize("rows", [1, 5, 37])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fp8_projection_equals_its_reference(rows, dtype):
-    """The FP8 kernel (each tile widened in registers, its block's scale on the partial sums) against the weight
-    dequantised, at decode and prefill row counts, N and K not multiples of the tiles or the 128-blocks."""
+def _fp8_weight(n: int, k: int, seed: int):
     from deltaserve.kernels import fp8
     from deltaserve.model.weights import quantise_fp8
 
-    g = torch.Generator().manual_seed(rows)
-    weight = fp8.Fp8Weight(*quantise_fp8(torch.randn(200, 300, generator=g) * 0.05, 128))
-    weight = weight.to(DEVICE)
-    x = torch.randn(rows, 300, generator=g).to(DEVICE, dtype)
+    g = torch.Generator().manual_seed(seed)
+    return fp8.Fp8Weight(*quantise_fp8(torch.randn(n, k, generator=g) * 0.05, 128)).to(DEVICE), g
+
+
+@pytest.mark.parametrize("rows", [1, 5, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_w8a16_projection_equals_its_reference(rows, dtype):
+    """The W8A16 kernel (each tile widened in registers, its block's scale on the partial sums) against the weight
+    dequantised, at decode and prefill row counts, N and K not multiples of the tiles or the 128-blocks; K of six
+    blocks, so the decode rows split it across programs (three splits on the interpreter's four SMs)."""
+    from deltaserve.kernels import fp8
+
+    weight, g = _fp8_weight(200, 700, rows)
+    if rows <= 16:
+        assert fp8.decode_tiles(rows, 200, 700, 128, 4 * launch.multiprocessors(torch.device(DEVICE)))[1] > 1 \
+            or DEVICE == "cuda"
+    x = torch.randn(rows, 700, generator=g).to(DEVICE, dtype)
     ref = fp8.linear_reference(x, weight)
-    out = fp8.linear(x, weight)
+    out = fp8.linear_w8a16(x, weight)
     assert out.dtype == dtype and out.shape == (rows, 200)
     assert rel(out.float(), ref.float()) <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("rows,residual,norm_weight", [(1, True, True), (5, True, False), (3, False, True)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fp8_projection_with_its_add_and_norm_equals_the_reference(rows, residual, norm_weight, dtype):
-    """Decode rows: the block's add-and-norm inside the FP8 projection (the sum's squares summed on the way,
-    1 / rms applied at the end, the new residual written) against the torch add-and-norm and FP8 reference."""
+@pytest.mark.parametrize("shape", [(1, 5120, 17408), (8, 5120, 6144), (1, 34816, 5120), (4, 200, 700), (1, 64, 128)])
+def test_w8a16_decode_splits_cover_k_in_whole_blocks(shape):
     from deltaserve.kernels import fp8
-    from deltaserve.kernels.norm import add_rms_norm_reference
-    from deltaserve.model.weights import quantise_fp8
 
-    g = torch.Generator().manual_seed(rows)
-    weight = fp8.Fp8Weight(*quantise_fp8(torch.randn(200, 300, generator=g) * 0.05, 128)).to(DEVICE)
-    x = torch.randn(rows, 300, generator=g).to(DEVICE, dtype)
-    res = torch.randn(rows, 300, generator=g).to(DEVICE, dtype) if residual else None
-    nw = (torch.randn(300, generator=g) * 0.1).to(DEVICE, dtype) if norm_weight else None
-    normed, summed_ref = add_rms_norm_reference(x, res, nw, 1e-6)
-    ref = fp8.linear_reference(normed, weight)
-    out, summed = fp8.add_rms_norm_linear(x, res, nw, 1e-6, weight)
-    assert rel(out.float(), ref.float()) <= (1e-5 if dtype == torch.float32 else 2e-2)
-    # The new residual: exact in fp32; in bf16 within an ulp (the interpreter truncates where the GPU rounds).
-    assert torch.equal(summed, summed_ref) if dtype == torch.float32 else rel(summed, summed_ref) <= 1e-2
+    m, n, k = shape
+    block_n, splits, per_split = fp8.decode_tiles(m, n, k, 128, 4 * 132)
+    assert per_split % 128 == 0 and (splits - 1) * per_split < k <= splits * per_split
+    assert splits == 1 or per_split >= 2 * 128  # a split reads two blocks at least
+    assert splits == 1 or -(-n // block_n) * splits <= 2 * 4 * 132  # no more programs than it takes
+
+
+@pytest.mark.parametrize("rows", [17, 37])
+def test_the_w8a8_projection_equals_its_reference(rows):
+    """FP8 activations (per token and 128 columns) on the FP8 dot: the kernels against the torch arithmetic they
+    follow, and that arithmetic within the activations' rounding of the bf16 projection."""
+    from deltaserve.kernels import fp8
+
+    weight, g = _fp8_weight(200, 300, rows)
+    x = torch.randn(rows, 300, generator=g).to(DEVICE, torch.bfloat16)
+    values, scale = fp8.quantise_activations(x, 128)
+    ref_values, ref_scale = fp8.quantise_activations_reference(x, 128)
+    assert torch.equal(scale, ref_scale)
+    if DEVICE == "cuda":  # the interpreter's cast to e4m3 does not round to nearest (7.9 becomes 4.0)
+        assert torch.equal(values.float(), ref_values.float())
+    matmul = fp8.w8a8_matmul(ref_values, ref_scale, weight, torch.bfloat16)
+    ref = fp8.linear_w8a8_reference(x, weight)
+    assert matmul.dtype == torch.bfloat16 and rel(matmul.float(), ref.float()) <= 1e-2
+    if DEVICE == "cuda":
+        assert rel(fp8.linear(x, weight).float(), ref.float()) <= 1e-2  # the default prefill path
+    assert rel(ref.float(), fp8.linear_reference(x, weight).float()) <= 0.05

@@ -178,10 +178,10 @@ def norm_projections(cfg, rows: list, bw: float, sweep: bool) -> None:
         del weights
 
 
-def fp8_projections(cfg, rows: list, bw: float, flops: float, counts=(1, 8, 2048)) -> None:
-    """The FP8 projection (`kernels.fp8.linear`) on every shape of the model, at decode and prefill row counts,
-    against its bytes over the copy bandwidth and the bf16 projection the engine runs otherwise (`gemv.linear`),
-    timed as `projections` does."""
+def fp8_projections(cfg, rows: list, bw: float, flops: float, counts=(1, 5, 8, 2048)) -> None:
+    """The FP8 projections (`kernels.fp8`) on every shape of the model: at decode row counts W8A16 against its bytes
+    over the copy bandwidth; at 2048 rows (prefill) W8A8 and W8A16 against the bf16 FLOPs. Each beside the bf16
+    projection the engine runs otherwise (`gemv.linear`), timed as `projections` does."""
     from deltaserve.kernels import fp8
     from deltaserve.model.weights import quantise_fp8
 
@@ -193,12 +193,14 @@ def fp8_projections(cfg, rows: list, bw: float, flops: float, counts=(1, 8, 2048
         for m in counts:
             x = torch.randn(m, k, device=dev, dtype=bf)
             nbytes = n * k + (m * k + m * n) * 2
-            t = graph_time_per_call(lambda w: lambda: fp8.linear(x, w), weights)
-            t_bf16 = graph_time_per_call(lambda w: lambda: gemv.linear(x, w), plain)
             bound = max(nbytes / bw, 2 * m * n * k / flops)
-            rows.append((f"fp8 projection {name}", f"{m} x {k} -> {n}", t, f"{nbytes / t / 1e12:.2f} TB/s",
-                         f"{bound / t:.0%} of its bound (bytes or bf16 FLOPs); the bf16 projection {t_bf16 * 1e6:.1f}"
-                         f" us = {t_bf16 / t:.2f}x ours"))
+            t_bf16 = graph_time_per_call(lambda w: lambda: gemv.linear(x, w), plain)
+            kinds = [("w8a16", fp8.linear_w8a16)] + ([("w8a8", fp8.linear_w8a8)] if m > 16 else [])
+            for kind, fn in kinds:
+                t = graph_time_per_call(lambda w: lambda: fn(x, w), weights)
+                rows.append((f"fp8 projection {name} ({kind})", f"{m} x {k} -> {n}", t,
+                             f"{nbytes / t / 1e12:.2f} TB/s", f"{bound / t:.0%} of its bound (bytes or bf16 FLOPs); the "
+                             f"bf16 projection {t_bf16 * 1e6:.1f} us = {t_bf16 / t:.2f}x ours"))
         del weights, plain
 
 

@@ -14,8 +14,8 @@
 #         the whole vocabulary and with drafts among the first 32k ids
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
 # fewrows #30: the few-row kernel's tile sweep, then the batch-8 decode step with it and without it
-# fp8     #33: the FP8 accuracy gate at the 9B and 27B widths, the FP8 projection per shape, then the 27B decode
-#         step with FP8 projections against bf16 (its floor counts the FP8 bytes)
+# fp8     #33: the FP8 kernels' tests and the accuracy gate at the 9B and 27B widths, the FP8 projections per
+#         shape, then the 27B decode step with FP8 projections against bf16 (its floor counts the FP8 bytes)
 set -uo pipefail
 STAGES=${1:-tests,spec,prefix}
 DIR=${OUT:-gpu-session}
@@ -47,6 +47,9 @@ for stage in ${STAGES//,/ }; do
         grep "^| [0-9]" "$DIR/decode-few-rows-$n.md" | sed "s/^/few_rows=$n /"
       done ;;
     fp8)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py -o log_cli=true \
+          --log-cli-level=INFO -k "w8a16 or w8a8 or fp8" > "$DIR/fp8-tests.log" 2>&1
+      grep -E "passed|failed|FP8 .*: top-8" "$DIR/fp8-tests.log" | tail -4
       timeout 150 python3 -m deltaserve.tools.bench_kernels --size 27b --only fp8 > "$DIR/fp8-kernels.md" 2>&1
       grep "fp8 projection" "$DIR/fp8-kernels.md"
       for flag in --fp8 ""; do
