@@ -142,10 +142,12 @@ def _sum_splits_kernel(partial_ptr, out_ptr, size, SPLITS: tl.constexpr, BLOCK: 
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 
-def decode_tiles(m: int, n: int, k: int, block: int, programs: int) -> tuple[int, int, int]:
-    """(BLOCK_N, splits, K a split) for a few-row W8A16 projection: 64-column tiles, and the K range split (in
-    whole blocks) until about `programs` programs run, each over at least two blocks."""
-    block_n = 64
+def decode_tiles(m: int, n: int, k: int, block: int, programs: int, block_n: int = 32) -> tuple[int, int, int]:
+    """(BLOCK_N, splits, K a split) for a few-row W8A16 projection: `block_n`-column tiles (twice as wide where
+    they would be more than twice `programs`: the widest outputs), and the K range split (in whole blocks) until
+    about `programs` programs run, each over at least two blocks."""
+    if triton.cdiv(n, block_n) > 2 * programs:
+        block_n *= 2
     tiles = triton.cdiv(m, 16) * triton.cdiv(n, block_n)
     blocks = triton.cdiv(k, block)
     splits = max(1, min(triton.cdiv(programs, tiles), blocks // 2))
@@ -154,8 +156,8 @@ def decode_tiles(m: int, n: int, k: int, block: int, programs: int) -> tuple[int
 
 
 def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
-    """x [T, K] @ weight^T on the W8A16 kernel, in x's dtype. Up to 16 rows (decode): `decode_tiles` for four
-    programs an SM; more rows: the prefill tile of `KernelConfig.fp8_w8a16_tile`."""
+    """x [T, K] @ weight^T on the W8A16 kernel, in x's dtype. Up to 16 rows (decode): `decode_tiles` after
+    `KernelConfig.fp8_decode_tile`; more rows: the prefill tile of `KernelConfig.fp8_w8a16_tile`."""
     M, K = x.shape
     N = weight.shape[0]
     if x.stride(1) != 1:
@@ -164,11 +166,12 @@ def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT
     block_k = min(128, weight.block)
     common = dict(BLOCK_K=block_k, QBLOCK=weight.block, FP32=x.dtype == torch.float32)
     if M <= 16:
-        block_n, splits, per_split = decode_tiles(M, N, K, weight.block, 4 * multiprocessors(x.device))
+        block_n, per_sm, warps, stages = cfg.fp8_decode_tile
+        block_n, splits, per_split = decode_tiles(M, N, K, weight.block, per_sm * multiprocessors(x.device), block_n)
         target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
         _w8a16_kernel[(1, triton.cdiv(N, block_n), splits)](
             x, weight.values, weight.scale, target, M, N, K, per_split, x.stride(0), weight.scale.shape[1],
-            BLOCK_M=16, BLOCK_N=block_n, PARTIAL=splits > 1, **common, num_warps=4, num_stages=3)
+            BLOCK_M=16, BLOCK_N=block_n, PARTIAL=splits > 1, **common, num_warps=warps, num_stages=stages)
         if splits > 1:
             _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](target, out, M * N, SPLITS=splits, BLOCK=1024)
         return out

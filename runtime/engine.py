@@ -246,7 +246,7 @@ class AsyncEngine:
         kernel is compiled (or loaded from the cache, `devices.backend.kernel_cache_dir`) before the first
         client waits on it. Token counts: 1, a multiple of 16, others (Triton specialises on both), prompts packed
         into one step, a prompt chunked across steps; decode at several batch sizes; greedy, top-k, top-p alone,
-        penalties, min_tokens, log-probs."""
+        penalties, min_tokens, log-probs; then the whole batch decoding, for the decode steps' times."""
         started = time.perf_counter()
         longest = self.max_model_len - 4
         chunked = min(self.args.prefill_token_budget + 19, longest)
@@ -254,10 +254,13 @@ class AsyncEngine:
         nucleus = SamplingParams(temperature=0.7, top_k=0, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3,
                                  repetition_penalty=1.1, min_tokens=2, logprobs=5, max_tokens=3, ignore_eos=True)
         greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        longer = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         waves = [
             [([1], greedy)], [([1] * 16, sampled)], [([1] * 37, nucleus)], [([1] * chunked, greedy)],
             [([1] * n, greedy) for n in (5, 16, 29, 64)],  # prompts packed into one prefill step
             [([1] * 3, sampled if i % 2 else nucleus) for i in range(min(8, self.replica.plan.max_batch))],
+            # The whole batch decoding: the step budget's decode times up to the largest bucket (`seeded`).
+            [([1] * 2, longer) for _ in range(self.replica.plan.max_batch)],
         ]
         from tqdm import tqdm
 
@@ -274,7 +277,7 @@ class AsyncEngine:
         if self._dead is not None:
             raise RuntimeError(f"the warm-up requests failed: {self._dead}")
         self.metrics = EngineMetrics()  # what /metrics reports starts with the first real request
-        self.scheduler.step_budget = self._step_budget()  # the warm-up's step times include its compiles
+        self.scheduler.step_budget = self.scheduler.step_budget.seeded()  # its chunks' times include compiles
         self.scheduler.cache.clear()  # and its prompts are nobody's
         log.info("warm-up: %d requests in %.1f s (Triton kernels compiled or loaded from the cache)",
                  sum(map(len, waves)), time.perf_counter() - started)

@@ -3,10 +3,12 @@
 A step that carries a prefill chunk delays every running stream's next token by the chunk's time, and those
 steps make the inter-token latency's tail (ITL p99 against p50). `StepBudget` sizes each step's chunk so that a
 mixed step takes at most `ratio` times a decode-only step of the same bucket. It learns from the step times the
-engine measures: a decode-only step's time per bucket, and what a chunk of p prompt tokens adds to a step, fitted
-as fixed + per_token * p over the recent steps. A step without decode rows carries the whole budget
-(`max_tokens`, `--max-num-batched-tokens`), as does a step whose chunk's fixed cost alone breaks the ratio:
-smaller chunks would then only add fixed costs, lowering throughput without meeting the ratio.
+engine measures on the device: a decode-only step's time per bucket, and what a chunk of p prompt tokens adds to a
+step beside that bucket, fitted as fixed + per_token * p over the bucket's recent steps (a chunk beside many decode
+rows costs more than beside few; prefill-only steps are bucket 0's, and lend their fixed cost to a bucket whose
+chunks were all one size). A step without decode rows carries the whole budget (`max_tokens`,
+`--max-num-batched-tokens`), as does a step whose chunk's fixed cost alone breaks the ratio: smaller chunks would
+then only add fixed costs, lowering throughput without meeting the ratio.
 
 Plain Python, no torch: the scheduler asks `tokens(bucket)` when it plans, the engine `observe`s each step.
 """
@@ -29,14 +31,15 @@ class StepBudget:
         self.max_tokens, self.ratio = max_tokens, ratio
         self.min_tokens = min(self.MIN_TOKENS, max_tokens)
         self.decode_s: dict[int, float] = {}  # bucket -> a decode-only step's seconds
-        # Decayed sums over the steps with prompt tokens: weight, p, p^2, added seconds e, p * e.
-        self._sums = [0.0] * 5
+        self.fastest_decode_s: dict[int, float] = {}
+        # bucket -> decayed sums over its steps with prompt tokens: weight, p, p^2, added seconds e, p * e.
+        self._sums: dict[int, list[float]] = {}
 
     def tokens(self, bucket: int) -> int:
         """Prompt tokens the next step may carry beside `bucket` decode rows."""
         if bucket == 0 or self.ratio == 0:
             return self.max_tokens
-        decode, fit = self._decode_time(bucket), self.chunk_cost()
+        decode, fit = self._decode_time(bucket), self.chunk_cost(bucket)
         if decode is None or fit is None:
             return self.max_tokens
         fixed, per_token = fit
@@ -52,22 +55,39 @@ class StepBudget:
         if prefill_tokens == 0:
             if bucket:
                 self.decode_s[bucket] = self._blend(self.decode_s.get(bucket), seconds)
+                self.fastest_decode_s[bucket] = min(seconds, self.fastest_decode_s.get(bucket, seconds))
             return
         decode = self._decode_time(bucket) if bucket else 0.0
         if decode is None:
             return  # what the chunk added is unknown until this bucket has run alone
-        added, fit = max(seconds - decode, 0.0), self.chunk_cost()
+        added, fit = max(seconds - decode, 0.0), self.chunk_cost(bucket)
         if fit is not None:
             expected = fit[0] + fit[1] * prefill_tokens
             added = min(max(added, expected / self.MAX_JUMP), expected * self.MAX_JUMP)
         p, keep = float(prefill_tokens), 1.0 - self.SMOOTHING
+        sums = self._sums.setdefault(bucket, [0.0] * 5)
         for i, value in enumerate((1.0, p, p * p, added, p * added)):
-            self._sums[i] = keep * self._sums[i] + value
+            sums[i] = keep * sums[i] + value
 
-    def chunk_cost(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token) a chunk adds to a step, or None before any chunk ran. While the
-        chunks seen are all about one size the two cannot be told apart: then all of it counts per token."""
-        w, sp, spp, se, spe = self._sums
+    def chunk_cost(self, bucket: int = 0) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token) a chunk adds to a step beside `bucket` decode rows (the nearest
+        bucket with chunks), or None before any chunk ran. While that bucket's chunks are all about one size the
+        two cannot be told apart: the fixed cost is then prefill-only steps' where they tell it, else none."""
+        if not self._sums:
+            return None
+        own = self._sums[self._nearest_key(self._sums, bucket)]
+        fit = self._fit(own)
+        if fit is not None or own[1] == 0:
+            return fit
+        prior = self._fit(self._sums[0]) if 0 in self._sums else None
+        mean_p, mean_e = own[1] / own[0], own[3] / own[0]
+        fixed = min(prior[0], mean_e) if prior is not None else 0.0
+        return fixed, max(mean_e - fixed, 1e-9 * mean_p) / mean_p
+
+    @staticmethod
+    def _fit(sums: list[float]) -> tuple[float, float] | None:
+        """The line through a bucket's chunks where their sizes vary enough to tell fixed from per-token cost."""
+        w, sp, spp, se, spe = sums
         if w == 0 or sp == 0:
             return None
         mean_p, mean_e = sp / w, se / w
@@ -76,17 +96,27 @@ class StepBudget:
             per_token = (spe / w - mean_p * mean_e) / var
             if per_token > 0:
                 return max(mean_e - per_token * mean_p, 0.0), per_token
-        return 0.0, mean_e / mean_p if mean_e > 0 else 1e-9
+        return None
 
     def _decode_time(self, bucket: int) -> float | None:
         """The bucket's own estimate, else the nearest measured bucket's (few buckets run alone under load)."""
-        if bucket in self.decode_s:
-            return self.decode_s[bucket]
-        if not self.decode_s:
-            return None
-        known = sorted(self.decode_s)
+        return self.decode_s[self._nearest_key(self.decode_s, bucket)] if self.decode_s else None
+
+    @staticmethod
+    def _nearest_key(per_bucket: dict, bucket: int) -> int:
+        if bucket in per_bucket:
+            return bucket
+        known = sorted(per_bucket)
         i = bisect.bisect_left(known, bucket)
-        return self.decode_s[min(known[max(i - 1, 0) : i + 1], key=lambda b: abs(b - bucket))]
+        return min(known[max(i - 1, 0) : i + 1], key=lambda b: abs(b - bucket))
+
+    def seeded(self) -> "StepBudget":
+        """A new budget that keeps this one's fastest decode step per bucket and nothing else: after the warm-up,
+        whose chunks paid compiles but whose decode steps replayed captured graphs, so a burst of arrivals has
+        decode times to size its first chunks by."""
+        fresh = StepBudget(self.max_tokens, self.ratio)
+        fresh.decode_s = dict(self.fastest_decode_s)
+        return fresh
 
     def _blend(self, estimate: float | None, sample: float) -> float:
         if estimate is None:

@@ -286,11 +286,13 @@ def test_warm_up_serves_every_path_then_leaves_nothing_behind(tiny_ckpt, caplog)
             async with AsyncEngine(engine_args(tiny_ckpt, warmup=True, prefill_token_budget=64)) as engine:
                 assert engine.resources_free() and engine.healthy
                 assert b"deltaserve_requests_finished_total{" not in engine.metrics.render()  # counts start at 0
+                budget = engine.scheduler.step_budget  # decode times kept, the chunks' (compiles) dropped
+                assert max(budget.decode_s) == engine.replica.buckets[-1] and budget.chunk_cost() is None
                 out = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_tokens=2))][-1]
                 assert out.finish_reason in ("stop", "length")
 
     run(main())
-    assert any("warm-up: 16 requests" in r.getMessage() for r in caplog.records)
+    assert any("warm-up: 32 requests" in r.getMessage() for r in caplog.records)  # 16 + a wave of max_batch
 
 
 def test_bad_prompts_raise_before_queueing(tiny_ckpt):

@@ -12,17 +12,21 @@ from deltaserve.runtime.step_budget import StepBudget
 
 
 class Device:
-    """Step seconds: decode(bucket) + (fixed + per_token * p when p prompt tokens ride along), noise +-3%."""
+    """Step seconds: decode(bucket) + (fixed + per_token * p when p prompt tokens ride along) * (1 + crowding *
+    bucket), noise +-3%."""
 
-    def __init__(self, fixed=1e-3, per_token=10e-6, seed=0):
-        self.fixed, self.per_token, self.rng = fixed, per_token, random.Random(seed)
+    def __init__(self, fixed=1e-3, per_token=10e-6, seed=0, crowding=0.0):
+        self.fixed, self.per_token, self.rng, self.crowding = fixed, per_token, random.Random(seed), crowding
 
     @staticmethod
     def decode(bucket):
         return 2e-3 + 0.05e-3 * bucket
 
+    def chunk(self, bucket, tokens):
+        return (self.fixed + self.per_token * tokens) * (1 + self.crowding * bucket) if tokens else 0.0
+
     def step(self, bucket, tokens):
-        seconds = (self.decode(bucket) if bucket else 0.0) + (self.fixed + self.per_token * tokens if tokens else 0.0)
+        seconds = (self.decode(bucket) if bucket else 0.0) + self.chunk(bucket, tokens)
         return seconds * self.rng.uniform(0.97, 1.03)
 
 
@@ -52,6 +56,27 @@ def test_the_chunk_converges_to_where_a_mixed_step_takes_ratio_times_a_decode_st
     assert budget.tokens(64) == budget.tokens(32)
     budget.observe(64, 0, device.decode(64))
     assert budget.tokens(64) > tokens
+
+
+def test_a_chunk_that_costs_more_beside_more_rows_still_keeps_each_bucket_within_the_ratio():
+    """A chunk beside 64 rows costs 1.6x what it costs alone, beside 8 rows 1.1x (the prefill-only steps see
+    neither): each bucket's own fit keeps its steps within the ratio."""
+    device, budget = Device(crowding=0.01), StepBudget(max_tokens=2048, ratio=2.0)
+    for bucket in (8, 64, 8, 64):
+        run_steps(budget, device, 60, bucket=bucket)
+    for bucket in (8, 64):
+        mixed = device.decode(bucket) + device.chunk(bucket, budget.tokens(bucket))
+        assert 1.8 * device.decode(bucket) <= mixed <= 2.0 * device.decode(bucket) * 1.06, bucket
+
+
+def test_a_seeded_budget_keeps_the_fastest_decode_times_only():
+    budget = StepBudget(max_tokens=2048, ratio=2.0)
+    budget.observe(8, 0, 0.5)  # a step that paid a compile
+    run_steps(budget, Device(), 30, bucket=8)
+    seeded = budget.seeded()
+    assert seeded.chunk_cost() is None
+    assert seeded.decode_s[8] == pytest.approx(Device.decode(8), rel=0.04)
+    assert seeded.tokens(8) == 2048  # nothing known of chunks yet
 
 
 def test_no_decode_rows_or_ratio_off_or_nothing_measured_means_the_whole_budget():

@@ -1,0 +1,68 @@
+"""Launch choices of the FP8 projections (`kernels.fp8`), swept on one model's shapes: the W8A16 decode tile
+(`KernelConfig.fp8_decode_tile`) at one row, and the prefill tiles of W8A8 and W8A16 at 2048 rows, each timed as
+`bench_kernels` times projections (a CUDA graph cycling through weights larger than L2).
+
+    python -m deltaserve.tools.lab.fp8_sweep [--size 27b] [--top 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import sys
+
+import torch
+
+from deltaserve.kernels import fp8
+from deltaserve.kernels.config import DEFAULT
+from deltaserve.model.config import ModelConfig
+from deltaserve.model.synthetic import text_config
+from deltaserve.model.weights import quantise_fp8
+from deltaserve.tools.bench_kernels import graph_time_per_call, projection_shapes
+
+DECODE_TILES = [(bn, per_sm, w, st) for bn, per_sm, w, st in
+                itertools.product((32, 64, 128), (4, 8), (4, 8), (3, 4))]
+PREFILL_TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4),
+                 (128, 256, 8, 3), (64, 256, 4, 3), (128, 64, 4, 4)]
+
+
+def sweep(size: str, top: int) -> None:
+    cfg, dev = ModelConfig.from_dict(text_config(size, 248320)), torch.device("cuda")
+    for name, (n, k) in projection_shapes(cfg).items():
+        if name == "lm_head":
+            continue
+        copies = max(2, -(-(512 << 20) // (n * k)))
+        weights = [fp8.Fp8Weight(*quantise_fp8(torch.randn(n, k, device=dev) * 0.02, 128)) for _ in range(copies)]
+        for rows, field, tiles, fn in ((1, "fp8_decode_tile", DECODE_TILES, fp8.linear_w8a16),
+                                       (2048, "fp8_w8a8_tile", PREFILL_TILES, fp8.linear_w8a8),
+                                       (2048, "fp8_w8a16_tile", PREFILL_TILES, fp8.linear_w8a16)):
+            x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+            times = []
+            for tile in tiles:
+                kc = dataclasses.replace(DEFAULT, **{field: tile})
+                try:
+                    times.append((graph_time_per_call(lambda w: lambda: fn(x, w, kc), weights), tile))
+                except Exception as exc:  # a tile that does not fit shared memory
+                    print(f"  {name} {field} {tile}: {type(exc).__name__}", flush=True)
+            times.sort()
+            default = next((t for t, tile in times if tile == getattr(DEFAULT, field)), float("nan"))
+            best = ", ".join(f"{tile} {t * 1e6:.1f} us" for t, tile in times[:top])
+            print(f"{name} {rows} x {k} -> {n} {field}: default {default * 1e6:.1f} us; best {best}", flush=True)
+        del weights
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="27b")
+    parser.add_argument("--top", type=int, default=3)
+    ns = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fp8_sweep needs a CUDA device", file=sys.stderr)
+        return 2
+    sweep(ns.size, ns.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
