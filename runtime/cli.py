@@ -137,9 +137,10 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--speculative-max-batch", type=_int_in(0), metavar="N", default=None,
                         help="with speculation: a decode step whose batch (padded to its graph bucket) is above "
                              "N decodes one token a request (default: no limit)")
-    parser.add_argument("--fp8-kernels", action="store_true",
-                        help="FP8 checkpoints: keep the block-scaled FP8 weights in FP8 and run the FP8 projection "
-                             "kernel (half the bytes); by default they are dequantised to --dtype as they are read")
+    parser.add_argument("--fp8-kernels", action=argparse.BooleanOptionalAction, default=defaults.fp8_kernels,
+                        help="FP8 checkpoints: keep the block-scaled FP8 weights in FP8 and run the FP8 projections "
+                             "(half the bytes a decode step reads; the default); --no-fp8-kernels dequantises them "
+                             "to --dtype as they are read")
     parser.add_argument("--speculative-draft-vocab", type=_int_in(0), metavar="N", default=0,
                         help="with speculation: the head drafts among the first N token ids only, reading N rows of "
                              "lm_head a draft instead of all (outputs do not change; 0: the whole vocabulary)")

@@ -198,8 +198,6 @@ class AsyncEngine:
                      "where it is measured to pay" if args.speculative_adaptive else "every step")
         elif args.speculative_draft_vocab:
             log.warning("speculative_draft_vocab is set without speculative_tokens: it does nothing")
-        if args.fp8_kernels and not self.cfg.fp8_block:
-            log.warning("fp8_kernels is set, but the checkpoint has no block-scaled FP8 weights: it does nothing")
         spec = ReplicaSpec(
             checkpoint=args.model, cfg=self.cfg, device=args.device, tp=args.tp, dtype=args.dtype,
             max_batch=args.max_batch, max_model_len=self.max_model_len, prefill_slots=args.prefill_slots,
