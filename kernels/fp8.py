@@ -2,7 +2,7 @@
 reference. A decode step reads half the bytes of a bf16 weight.
 
 - W8A16 (`linear_w8a16`, every row count): each FP8 tile widened to the activations' dtype in registers, its
-  block's scale applied to the partial sums. Few rows (decode) read each weight once with as many loads in flight
+  block's scale applied to the partial sums. Up to `DECODE_ROWS` rows (decode) read each weight once with as many loads in flight
   as the SMs hold: where the column tiles are too few for that (narrow outputs, long K) the K range is split across
   programs, whose fp32 partial sums a second kernel adds in a fixed order (deterministic, unlike atomics).
 - W8A8 (`linear_w8a8`, prefill): the activations quantised to FP8 per token and 128 columns (dynamic scales, as
@@ -148,16 +148,20 @@ def decode_tiles(m: int, n: int, k: int, block: int, programs: int, block_n: int
     about `programs` programs run, each over at least two blocks."""
     if triton.cdiv(n, block_n) > 2 * programs:
         block_n *= 2
-    tiles = triton.cdiv(m, 16) * triton.cdiv(n, block_n)
+    tiles = triton.cdiv(n, block_n)  # one row tile: `decode_rows` rows at most
     blocks = triton.cdiv(k, block)
     splits = max(1, min(triton.cdiv(programs, tiles), blocks // 2))
     per_split = triton.cdiv(blocks, splits) * block
     return block_n, triton.cdiv(k, per_split), per_split
 
 
+DECODE_ROWS = 64  # up to this many rows (decode batches, verify steps) a projection reads each weight once
+
+
 def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
-    """x [T, K] @ weight^T on the W8A16 kernel, in x's dtype. Up to 16 rows (decode): `decode_tiles` after
-    `KernelConfig.fp8_decode_tile`; more rows: the prefill tile of `KernelConfig.fp8_w8a16_tile`."""
+    """x [T, K] @ weight^T on the W8A16 kernel, in x's dtype. Up to DECODE_ROWS rows (decode): every row in one
+    row tile, `decode_tiles` after `KernelConfig.fp8_decode_tile`; more rows: the prefill tile of
+    `KernelConfig.fp8_w8a16_tile`."""
     M, K = x.shape
     N = weight.shape[0]
     if x.stride(1) != 1:
@@ -165,13 +169,14 @@ def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block_k = min(128, weight.block)
     common = dict(BLOCK_K=block_k, QBLOCK=weight.block, FP32=x.dtype == torch.float32)
-    if M <= 16:
+    if M <= DECODE_ROWS:
+        block_m = max(16, triton.next_power_of_2(M))
         block_n, per_sm, warps, stages = cfg.fp8_decode_tile
         block_n, splits, per_split = decode_tiles(M, N, K, weight.block, per_sm * multiprocessors(x.device), block_n)
         target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
         _w8a16_kernel[(1, triton.cdiv(N, block_n), splits)](
             x, weight.values, weight.scale, target, M, N, K, per_split, x.stride(0), weight.scale.shape[1],
-            BLOCK_M=16, BLOCK_N=block_n, PARTIAL=splits > 1, **common, num_warps=warps, num_stages=stages)
+            BLOCK_M=block_m, BLOCK_N=block_n, PARTIAL=splits > 1, **common, num_warps=warps, num_stages=stages)
         if splits > 1:
             _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](target, out, M * N, SPLITS=splits, BLOCK=1024)
         return out
@@ -254,8 +259,8 @@ def w8a8_matmul(values: torch.Tensor, scale: torch.Tensor, weight: Fp8Weight, dt
 
 
 def linear(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
-    """The FP8 projection: W8A16 up to 16 rows, above by `KernelConfig.fp8_prefill` ("w8a8" or "w8a16"); an
-    fp32 model (tests) stays W8A16."""
-    if x.shape[0] > 16 and cfg.fp8_prefill == "w8a8" and x.dtype != torch.float32:
+    """The FP8 projection: W8A16 up to DECODE_ROWS rows, above by `KernelConfig.fp8_prefill` ("w8a8" or
+    "w8a16"); an fp32 model (tests) stays W8A16."""
+    if x.shape[0] > DECODE_ROWS and cfg.fp8_prefill == "w8a8" and x.dtype != torch.float32:
         return linear_w8a8(x, weight, cfg)
     return linear_w8a16(x, weight, cfg)

@@ -595,7 +595,7 @@ def _fp8_weight(n: int, k: int, seed: int):
     return fp8.Fp8Weight(*quantise_fp8(torch.randn(n, k, generator=g) * 0.05, 128)).to(DEVICE), g
 
 
-@pytest.mark.parametrize("rows", [1, 5, 37])
+@pytest.mark.parametrize("rows", [1, 5, 37, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_w8a16_projection_equals_its_reference(rows, dtype):
     """The W8A16 kernel (each tile widened in registers, its block's scale on the partial sums) against the weight
@@ -604,7 +604,7 @@ def test_the_w8a16_projection_equals_its_reference(rows, dtype):
     from deltaserve.kernels import fp8
 
     weight, g = _fp8_weight(200, 700, rows)
-    if rows <= 16:
+    if rows <= fp8.DECODE_ROWS:
         assert fp8.decode_tiles(rows, 200, 700, 128, 4 * launch.multiprocessors(torch.device(DEVICE)))[1] > 1 \
             or DEVICE == "cuda"
     x = torch.randn(rows, 700, generator=g).to(DEVICE, dtype)
@@ -626,7 +626,7 @@ def test_w8a16_decode_splits_cover_k_in_whole_blocks(shape):
     assert splits == 1 or -(-n // block_n) * splits <= 2 * 4 * 132  # no more programs than it takes
 
 
-@pytest.mark.parametrize("rows", [17, 37])
+@pytest.mark.parametrize("rows", [65, 100])
 def test_the_w8a8_projection_equals_its_reference(rows):
     """FP8 activations (per token and 128 columns) on the FP8 dot: the kernels against the torch arithmetic they
     follow, and that arithmetic within the activations' rounding of the bf16 projection."""
