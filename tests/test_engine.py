@@ -373,6 +373,26 @@ def test_profile_engine_step_splits_the_step_and_restores_what_it_wraps(tiny_ckp
     assert 0.5 * step < s["execute_s"] + s["gap_s"] < 1.5 * step
 
 
+def test_profile_mixed_step_measures_decode_only_then_prompt_steps(tiny_ckpt):
+    """tools.lab.profile_mixed_step's windows on the CPU engine: the first only decode-only steps, the second only
+    steps carrying prompt chunks beside the decode rows, each timed; the engine's step hook comes back."""
+    from deltaserve.tools.lab.profile_mixed_step import measure
+
+    async def main():
+        args = engine_args(tiny_ckpt, max_batch=6, prefill_slots=2, prefill_token_budget=64, step_latency_ratio=0,
+                           max_model_len=4096)
+        async with AsyncEngine(args) as engine:
+            hook = engine._observe_step
+            windows = await measure(engine, rows=4, prompt=24, chunks=2, steps=6)
+            return windows, engine._observe_step == hook, await wait_free(engine)
+
+    (decode, mixed), restored, free = run(main())
+    assert restored and free
+    assert len(decode["kind"]) >= 6 and all(tokens == 0 and s > 0 for tokens, s in decode["kind"])
+    assert len(mixed["kind"]) >= 6 and all(0 < tokens <= 48 and s > 0 for tokens, s in mixed["kind"])
+    assert mixed["all_steps"] >= len(mixed["kind"])
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_step_log_names_what_each_step_carried(tiny_ckpt, caplog, overlap):
     async def main():

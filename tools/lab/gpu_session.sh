@@ -14,6 +14,7 @@
 #         the whole vocabulary and with drafts among the first 32k ids
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
 # fewrows #30: the few-row kernel's tile sweep, then the batch-8 decode step with it and without it
+# mixed   #30: what a prompt chunk adds to a step of 60 decode rows (tools/lab/profile_mixed_step.py)
 # fp8     #33: the FP8 kernels' tests and the accuracy gate at the 9B and 27B widths, the FP8 projections per
 #         shape, then the 27B decode step with FP8 projections against bf16 (its floor counts the FP8 bytes)
 set -uo pipefail
@@ -46,6 +47,10 @@ for stage in ${STAGES//,/ }; do
             > "$DIR/decode-few-rows-$n.md" 2>&1
         grep "^| [0-9]" "$DIR/decode-few-rows-$n.md" | sed "s/^/few_rows=$n /"
       done ;;
+    mixed)
+      timeout 200 python3 -m deltaserve.tools.lab.profile_mixed_step --size 4b --rows 60 --prompt 256 \
+          > "$DIR/mixed-step.txt" 2>&1
+      grep -A12 "^decode only" "$DIR/mixed-step.txt" ;;
     fp8)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py -o log_cli=true \
           --log-cli-level=INFO -k "w8a16 or w8a8 or fp8" > "$DIR/fp8-tests.log" 2>&1
@@ -57,7 +62,7 @@ for stage in ${STAGES//,/ }; do
             > "$DIR/decode-27b$flag.md" 2>&1
         grep "^| [0-9]" "$DIR/decode-27b$flag.md" | sed "s/^/27b ${flag:-bf16} /"
       done ;;
-    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, fp8)"; exit 2 ;;
+    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, fp8)"; exit 2 ;;
   esac
   stamp "$stage done"
 done
