@@ -66,11 +66,11 @@ class KernelConfig:
     few_rows_silu_tile: Tile = Tile(32, 128, 4, 3)
 
     # FP8 weights (`kernels.fp8`) up to 64 rows (decode): (BLOCK_N, programs an SM that K splits aim at, warps,
-    # stages) of the W8A16 kernel; the 27B sweep's best on every projection but the widest (H100, 18:14 run of
-    # gpu-2026-12-05.md S5: 35.4 against 43.7 us on the GDN's in_proj).
+    # stages) of the W8A16 kernel: the fastest of the 27B sweep (`tools/lab/fp8_sweep.py`) on every projection
+    # but the widest, whose tiles `fp8.decode_tiles` doubles.
     fp8_decode_tile: tuple[int, int, int, int] = (32, 4, 4, 3)
-    # Above 64 rows (prefill): "w8a8" quantises the activations per token and 128
-    # columns and runs the FP8 tensor cores; "w8a16" widens the weights to the activations' dtype in registers.
+    # Above 64 rows (prefill): "w8a8" quantises the activations per token and 128 columns and runs the FP8 tensor
+    # cores (twice the W8A16 kernel's rate at 2048 rows); "w8a16" widens the weights in registers.
     fp8_prefill: str = "w8a8"
     # (BLOCK_M, BLOCK_N, warps, stages) of each prefill kernel.
     fp8_w8a8_tile: tuple[int, int, int, int] = (128, 128, 8, 3)
