@@ -17,6 +17,7 @@
 # mixed   #30: what a prompt chunk adds to a step of 60 decode rows (tools/lab/profile_mixed_step.py)
 # fp8     #33: the FP8 kernels' tests and the accuracy gate at the 9B and 27B widths, the FP8 projections per
 #         shape, then the 27B decode step with FP8 projections against bf16 (its floor counts the FP8 bytes)
+# serve27 #30, #33: the 27B serving rows of the issues (8192 in, 1024 out; c1 and c16), FP8 then bf16 checkpoints
 set -uo pipefail
 STAGES=${1:-tests,spec,prefix}
 DIR=${OUT:-gpu-session}
@@ -62,7 +63,24 @@ for stage in ${STAGES//,/ }; do
             > "$DIR/decode-27b$flag.md" 2>&1
         grep "^| [0-9]" "$DIR/decode-27b$flag.md" | sed "s/^/27b ${flag:-bf16} /"
       done ;;
-    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, fp8)"; exit 2 ;;
+    serve27)
+      for fmt in fp8 bf16; do
+        ck=/tmp/ck27-$fmt
+        python3 -m deltaserve.tools.make_checkpoint $ck --size 27b --config-only $([ $fmt = fp8 ] && echo --fp8) \
+            > /dev/null
+        deltaserve serve $ck --load-format random --device cuda --port 8000 --disable-access-log --stats-interval 0 \
+            --max-num-seqs 16 > "$DIR/server-27b-$fmt.log" 2>&1 &
+        server=$!
+        for _ in $(seq 1 300); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+        for c in 1 16; do
+          timeout 150 deltaserve bench serve --disable-tqdm --ignore-eos --num-prompts $((c == 1 ? 2 : 16)) \
+              --max-concurrency $c --random-input-len 8192 --random-output-len 1024 --seed 5 \
+              --result-file "$DIR/27b-$fmt-c$c.json" > "$DIR/27b-$fmt-c$c.txt" 2>&1
+          grep -E "Median (TTFT|TPOT)|Output token throughput" "$DIR/27b-$fmt-c$c.txt" | sed "s/^/27b $fmt c$c /"
+        done
+        kill -INT $server; wait $server
+      done ;;
+    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, fp8, serve27)"; exit 2 ;;
   esac
   stamp "$stage done"
 done
