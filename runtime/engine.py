@@ -252,7 +252,7 @@ class AsyncEngine:
         nucleus = SamplingParams(temperature=0.7, top_k=0, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3,
                                  repetition_penalty=1.1, min_tokens=2, logprobs=5, max_tokens=3, ignore_eos=True)
         greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        longer = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        longer = SamplingParams(temperature=0.0, max_tokens=max(1, min(24, self.max_model_len - 2)), ignore_eos=True)
         waves = [
             [([1], greedy)], [([1] * 16, sampled)], [([1] * 37, nucleus)], [([1] * chunked, greedy)],
             [([1] * n, greedy) for n in (5, 16, 29, 64)],  # prompts packed into one prefill step
