@@ -84,6 +84,11 @@ class RequestOutput:
         return self._ids[: self._n]
 
     @property
+    def num_tokens(self) -> int:
+        """len(token_ids), without its copy (a stream's per-token usage would otherwise cost O(n) a token)."""
+        return self._n
+
+    @property
     def logprobs(self) -> list[TokenLogprob] | None:
         return None if self._logprobs is None else self._logprobs[: self._n]
 

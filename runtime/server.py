@@ -257,7 +257,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if parsed.return_token_ids:
             choices[-1].update(prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids)
         prompt_tokens += len(out.prompt_token_ids)
-        completion_tokens += len(out.token_ids)
+        completion_tokens += out.num_tokens
         cached_tokens += out.num_cached_tokens
     request[USAGE_KEY] = (prompt_tokens, completion_tokens, cached_tokens)
     return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
@@ -317,7 +317,7 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
             fresh = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):]
             choice["logprobs"] = completion_logprobs(fresh, engine.tokenizer.token_text, offsets[i])
         offsets[i] += len(out.delta_text)
-        totals[i] = [len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens]
+        totals[i] = [len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens]
         # With per-chunk usage the client is counting tokens: a chunk for every token, its text empty while an
         # incomplete UTF-8 sequence waits (as vLLM streams), so its timing is the token's, not the text's.
         if out.delta_text or out.finished or choice["logprobs"] or (
@@ -362,7 +362,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if reasoning or splitter.in_reasoning:
         message["reasoning_content"] = reasoning
     logprobs = chat_logprobs(out.logprobs, engine.tokenizer.token_text) if out.logprobs is not None else None
-    request[USAGE_KEY] = (len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+    request[USAGE_KEY] = (len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens)
     return web.json_response({
         "id": rid, "object": "chat.completion", "created": created, "model": engine.model_name,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason}],
@@ -380,7 +380,7 @@ async def _stream_chat(request, engine, parsed, gen, first, splitter, rid, creat
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if continuous_usage:
-            body["usage"] = usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+            body["usage"] = usage(len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens)
         return body
 
     out = first
@@ -405,7 +405,7 @@ async def _stream_chat(request, engine, parsed, gen, first, splitter, rid, creat
             await sse.send(chunk({}, out.finish_reason))
             break
         out = await gen.__anext__()
-    request[USAGE_KEY] = (len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+    request[USAGE_KEY] = (len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens)
     if include_usage:
         await sse.send({"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
                         "choices": [], "usage": usage(*request[USAGE_KEY])})

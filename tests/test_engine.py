@@ -55,7 +55,7 @@ def test_greedy_through_the_engine_equals_the_model(tiny_ckpt):
 
     outs = run(main())
     for out, exp in zip(outs, expected):
-        assert out.token_ids == exp
+        assert out.token_ids == exp and out.num_tokens == len(exp)
         assert out.finish_reason == "length" and out.finished
 
 

@@ -108,7 +108,7 @@ async def engine_step_time(engine, rows: int, context: int,
     async def marks(stream):
         seen = []
         async for out in stream:
-            seen.append((time.perf_counter(), len(out.token_ids)))
+            seen.append((time.perf_counter(), out.num_tokens))
         return seen
 
     runs = await asyncio.gather(*[marks(engine.generate(prompt, params)) for _ in range(rows)])
