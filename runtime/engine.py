@@ -63,21 +63,27 @@ class TokenLogprob:
 
 
 class RequestOutput:
-    """One update of a request. `token_ids` (all generated so far) and `logprobs` are snapshots taken lazily:
-    the engine hands out a length, not a copy, so a step costs the same at token 10 and token 10,000."""
+    """One update of a request. `token_ids` (all generated so far), `logprobs` and `text` are snapshots taken
+    lazily: the engine hands out lengths, not copies, so a step costs the same at token 10 and token 10,000."""
 
-    __slots__ = ("request_id", "prompt_token_ids", "text", "delta_token_ids", "delta_text", "finished",
-                 "finish_reason", "error", "num_cached_tokens", "_ids", "_logprobs", "_n")
+    __slots__ = ("request_id", "prompt_token_ids", "delta_token_ids", "delta_text", "finished", "finish_reason",
+                 "error", "num_cached_tokens", "_ids", "_logprobs", "_n", "_text_parts", "_text_n")
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], ids: list[int], text: str,
+    def __init__(self, request_id: str, prompt_token_ids: list[int], ids: list[int], text_parts: list[str],
                  delta_token_ids: list[int], delta_text: str, finished: bool = False, finish_reason: str | None = None,
                  logprobs: list[TokenLogprob] | None = None, error: str | None = None,
                  num_cached_tokens: int = 0) -> None:
-        self.request_id, self.prompt_token_ids, self.text = request_id, prompt_token_ids, text
+        self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
         self.num_cached_tokens = num_cached_tokens  # prompt tokens a cached prefix spared the prefill
         self.delta_token_ids, self.delta_text = delta_token_ids, delta_text
         self.finished, self.finish_reason, self.error = finished, finish_reason, error  # "stop"|"length"|"abort"|"error"
         self._ids, self._logprobs, self._n = ids, logprobs, len(ids)
+        self._text_parts, self._text_n = text_parts, len(text_parts)
+
+    @property
+    def text(self) -> str:
+        """All the text generated so far (the parts only ever grow, like the ids)."""
+        return "".join(self._text_parts[: self._text_n])
 
     @property
     def token_ids(self) -> list[int]:
@@ -135,7 +141,7 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
     drawn_ids: list[int] = field(default_factory=list)  # every token drawn, a stop token too (the scheduler's)
     logprobs: list[TokenLogprob] | None = None
-    text: str = ""
+    text_parts: list[str] = field(default_factory=list)  # the output's text, a piece a token (joined when read)
     finished: bool = False
     cached_tokens: int = 0  # prompt tokens a cached prefix spared the prefill
     verify_accepted: int = 0  # speculative decoding: tokens its last step kept (0 before its first decode step)
@@ -431,7 +437,8 @@ class AsyncEngine:
         if self.scheduler is not None:
             self.scheduler.finish(req.request_id)  # pages and slots are freed at the next plan
         tail = req.stops.flush()  # text held back for a stop string that never came
-        req.text += tail
+        if tail:
+            req.text_parts.append(tail)
         self.metrics.finished.labels(reason).inc()
         self.metrics.e2e.observe(time.perf_counter() - req.arrival)
         req.queue.put_nowait(self._output(req, delta_ids, delta_text + tail, reason, error))
@@ -439,9 +446,9 @@ class AsyncEngine:
 
     def _output(self, req: _Request, delta_ids, delta_text, reason=None, error=None) -> RequestOutput:
         # The lists only ever grow (a stop token is popped before its output is made), so a length snapshots them.
-        return RequestOutput(req.request_id, req.prompt_ids, req.output_ids, req.text, list(delta_ids), delta_text,
-                             finished=reason is not None, finish_reason=reason, logprobs=req.logprobs, error=error,
-                             num_cached_tokens=req.cached_tokens)
+        return RequestOutput(req.request_id, req.prompt_ids, req.output_ids, req.text_parts, list(delta_ids),
+                             delta_text, finished=reason is not None, finish_reason=reason, logprobs=req.logprobs,
+                             error=error, num_cached_tokens=req.cached_tokens)
 
     # The step loop --------------------------------------------------------------------------------------------------
     async def _step_loop(self) -> None:
@@ -691,7 +698,8 @@ class AsyncEngine:
     def _detokenize(self, req: _Request, token: int) -> None:
         """The token's text, then the request's output: a stop string or the length ends the request."""
         delta, hit = req.stops.feed(req.detok.add(token))
-        req.text += delta
+        if delta:
+            req.text_parts.append(delta)
         if hit:
             self._finish(req, "stop", [token], delta)
         elif len(req.output_ids) >= req.params.max_tokens:

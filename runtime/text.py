@@ -123,13 +123,14 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    """Finds stop strings in streamed text and holds back any tail that could still start one."""
+    """Finds stop strings in streamed text and holds back any tail that could still start one. It keeps only that
+    tail (at most the longest stop string less one character), so each token costs the same however long the
+    output grows."""
 
     def __init__(self, stops: list[str], include_stop: bool) -> None:
         self.stops, self.include = stops, include_stop
         self.hold = max((len(s) for s in stops), default=1) - 1
-        self.text = ""  # everything generated so far (before truncation at a stop)
-        self.emitted = 0
+        self.pending = ""  # text not yet emitted: where a stop string may still begin
 
     @property
     def active(self) -> bool:
@@ -139,31 +140,22 @@ class StopMatcher:
     def feed(self, delta: str) -> tuple[str, bool]:
         """Add text; returns (text safe to emit now, whether a stop string was hit)."""
         if not self.stops:
-            self.text += delta
-            self.emitted = len(self.text)
             return delta, False
-        start = max(0, len(self.text) - self.hold)
-        self.text += delta
+        text = self.pending + delta
         hit = None  # the stop string that completes first (earliest end; then the longest), as if fed per character
         for s in self.stops:
-            i = self.text.find(s, start)
+            i = text.find(s)
             if i >= 0 and (hit is None or (i + len(s), i) < (hit[0] + len(hit[1]), hit[0])):
                 hit = (i, s)
         if hit is not None:
-            end = hit[0] + (len(hit[1]) if self.include else 0)
-            self.text = self.text[:end]
-            out = self.text[self.emitted :]
-            self.emitted = len(self.text)
-            return out, True
-        safe = len(self.text) - self.hold if self.stops else len(self.text)
-        safe = max(safe, self.emitted)
-        out = self.text[self.emitted : safe]
-        self.emitted = safe
-        return out, False
+            self.pending = ""
+            return text[: hit[0] + (len(hit[1]) if self.include else 0)], True
+        safe = max(len(text) - self.hold, 0)
+        self.pending = text[safe:]
+        return text[:safe], False
 
     def flush(self) -> str:
-        out = self.text[self.emitted :]
-        self.emitted = len(self.text)
+        out, self.pending = self.pending, ""
         return out
 
 
