@@ -39,7 +39,7 @@ class InstantReplica:
         self.answered: float | None = None
         self.critical: list[float] = []
 
-    def start_step(self, cmd):
+    def start_step(self, cmd, overlapped: bool = False):
         if self.answered is not None:
             self.critical.append(time.perf_counter() - self.answered)
         return self._answer(cmd)
