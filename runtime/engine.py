@@ -519,7 +519,8 @@ class AsyncEngine:
             done_plan, done_step, handed = done
             result = await done_step
             now = time.perf_counter()
-            self._observe_step(done_plan, now - max(handed, last_done), result, idle=max(handed - last_done, 0.0))
+            idle = max(handed - last_done, 0.0) if last_done else None  # None: no step ran before it
+            self._observe_step(done_plan, now - max(handed, last_done), result, idle=idle)
             last_done = now
             if done_plan.speculate:
                 self._count(done_plan, result)
