@@ -424,3 +424,23 @@ def test_bench_engine_overhead_runs_its_instant_device_through_the_overlapped_lo
     run_on_uvloop(bench.measure(tiny_ckpt, 4, 30))
     per_step_us, critical_us = bench.RESULTS.pop()
     assert 0 < critical_us <= per_step_us
+
+
+def test_the_fake_device_server_s_engine_runs_steps_back_to_back_at_its_step_time():
+    """tools.lab.fake_device_server: every stream gets its tokens, and a step takes the fake device's time once
+    the one before it is done (a stream's tokens come no faster than one a step)."""
+    from deltaserve.tools.lab.fake_device_server import fake_engine
+
+    async def main():
+        engine = await fake_engine(step_ms=3.0, max_batch=8)
+        try:
+            params = SamplingParams(max_tokens=20, ignore_eos=True, **GREEDY)
+            started = time.perf_counter()
+            outs = await asyncio.gather(*[collect(engine.generate([5 + i, 6, 7], params)) for i in range(8)])
+            return outs, time.perf_counter() - started, engine.replica.steps
+        finally:
+            await engine.close()
+
+    outs, elapsed, steps = run(main())
+    assert all(o.num_tokens == 20 and o.finish_reason == "length" for o in outs)
+    assert steps >= 20 and elapsed >= 20 * 3e-3
