@@ -654,8 +654,8 @@ class AsyncEngine:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            # What its next speculative step rolls back to; after a one-token step, nothing (as if promoted).
-            req.verify_accepted = 1 + len(extra) if plan.speculate else 0
+            if plan.speculate:  # what its next speculative step rolls back to (a one-token step's: `_count`)
+                req.verify_accepted = 1 + len(extra)
             for token in [sampled, *extra]:  # in order, until one ends the request
                 if req.finished:
                     break
