@@ -16,7 +16,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk, PrefillInputs, VerifyBatch, upload
+from deltaserve.model.batch import (DecodeBatch, PrefillBatch, PrefillChunk, PrefillInputs, VerifyBatch, select_rows,
+                                    upload)
 from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.state import ModelState
 
@@ -358,7 +359,7 @@ class RankRuntime:
             if self.sampling and last:
                 # A prompt's last chunk draws the request's first token (token index 0).
                 setup = self.sampling.prepare([cmd.prefill[i].slot for i in last], [0] * len(last), cmd.step_seed)
-                prefill_draw = self.sampling.draw(prefill_logits[last], setup)
+                prefill_draw = self.sampling.draw(select_rows(prefill_logits, last), setup)
         if not self.sampling:
             return None
         clock.stop()
@@ -468,15 +469,7 @@ class RankRuntime:
         # One draw: every row's first position, then the k after it of the free rows (each its own row: the
         # sampler reads rows at a stride of V). The extra rows' tokens also land in their slots' penalty counts,
         # which only penalty rows, never among them, read.
-        # Nothing here may wait for the forward: the sampler's launches then queue behind it. A host index list
-        # would be copied from pageable memory, which waits for the stream.
-        extra = extra_logits[:n]
-        if len(free) < n:
-            index = torch.tensor(free, dtype=torch.long)
-            if extra.is_cuda:
-                index = index.pin_memory()
-            extra = extra.index_select(0, index.to(extra.device, non_blocking=True))
-        logits = torch.cat([first_logits[:n], extra.flatten(0, 1)])
+        logits = torch.cat([first_logits[:n], select_rows(extra_logits, free).flatten(0, 1)])
         rows = slots + [i for i in free for _ in range(k)]
         token_index = cmd.decode_token_index + [cmd.decode_token_index[i] + j for i in free for j in range(1, k + 1)]
         drawn = self.sampling.draw(logits, self.sampling.prepare(rows, token_index, cmd.step_seed))

@@ -18,6 +18,7 @@ import torch
 
 from deltaserve.kernels.sampling import SamplingTensors, draw_tokens, sample_reference
 from deltaserve.kernels.triton_sampling import compile_for_batches, top_p_alone
+from deltaserve.model.batch import upload
 
 from .commands import RowSampling, SampledToken, SlotProtocolError
 
@@ -135,9 +136,11 @@ class SlotSampling:
     def draw(self, logits: torch.Tensor, prepared) -> Draw:
         """Queue the draw for `prepare`'s rows on the device; nothing here waits for it."""
         rows, params, token_index, slot_index, slots = prepared
-        for i, (r, step) in enumerate(zip(rows, token_index)):
-            if step < r.min_tokens and r.stop_token_ids:
-                logits[i, list(r.stop_token_ids)] = float("-inf")  # min_tokens: no stop token yet
+        barred = [(i, t) for i, (r, step) in enumerate(zip(rows, token_index)) if step < r.min_tokens
+                  for t in r.stop_token_ids]  # min_tokens: no stop token yet
+        if barred:
+            at = upload({"rows": [i for i, _ in barred], "ids": [t for _, t in barred]}, torch.long, logits.device)
+            logits.index_put_((at["rows"], at["ids"]), logits.new_full((), float("-inf")))
         k = max(r.logprobs for r in rows)
         top_ks = [r.top_k for r in rows if r.temperature > 0]
         tokens, chosen, top_ids, top_lp, done = draw_tokens(

@@ -35,6 +35,14 @@ def upload(arrays: dict[str, list[int]], dtype: torch.dtype, device) -> dict[str
     return {name: flat[start : start + len(values)] for (name, values), start in zip(arrays.items(), starts)}
 
 
+def select_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`t[rows]` without waiting for the stream: indexing with a host list copies the index from pageable memory,
+    which waits for everything queued (the sampler's launches would then start only after the forward)."""
+    if rows == list(range(len(rows))):
+        return t[: len(rows)]
+    return t.index_select(0, upload({"rows": rows}, torch.long, t.device)["rows"])
+
+
 @dataclass
 class PrefillChunk:
     """One request's slice of prompt: tokens at positions start .. start+len, state in `slot`, KV in `pages`."""
