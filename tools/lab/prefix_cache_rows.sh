@@ -3,9 +3,9 @@
 # cache on, then off, each running the same `deltaserve bench serve` rows. Results (JSON per row, server logs) go
 # to OUT (default ./prefix-cache-rows); one summary line per row is printed.
 #
-#   [ROWS="c1 turns"] bash tools/lab/prefix_cache_rows.sh [OUT] [extra serve flags, e.g. --prefill-graph-tokens 1024]
+#   [ROWS="c1 turns"] [MODES=on] bash tools/lab/prefix_cache_rows.sh [OUT] [extra serve flags, e.g. --log-steps]
 #
-# ROWS picks rows and their order (default: shared turns c64 c1).
+# ROWS picks rows and their order (default: shared turns c64 c1); MODES the servers (default: on off).
 set -uo pipefail
 OUT=${1:-prefix-cache-rows}; shift || true
 mkdir -p "$OUT"
@@ -56,5 +56,11 @@ rows() {  # the rows, each name suffixed
   done
 }
 
-serve on "$@"; rows ""; kill -INT $SERVER; wait $SERVER
-serve off --no-enable-prefix-caching "$@"; rows "-off"; kill -INT $SERVER; wait $SERVER
+for mode in ${MODES:-on off}; do
+  case $mode in
+    on) serve on "$@"; rows "" ;;
+    off) serve off --no-enable-prefix-caching "$@"; rows "-off" ;;
+    *) echo "unknown mode $mode (on, off)"; exit 2 ;;
+  esac
+  kill -INT $SERVER; wait $SERVER
+done
