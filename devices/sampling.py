@@ -83,7 +83,7 @@ class SlotSampling:
                 self.prompt_mask[slot] = False
         current = self.settings[slot]
         if current is not None and current.needs_counts:
-            self.prompt_mask[slot, torch.tensor(prompt_ids, device=self.device)] = True
+            self.prompt_mask[slot].index_fill_(0, upload({"ids": prompt_ids}, torch.long, self.device)["ids"], True)
 
     def move(self, src: int, dst: int) -> None:
         self.settings[dst], self.settings[src] = self.settings[src], None
