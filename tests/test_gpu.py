@@ -298,6 +298,65 @@ def test_serving_after_the_warm_up_compiles_no_triton_kernel(real_geometry_ckpt)
     assert asyncio.run(main()) == {}
 
 
+def test_launching_a_step_never_waits_for_the_device(real_geometry_ckpt, monkeypatch):
+    """Overlap scheduling holds only while launching a step queues work without waiting for the stream: one hidden
+    synchronisation (a blocking copy, a host index list, `.item()`) makes the host wait for the step before, and
+    the GPU then idles while the host launches. Every launch while serving runs under torch's sync debug mode set
+    to raise: mixed decode and prompt steps (graphed and eager chunks, cache hits and snapshots), greedy and
+    sampled rows with penalties, log-probs, `min_tokens` and stop ids. Only the sampler's settle may wait: it
+    waits for the flagged draws of the step before by design."""
+    import random
+
+    from deltaserve.devices.rank import RankRuntime
+    from deltaserve.devices.sampling import SlotSampling
+    from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+
+    launch, settle = RankRuntime.launch, SlotSampling.settle
+
+    def checked_launch(self, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def waiting_settle(self, *args, **kwargs):
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return settle(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    rng = random.Random(1)
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_k=20, logprobs=2),
+             dict(temperature=0.7, top_p=0.9, min_tokens=1, stop_token_ids=[5, 6]),
+             dict(temperature=0.9, presence_penalty=0.5, repetition_penalty=1.1, frequency_penalty=0.2)]
+    shared = [rng.randrange(3000) for _ in range(200)]  # a system prompt: hits, restores and page copies
+
+    async def main():
+        args = EngineArgs(model=real_geometry_ckpt, device="cuda", max_batch=32, max_model_len=1024,
+                          load_format="random", buckets=[1, 2, 4, 8, 16, 32], prefill_token_budget=512,
+                          prefill_graph_tokens=256)  # chunks above 256 tokens run eagerly
+        async with AsyncEngine(args) as engine:
+            monkeypatch.setattr(RankRuntime, "launch", checked_launch)
+            monkeypatch.setattr(SlotSampling, "settle", waiting_settle)
+
+            async def one(i):
+                await asyncio.sleep(rng.random() * 0.3)
+                tail = [rng.randrange(3000) for _ in range(rng.randint(1, 600))]
+                prompt = shared + tail if i % 2 else tail
+                params = SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True, seed=i, **kinds[i % 4])
+                return await _last(engine.generate(prompt, params))
+
+            outs = await asyncio.gather(*[one(i) for i in range(64)])
+            monkeypatch.undo()
+        return outs
+
+    outs = asyncio.run(main())
+    assert all(out.finished and out.error is None and out.token_ids for out in outs), [o.error for o in outs]
+
+
 def test_bf16_model_at_the_4b_width_matches_hf(T, tmp_path):
     """Our bf16 forward on the GPU (Triton ops) against transformers' in fp32, at the 4B width with four layers
     (three GDN, one attention) from a bf16 checkpoint: a 40-token prefill, then 24 one-row decode steps (the fused

@@ -9,7 +9,7 @@
 # `pip install --no-deps --no-build-isolation -e .`).
 #
 # tests   the GPU tests of what changed last (speculation with both graphs a bucket, capture_check, prefill
-#         graphs of packed chunks)
+#         graphs of packed chunks, no launch waiting for the device)
 # spec    #32: the speculative step against a plain one, with the 27B head's published acceptance emulated, with
 #         the whole vocabulary and with drafts among the first 32k ids
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
@@ -29,7 +29,7 @@ for stage in ${STAGES//,/ }; do
   case $stage in
     tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -o log_cli=true --log-cli-level=INFO \
-          -k "speculative or capture_check or prefill_graphs or fp8" > "$DIR/tests.log" 2>&1
+          -k "speculative or capture_check or prefill_graphs or fp8 or never_waits" > "$DIR/tests.log" 2>&1
       grep -E "passed|failed|speculation k=|on/off" "$DIR/tests.log" | tail -8 ;;
     spec)
       for vocab in 0 32768; do
