@@ -32,7 +32,7 @@ from deltaserve.model.weights import check_checkpoint
 
 from .args import EngineArgs
 from .metrics import EngineMetrics
-from .params import SamplingParams
+from .params import SamplingParams, all_ints
 from .prefix_cache import PrefixCache
 from .scheduler import CapacityError, Scheduler, default_buckets
 from .speculation import SpeculationPolicy
@@ -346,11 +346,11 @@ class AsyncEngine:
         limit = self.max_model_len - 1  # at least one token must be left to generate
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, limit)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list) and all_ints(prompt):
             ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+            if ids and not (min(ids) >= 0 and max(ids) < self.cfg.vocab_size):
+                bad = next(t for t in ids if not 0 <= t < self.cfg.vocab_size)
+                raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
             if len(ids) > limit:
                 raise PromptTooLong(len(ids), limit)
         else:

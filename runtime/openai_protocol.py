@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .params import MAX_LOGPROBS, SamplingParams
+from .params import MAX_LOGPROBS, SamplingParams, all_ints
 
 
 class ApiError(Exception):
@@ -146,10 +146,9 @@ def parse_completion(body: dict) -> ParsedRequest:
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all_ints(prompt):
         prompts = [list(prompt)]
-    elif (isinstance(prompt, list) and prompt and all(isinstance(p, list) and p for p in prompt)
-          and all(isinstance(t, int) and not isinstance(t, bool) for p in prompt for t in p)):
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all_ints(p) for p in prompt):
         prompts = [list(p) for p in prompt]
     else:
         raise _bad("'prompt' must be a string, a list of strings, or a list of token ids", "prompt")

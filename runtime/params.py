@@ -12,6 +12,11 @@ MAX_STOP_CHARS = 1024  # the stream holds back this much text while a stop strin
 INT32_MAX = 2**31 - 1  # counts and token ids travel to the ranks as int32/int64 tensors: bounded before they go
 
 
+def all_ints(values: list) -> bool:
+    """Whether every item is a plain int (not a bool): one pass in C, as a prompt's ids may number 100k."""
+    return set(map(type, values)) <= {int}
+
+
 @dataclass
 class SamplingParams:
     """Unset (None) fields take the checkpoint's generation_config defaults, then the OpenAI defaults."""

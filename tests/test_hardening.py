@@ -156,6 +156,8 @@ def json_corpus() -> list[tuple[str, bytes]]:
         "true": "true", "truncated": '{"model": "tiny", "prompt": "x"', "trailing garbage": '{"prompt": "x"} xyz',
         "single quotes": "{'prompt': 'x'}", "nested 100k lists": "[" * 100_000 + "]" * 100_000,
         "nested 50k objects": '{"a": ' * 50_000 + "1" + "}" * 50_000, "nested 41 deep": deep,
+        "numbers one level too deep": '{"model": "tiny", "prompt": "x", "chat_template_kwargs": ' + '{"a": ' * 30
+                                      + "[1, 2]" + "}" * 30 + "}",
         "NaN top level": "NaN",
         "huge exponent": '{"model": "tiny", "prompt": "x", "temperature": 1e99999999}',
         "control character": '{"model": "tiny", "prompt": "a\x01b"',
