@@ -64,6 +64,8 @@ class KernelConfig:
     few_rows: int = 0
     few_rows_tile: Tile = Tile(32, 256, 4, 3)
     few_rows_silu_tile: Tile = Tile(32, 128, 4, 3)
+    # Programs an SM that a narrow output's K splits aim at (`launch.k_splits`; 4 as for FP8 decode); 0: no split.
+    few_rows_split_programs: int = 4
 
     # FP8 weights (`kernels.fp8`) up to 64 rows (decode): (BLOCK_N, programs an SM that K splits aim at, warps,
     # stages) of the W8A16 kernel: the fastest of the 27B sweep (`tools/lab/fp8_sweep.py`) on every projection

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .config import DEFAULT, KernelConfig
-from .launch import _dot_bf16, multiprocessors
+from .launch import _dot_bf16, k_splits, multiprocessors, sum_splits
 
 FP8_MAX = 448.0  # the largest finite e4m3 value
 
@@ -103,7 +103,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, x_row_stri
     """out[m, n] = sum over K tiles of (x tile . widened w tile) * scale[n // QBLOCK, k // QBLOCK]; a K tile lies
     inside one quantisation block (QBLOCK a multiple of BLOCK_K), so each column has one scale per tile. Program
     (i, j, s) sums the K range [s * k_per_split, (s + 1) * k_per_split) (whole QBLOCKs); PARTIAL: into fp32
-    out[s, m, n], which `_sum_splits_kernel` adds up."""
+    out[s, m, n], which `launch.sum_splits` adds up."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,26 +134,14 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, x_row_stri
         tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """out = the SPLITS fp32 partial sums [SPLITS, size] added in order, in out's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < size
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLITS):
-        acc += tl.load(partial_ptr + s * size + offs, mask=live, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=live)
-
-
 def decode_tiles(m: int, n: int, k: int, block: int, programs: int, block_n: int = 32) -> tuple[int, int, int]:
     """(BLOCK_N, splits, K a split) for a few-row W8A16 projection: `block_n`-column tiles (twice as wide where
     they would be more than twice `programs`: the widest outputs), and the K range split (in whole blocks) until
     about `programs` programs run, each over at least two blocks."""
     if triton.cdiv(n, block_n) > 2 * programs:
         block_n *= 2
-    tiles = triton.cdiv(n, block_n)  # one row tile: `decode_rows` rows at most
     blocks = triton.cdiv(k, block)
-    splits = max(1, min(triton.cdiv(programs, tiles), blocks // 2))
+    splits = k_splits(triton.cdiv(n, block_n), blocks, programs)  # one row tile: `DECODE_ROWS` rows at most
     per_split = triton.cdiv(blocks, splits) * block
     return block_n, triton.cdiv(k, per_split), per_split
 
@@ -180,9 +168,7 @@ def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT
         _w8a16_kernel[(1, triton.cdiv(N, block_n), splits)](
             x, weight.values, weight.scale, target, M, N, K, per_split, x.stride(0), weight.scale.shape[1],
             BLOCK_M=block_m, BLOCK_N=block_n, PARTIAL=splits > 1, **common, num_warps=warps, num_stages=stages)
-        if splits > 1:
-            _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](target, out, M * N, SPLITS=splits, BLOCK=1024)
-        return out
+        return sum_splits(target, out) if splits > 1 else out
     block_m, block_n, warps, stages = cfg.fp8_w8a16_tile
     _w8a16_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n), 1)](
         x, weight.values, weight.scale, out, M, N, K, K, x.stride(0), weight.scale.shape[1],

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from . import fp8
 from .config import DEFAULT, KernelConfig, Tile, WholeRows
-from .launch import _dot_bf16, pdl_options, wait_for_previous_kernel
+from .launch import _dot_bf16, k_splits, multiprocessors, pdl_options, sum_splits, wait_for_previous_kernel
 from .norm import add_rms_norm, add_rms_norm_reference, silu_mul, silu_mul_reference
 
 
@@ -139,9 +139,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, cfg: KernelConfig = DEFAULT, con
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Few-row projections (decode batches of 2 to 16 rows, a speculative verify's k + 1 rows): each program streams
-# BLOCK_N weight rows once over K and multiplies every tile with all the rows at once on the tensor cores (the rows
-# padded to 16, the smallest dot). Bound by the weight read, like the one-row GEMV; cuBLAS picks tiles made for
-# more rows. With SILU_MUL the epilogue applies silu(gate) * up, the MLP's, so the activation is written once.
+# BLOCK_N weight rows once over its part of K and multiplies every tile with all the rows at once on the tensor
+# cores (the rows padded to 16, the smallest dot). Bound by the weight read, like the one-row GEMV; cuBLAS picks
+# tiles made for more rows. Narrow outputs split K across programs (`launch.k_splits`), so every SM streams. With
+# SILU_MUL the epilogue applies silu(gate) * up, the MLP's, so the activation is written once (its output is wide:
+# no split).
 
 
 def few_rows_takes(x: torch.Tensor, weight: torch.Tensor, cfg: KernelConfig) -> bool:
@@ -151,11 +153,13 @@ def few_rows_takes(x: torch.Tensor, weight: torch.Tensor, cfg: KernelConfig) -> 
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled variant for every row count
-def _few_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, up_rows, SILU_MUL: tl.constexpr,
+def _few_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, x_stride, up_rows, SILU_MUL: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                     IEEE: tl.constexpr, PARTIAL: tl.constexpr, PDL: tl.constexpr = False):
     """out [M, N] = x [M, K] @ w.t() for M <= BLOCK_M, as out.t() = w @ x.t(): BLOCK_N weight rows a program, the
-    accumulator [BLOCK_N, BLOCK_M]. IEEE: fp32 operands multiplied in fp32 (an fp32 model's products)."""
+    accumulator [BLOCK_N, BLOCK_M]. Program (j, s) sums K in [s * k_per_split, (s + 1) * k_per_split), whole
+    BLOCK_K tiles when EVEN_K; PARTIAL: into fp32 out [s, M, N], which `launch.sum_splits` adds up. IEEE: fp32
+    operands multiplied in fp32 (an fp32 model's products)."""
     wait_for_previous_kernel(PDL)
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ms = tl.arange(0, BLOCK_M)
@@ -165,10 +169,12 @@ def _few_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, up_rows, SILU_MUL
     x_rows = x_ptr + ms.to(tl.int64)[:, None] * x_stride
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    for k0 in range(k_start, k_end, BLOCK_K):
         ks = (k0 + tl.arange(0, BLOCK_K))[None, :]
-        wmask = nmask[:, None] if EVEN_K else nmask[:, None] & (ks < K)
-        xmask = mmask[:, None] if EVEN_K else mmask[:, None] & (ks < K)
+        wmask = nmask[:, None] if EVEN_K else nmask[:, None] & (ks < k_end)
+        xmask = mmask[:, None] if EVEN_K else mmask[:, None] & (ks < k_end)
         xt = tl.trans(tl.load(x_rows + ks, mask=xmask, other=0.0))
         w = tl.load(w_rows + ks, mask=wmask, other=0.0)
         if IEEE:
@@ -181,6 +187,10 @@ def _few_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, up_rows, SILU_MUL
                 acc_up = tl.dot(u, xt, acc_up, input_precision="ieee")
             else:
                 acc_up = _dot_bf16(u, xt, acc_up)
+    if PARTIAL:
+        at = tl.program_id(1).to(tl.int64) * M * N + ms[None, :] * N + ns[:, None]
+        tl.store(out_ptr + at, acc, mask=nmask[:, None] & mmask[None, :])
+        return
     y = acc.to(out_ptr.dtype.element_ty)
     if SILU_MUL:  # rounded to the model dtype first, as the unfused projection's output is
         g = y.to(tl.float32)
@@ -200,12 +210,17 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul_rows: int = 0, cfg:
         x = x.contiguous()
     N = silu_mul_rows or weight.shape[0]
     block_n, block_k, warps, stages = config or (cfg.few_rows_silu_tile if silu_mul_rows else cfg.few_rows_tile)
+    splits = 1 if silu_mul_rows or not cfg.few_rows_split_programs else k_splits(
+        triton.cdiv(N, block_n), triton.cdiv(K, block_k), cfg.few_rows_split_programs * multiprocessors(x.device))
+    per_split = triton.cdiv(triton.cdiv(K, block_k), splits) * block_k
+    splits = triton.cdiv(K, per_split)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    _few_rows_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, out, M, N, K, x.stride(0), silu_mul_rows, SILU_MUL=silu_mul_rows > 0, BLOCK_M=16,
+    target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    _few_rows_kernel[(triton.cdiv(N, block_n), splits)](
+        x, weight, target, M, N, K, per_split, x.stride(0), silu_mul_rows, SILU_MUL=silu_mul_rows > 0, BLOCK_M=16,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32,
-        num_warps=warps, num_stages=stages, **pdl_options(x.device, cfg.pdl))
-    return out
+        PARTIAL=splits > 1, num_warps=warps, num_stages=stages, **pdl_options(x.device, cfg.pdl))
+    return sum_splits(target, out) if splits > 1 else out
 
 
 def linear(x: torch.Tensor, weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:

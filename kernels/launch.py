@@ -1,5 +1,5 @@
-"""What the Triton kernels share: launch options (programmatic dependent launch), the device's SM count, and the
-bf16 matmul helper that also runs under the interpreter."""
+"""What the Triton kernels share: launch options (programmatic dependent launch), the device's SM count, the
+bf16 matmul helper that also runs under the interpreter, and split-K for projections of few rows."""
 
 from __future__ import annotations
 
@@ -63,3 +63,32 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+# Split-K for projections of few rows: a narrow output (few column tiles) over a long K leaves most SMs idle and
+# each program streaming its tile's K serially, so the K range is split across programs. Their fp32 partial sums
+# are added by `sum_splits` in a fixed order (deterministic, unlike atomics).
+
+
+def k_splits(tiles: int, k_blocks: int, programs: int) -> int:
+    """Programs sharing each column tile's K range: enough for about `programs` programs in all, each over at least
+    two of the `k_blocks` blocks of K."""
+    return max(1, min(triton.cdiv(programs, tiles), k_blocks // 2))
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, out_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = the SPLITS fp32 partial sums [SPLITS, size] added in order, in out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < size
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(partial_ptr + s * size + offs, mask=live, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def sum_splits(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (contiguous) = partial [splits, *out.shape] (fp32) summed over its first axis, in order."""
+    _sum_splits_kernel[(triton.cdiv(out.numel(), 1024),)](partial, out, out.numel(), SPLITS=partial.shape[0],
+                                                           BLOCK=1024)
+    return out

@@ -381,21 +381,29 @@ def test_one_row_gemv_and_its_routing(k, n, monkeypatch):
 
 
 @pytest.mark.parametrize("m", [2, 3, 8, 16])
-@pytest.mark.parametrize("n, k", [(48, 256), (5, 200)])
-def test_few_row_projections_and_their_routing(m, n, k, monkeypatch):
+@pytest.mark.parametrize("n, k, splits", [(48, 256, 1), (5, 200, 1), (24, 1024, 4), (20, 1000, 4)])
+def test_few_row_projections_and_their_routing(m, n, k, splits, monkeypatch):
     """The few-row kernel against the reference, alone and with silu(gate) * up: whole and ragged K tiles and
-    output rows, in fp32 and in bf16 (its products are exact; only the sum's order differs)."""
+    output rows, in fp32 and in bf16 (its products are exact; only the sum's order differs). A narrow output over
+    a long K splits K across programs (the interpreter's device counts 4 SMs: 16 programs aimed at); silu(gate) * up
+    never does, as its epilogue needs whole sums."""
     tile = Tile(16, 128, 4, 1)
+    summed = []
+    monkeypatch.setattr(gemv, "sum_splits", lambda partial, out: summed.append(partial.shape[0]) or
+                        launch.sum_splits(partial, out))
     for dtype, limit in ((torch.float32, REDUCTION), (torch.bfloat16, 1e-2)):
         x, w = randn(m, k, dtype=dtype), (randn(2 * n, k) * 0.1).to(dtype)
         strided = torch.cat([x, x], dim=1)[:, :k]
         with poisoned_outputs():
             got, got_strided = gemv.few_rows(x, w, config=tile), gemv.few_rows(strided, w, config=tile)
             act = gemv.few_rows(x, w, silu_mul_rows=n, config=tile)
+            unsplit = gemv.few_rows(x, w, cfg=KernelConfig(few_rows_split_programs=0), config=tile)
         ref = gemv.linear_reference(x.float(), w.float())
-        assert rel(got, ref) <= limit and rel(got_strided, ref) <= limit, dtype
+        assert rel(got, ref) <= limit and rel(got_strided, ref) <= limit and rel(unsplit, ref) <= limit, dtype
         # bf16: gate and up rounded, then their product: a few bf16 steps of the largest output
         assert rel(act, norm.silu_mul_reference(ref.to(dtype))) <= (3e-2 if dtype == torch.bfloat16 else limit)
+    assert summed == ([] if splits == 1 else [splits] * 4)  # the two dtypes' plain and strided calls
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="1 to 16"):
         gemv.few_rows(randn(17, k), w.float())
     on = KernelConfig(few_rows=16)

@@ -11,6 +11,7 @@ import argparse
 import datetime
 import itertools
 import sys
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -217,8 +218,9 @@ def few_row_projections(cfg, rows: list, bw: float, sweep: bool, counts=(2, 4, 8
             x = torch.randn(m, k, device=dev, dtype=bf)
             nbytes = (n * k + m * k + m * (n // 2 if silu else n)) * 2
 
-            def ours(config=None):
-                return lambda w: lambda: gemv.few_rows(x, w, n // 2 if silu else 0, config=config)
+            def ours(config=None, split=cfg.few_rows_split_programs):
+                c = replace(cfg, few_rows_split_programs=split)
+                return lambda w: lambda: gemv.few_rows(x, w, n // 2 if silu else 0, cfg=c, config=config)
 
             def peer(w):
                 return (lambda: norm.silu_mul(x @ w.t())) if silu else (lambda: x @ w.t())
@@ -227,6 +229,10 @@ def few_row_projections(cfg, rows: list, bw: float, sweep: bool, counts=(2, 4, 8
             rows.append((f"few-row projection {name}{' + silu_mul' if silu else ''}", f"{m} x {k} -> {n}", t,
                          f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy; cuBLAS "
                          f"{nbytes / t_peer / bw:.0%} ({t_peer / t:.2f}x our time)"))
+            if not silu and cfg.few_rows_split_programs:
+                t_whole = graph_time_per_call(ours(split=0), weights)
+                rows.append((f"few-row projection {name}, K not split", f"{m} x {k} -> {n}", t_whole,
+                             f"{nbytes / t_whole / 1e12:.2f} TB/s", f"{nbytes / t_whole / bw:.0%} of copy"))
             for config in FEW_ROWS_SWEEP if sweep else ():
                 try:
                     t = graph_time_per_call(ours(config), weights)
