@@ -15,6 +15,8 @@
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
 # fewrows #30: the few-row kernel's tile sweep, then the batch-8 decode step with it and without it
 # mixed   #30: what a prompt chunk adds to a step of 60 decode rows (tools/lab/profile_mixed_step.py)
+# turn    #31: a chat turn's prefill (1024 tokens) after cached prefixes of 0, 3.6k and 7.6k tokens, with the
+#         kernels that take the GPU time (what grows with the prefix)
 # fp8     #33: the FP8 kernels' tests and the accuracy gate at the 9B and 27B widths, the FP8 projections per
 #         shape, then the 27B decode step with FP8 projections against bf16 (its floor counts the FP8 bytes)
 # serve27 #30, #33: the 27B serving rows of the issues (8192 in, 1024 out; c1 and c16), FP8 then bf16 checkpoints
@@ -52,6 +54,12 @@ for stage in ${STAGES//,/ }; do
       timeout 200 python3 -m deltaserve.tools.lab.profile_mixed_step --size 4b --rows 60 --prompt 256 \
           > "$DIR/mixed-step.txt" 2>&1
       grep -A12 "^decode only" "$DIR/mixed-step.txt" ;;
+    turn)
+      for prefix in 0 3584 7680; do
+        timeout 100 python3 -m deltaserve.tools.lab.profile_prefill --size 4b --tokens 1024 --prefix $prefix \
+            --repeats 3 > "$DIR/turn-prefix-$prefix.txt" 2>&1
+        grep -E "^\| [0-9]|most GPU time" "$DIR/turn-prefix-$prefix.txt" | sed "s/^/prefix $prefix: /"
+      done ;;
     fp8)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py -o log_cli=true \
           --log-cli-level=INFO -k "w8a16 or w8a8 or fp8" > "$DIR/fp8-tests.log" 2>&1
@@ -80,7 +88,7 @@ for stage in ${STAGES//,/ }; do
         done
         kill -INT $server; wait $server
       done ;;
-    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, fp8, serve27)"; exit 2 ;;
+    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, turn, fp8, serve27)"; exit 2 ;;
   esac
   stamp "$stage done"
 done

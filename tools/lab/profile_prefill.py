@@ -1,6 +1,6 @@
 """What a prefill step costs beyond its math: kernels launched, GPU busy time and wall time per prompt length.
 
-    python -m deltaserve.tools.lab.profile_prefill --size 4b [--layers N] [--tokens 16,512,2048,8192]
+    python -m deltaserve.tools.lab.profile_prefill --size 4b [--layers N] [--tokens 16,512,2048,8192] [--prefix N]
 
 Random bf16 weights on a CUDA device, tp = 1, one request at a time through `engine.generate` (max_tokens 1), so
 its time to first token is one prefill step plus the sampler. Per prompt length: the median TTFT (no profiler),
@@ -31,10 +31,21 @@ from deltaserve.model.synthetic import write_checkpoint
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 
 
-async def first_token_s(engine: AsyncEngine, n: int, seed: int) -> float:
-    ids = [(seed * 7919 + i * 104729) % (engine.cfg.vocab_size - 1) for i in range(n)]
+async def first_token_s(engine: AsyncEngine, n: int, seed: int, prefix: int = 0) -> float:
+    """Seconds to the first token of an n-token prompt; with `prefix`, of n tokens after a cached prefix of that
+    many (a request of the prefix alone runs first, untimed, so the timed one resumes from its snapshot)."""
+    def ids(count, salt):
+        return [(seed * 7919 + salt * 31 + i * 104729) % (engine.cfg.vocab_size - 1) for i in range(count)]
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    head = ids(prefix, 1)
+    if prefix:
+        async for _ in engine.generate(head, params):
+            pass
     started = time.perf_counter()
-    async for _ in engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)):
+    async for out in engine.generate(head + ids(n, 2), params):
+        if out.num_cached_tokens < prefix // engine.scheduler.page_size * engine.scheduler.page_size:
+            raise RuntimeError(f"the prefix was not cached ({out.num_cached_tokens} of {prefix} tokens hit)")
         return time.perf_counter() - started
     raise RuntimeError("no output")
 
@@ -45,23 +56,29 @@ async def run(ns) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="profile_prefill_") as folder:
         write_checkpoint(folder, ns.size, layers=ns.layers, weights=False)
         args = EngineArgs(model=folder, device="cuda", load_format="random", max_batch=1, buckets=[1],
-                          max_model_len=max(lengths) + 8, prefill_slots=1, prefill_token_budget=max(lengths),
-                          warmup=False, stats_interval_s=0, enable_prefix_caching=ns.enable_prefix_caching,
+                          max_model_len=ns.prefix + max(lengths) + 8, prefill_slots=1,
+                          prefill_token_budget=max([*lengths, ns.prefix]), warmup=False, stats_interval_s=0,
+                          enable_prefix_caching=ns.enable_prefix_caching or ns.prefix > 0,
                           prefill_graph_tokens=ns.prefill_graph_tokens)
         async with AsyncEngine(args) as engine:
             for n in lengths:
                 for i in range(2):  # compiles
-                    await first_token_s(engine, n, i)
-                ttft = statistics.median([await first_token_s(engine, n, 10 + i) for i in range(ns.repeats)])
+                    await first_token_s(engine, n, i, ns.prefix)
+                ttft = statistics.median([await first_token_s(engine, n, 10 + i, ns.prefix)
+                                          for i in range(ns.repeats)])
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    for i in range(3):
-                        await first_token_s(engine, n, 20 + i)
+                    for i in range(3):  # the prefix's own requests count too: the timed ones' share is below
+                        await first_token_s(engine, n, 20 + i, ns.prefix)
                 kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
                 names = collections.Counter(e.name for e in kernels)
+                busy = collections.Counter()
+                for e in kernels:
+                    busy[e.name[:60]] += e.time_range.elapsed_us() / 3
                 rows.append({
                     "tokens": n, "ttft_ms": ttft * 1e3, "kernels": len(kernels) / 3,
                     "gpu_ms": sum(e.time_range.elapsed_us() for e in kernels) / 3 / 1e3,
                     "top": [(name[:60], count // 3) for name, count in names.most_common(ns.top)],
+                    "busiest": busy.most_common(ns.top),
                 })
             if ns.host_profile:
                 print(await host_profile(engine, ns.host_profile))
@@ -102,6 +119,9 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=12, help="kernel names to list, by launches")
     parser.add_argument("--prefill-graph-tokens", type=int, default=EngineArgs.prefill_graph_tokens,
                         help="prefill steps of up to this many tokens replay a captured graph (0: none)")
+    parser.add_argument("--prefix", type=int, default=0, metavar="N",
+                        help="time each prompt after a cached prefix of N tokens (a chat's later turn); the "
+                             "profile's kernels include the prefix's own prefill")
     parser.add_argument("--enable-prefix-caching", action="store_true",
                         help="with the prefix cache on (every prompt differs: what a miss costs)")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
@@ -119,6 +139,8 @@ def main(argv=None) -> int:
               f"{r['gpu_ms'] / r['ttft_ms']:.2f} |")
     for r in rows:
         print(f"\n{r['tokens']} tokens, most launched: " + ", ".join(f"{n} x{c}" for n, c in r["top"]))
+        print(f"{r['tokens']} tokens, most GPU time (us a request): "
+              + ", ".join(f"{n} {us:.0f}" for n, us in r["busiest"]))
     return 0
 
 
