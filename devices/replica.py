@@ -73,13 +73,14 @@ SNAPSHOT_FRACTION = 0.1
 
 
 def prefill_graph_buckets(most_tokens: int) -> list[int]:
-    """Powers of two from 16 to 512, then every 128 tokens up to `most_tokens`: a chunk of n tokens replays the
-    smallest bucket of at least n, so a chunk above 512 tokens pads by less than 128 (doubling would nearly double a
-    1088-token chunk's work)."""
+    """Powers of two from 16 to 128, then every 64 tokens to 512, then every 128 up to `most_tokens`: a chunk of n
+    tokens replays the smallest bucket of at least n, so padding stays under 64 tokens up to 512 and under 128
+    above (doubling would nearly double the work of a 1088-token chunk, or of a 300-token chunk that a step budget
+    sized beside the decode rows). The scheduler rounds a step's budget down to a bucket (`Scheduler.prompt_budget`)."""
     buckets, b = [], 16
     while b <= most_tokens:
         buckets.append(b)
-        b = b * 2 if b < 512 else b + 128
+        b = b * 2 if b < 128 else b + 64 if b < 512 else b + 128
     return buckets
 
 

@@ -127,8 +127,8 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--enforce-eager", "--no-cuda-graph", dest="enforce_eager", action="store_true",
                         help="decode eagerly, without CUDA graphs")
     parser.add_argument("--prefill-graph-tokens", type=_int_in(0), metavar="N", default=defaults.prefill_graph_tokens,
-                        help="prefill steps of up to N tokens replay CUDA graphs captured at 16, 32, ... 512, then "
-                             "every 128 tokens, instead of launching ~450 kernels from Python (0: none)")
+                        help="prefill steps of up to N tokens replay CUDA graphs captured at 16, 32, 64, 128, every "
+                             "64 tokens to 512, then every 128, instead of launching ~450 kernels from Python (0: none)")
     parser.add_argument("--speculative-tokens", type=_int_in(0, MAX_SPECULATIVE_TOKENS), metavar="K", default=None,
                         help="speculative decoding: K tokens drafted a step by the checkpoint's MTP head and verified "
                              "in one forward (default 0: off)")

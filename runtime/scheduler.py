@@ -16,6 +16,7 @@ Resources
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections import deque
 from dataclasses import dataclass, field
@@ -144,14 +145,18 @@ class Scheduler:
         step_budget: StepBudget | None = None,
         prefix_cache: PrefixCache | None = None,
         lookahead: int = 0,
+        prefill_graph_sizes: list[int] | None = None,
     ) -> None:
-        """lookahead: KV positions a request writes past its last token (a speculative step's k drafts)."""
+        """lookahead: KV positions a request writes past its last token (a speculative step's k drafts);
+        prefill_graph_sizes: the prompt-token counts that prefill steps replay captured graphs at (a step pads its
+        tokens up to the next one)."""
         if min(num_pages, page_size, max_batch, max_prefill_slots, prefill_token_budget, max_model_len) < 1:
             raise ValueError("scheduler sizes must all be positive")
         self.page_size, self.max_batch, self.max_model_len = page_size, max_batch, max_model_len
         self.prefill_token_budget = prefill_token_budget  # the most prompt tokens of any step
         # The prompt tokens of a step beside decode rows; without one, every step carries up to the most.
         self.step_budget = step_budget
+        self.prefill_graph_sizes = sorted(prefill_graph_sizes or [])
         self.num_pages = num_pages
         self.lookahead = lookahead
         self.cache = prefix_cache or PrefixCache(num_pages, page_size, 0, enabled=False)
@@ -385,9 +390,14 @@ class Scheduler:
         return False
 
     def prompt_budget(self, bucket: int) -> int:
-        """The prompt tokens a step beside `bucket` decode rows may carry."""
+        """The prompt tokens a step beside `bucket` decode rows may carry: rounded down to a captured prefill size
+        where one is at most the budget (a step between two computes the padding up to the next)."""
         budget = self.step_budget.tokens(bucket) if self.step_budget else self.prefill_token_budget
-        return min(budget, self.prefill_token_budget)
+        budget = min(budget, self.prefill_token_budget)
+        sizes = self.prefill_graph_sizes
+        if sizes and sizes[0] <= budget <= sizes[-1]:
+            budget = sizes[bisect.bisect_right(sizes, budget) - 1]
+        return budget
 
     def _prefill_chunks(self, budget: int) -> tuple[list[PrefillWork], list[SnapshotCopy]]:
         # The oldest prompt first: prompts arriving together finish in order, not all at the end.

@@ -445,7 +445,8 @@ def test_prefill_graphs_compute_what_the_eager_prefill_does(real_geometry_ckpt):
         async with AsyncEngine(args) as engine:
             runtime = engine.replica.ranks[0].runtime
             if prefill_graphs:
-                assert runtime.prefill_graphs.buckets == [16, 32, 64, 128, 256, 512, 640, 768, 896, 1024]
+                assert runtime.prefill_graphs.buckets == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896,
+                                                          1024]
                 runtime.prefill_graphs = Counting(runtime.prefill_graphs)
             outs = [(await _last(engine.generate(p, params))) for p in prompts]
             outs += await asyncio.gather(*[_last(engine.generate(p, params)) for p in prompts[:4]])

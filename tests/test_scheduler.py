@@ -148,3 +148,29 @@ def test_retiring_from_the_middle_moves_the_last_slot_into_the_hole():
     plan = s.schedule()
     assert plan.decode_ids == ["d"] and plan.bucket == 1
     s.check_invariants()
+
+
+def test_a_step_budget_rounds_down_to_a_captured_prefill_size():
+    """A prefill step pads its prompt tokens up to the next captured graph size, so a budget between two sizes
+    would compute the padding: it rounds down to the size below (never below the smallest, nor where no graph
+    takes the step), and a long prompt's chunks are then exactly that size."""
+
+    class Fixed:
+        def __init__(self):
+            self.tokens_now = 0
+
+        def tokens(self, bucket):
+            return self.tokens_now
+
+    budget = Fixed()
+    s = make(num_pages=400, max_model_len=1200, prefill_token_budget=600, step_budget=budget,
+             prefill_graph_sizes=[256, 16, 64, 128, 192, 32, 320])
+    for asked, given in ((300, 256), (320, 320), (200, 192), (191, 128), (64, 64), (10, 10), (450, 450),
+                         (900, 600)):
+        budget.tokens_now = asked
+        assert s.prompt_budget(1) == given, asked
+    budget.tokens_now = 300
+    s.add("long", prompt_len=1000, max_tokens=4)
+    plan = s.schedule()
+    assert [w.length for w in plan.prefill] == [256] and plan.prompt_budget == 256
+    assert make(step_budget=budget).prompt_budget(1) == 10  # no graphs: the budget as it is (capped at 10)
