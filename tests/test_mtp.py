@@ -14,6 +14,7 @@ import torch
 from helpers import CpuRunner, EagerPrograms, hf_model, rel_err
 from safetensors.torch import load_file
 
+from deltaserve.model.synthetic import write_checkpoint
 from deltaserve.model.weights import checkpoint_files
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 
@@ -240,8 +241,6 @@ def test_max_tokens_and_stop_ids_hold_on_the_kept_drafts(tiny_tp_ckpt, plain_gre
 
 
 def test_speculation_needs_the_head(tmp_path):
-    from deltaserve.model.synthetic import write_checkpoint
-
     ckpt = write_checkpoint(str(tmp_path / "no-mtp"), "tiny", mtp=False)
 
     async def start():
@@ -527,3 +526,15 @@ def test_the_padded_prefill_with_the_head_writes_what_the_eager_one_writes(tiny_
     assert torch.equal(state.verify_hidden[3], before[2][3])  # the one that goes on did not
     for now, want in zip(state.k_cache[-1:], after_eager[0][-1:]):  # the head's KV layer
         assert rel_err(now[pages], want[pages]) <= 1e-5
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_speculation_on_an_fp8_checkpoint_keeps_the_tokens_of_plain_decoding(tmp_path, tp):
+    """Block-scaled FP8 weights kept in FP8 (the head's `mtp.*` too) at tp 1 and 2: greedy tokens with the head
+    drafting k = 2 are those of decoding one token a step on the same checkpoint."""
+    ckpt = write_checkpoint(str(tmp_path / "fp8"), "tiny-fp8", seed=3, fp8=True)
+    plain = asyncio.run(_serve(ckpt, _prompts(), _greedy, tp=tp))[0]
+    outs, (drafted, _) = asyncio.run(_serve(ckpt, _prompts(), _greedy, tp=tp, speculative_tokens=2))
+    assert [o[0] for o in outs] == [o[0] for o in plain] and drafted > 0
+    for (_, lps, _), (_, ref_lps, _) in zip(outs, plain):
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
