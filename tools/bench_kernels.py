@@ -181,7 +181,7 @@ def norm_projections(cfg, rows: list, bw: float, sweep: bool) -> None:
 
 def fp8_projections(cfg, rows: list, bw: float, flops: float, counts=(1, 5, 8, 64, 2048)) -> None:
     """The FP8 projections (`kernels.fp8`) on every shape of the model: at decode row counts (to 64) W8A16 against
-    its bytes over the copy bandwidth; at 2048 rows (prefill) W8A8 and W8A16 against the bf16 FLOPs. Each beside
+    its bytes over the copy bandwidth; at 64 and 2048 rows W8A8 beside it, against the bytes or the bf16 FLOPs. Each beside
     the bf16 projection the engine runs otherwise (`gemv.linear`), timed as `projections` does."""
     from deltaserve.kernels import fp8
     from deltaserve.model.weights import quantise_fp8
@@ -196,7 +196,8 @@ def fp8_projections(cfg, rows: list, bw: float, flops: float, counts=(1, 5, 8, 6
             nbytes = n * k + (m * k + m * n) * 2
             bound = max(nbytes / bw, 2 * m * n * k / flops)
             t_bf16 = graph_time_per_call(lambda w: lambda: gemv.linear(x, w), plain)
-            kinds = [("w8a16", fp8.linear_w8a16)] + ([("w8a8", fp8.linear_w8a8)] if m > fp8.DECODE_ROWS else [])
+            # W8A8 from the largest decode batch up: where FP8 tensor cores could beat widening the weights
+            kinds = [("w8a16", fp8.linear_w8a16)] + ([("w8a8", fp8.linear_w8a8)] if m >= fp8.DECODE_ROWS else [])
             for kind, fn in kinds:
                 t = graph_time_per_call(lambda w: lambda: fn(x, w), weights)
                 rows.append((f"fp8 projection {name} ({kind})", f"{m} x {k} -> {n}", t,
