@@ -62,9 +62,10 @@ ops = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops)
-def test_random_traffic_keeps_every_invariant(sequence):
-    s = make()
+@given(ops, st.sampled_from([None, [4, 8], [2, 3, 4, 6, 8, 10]]))
+def test_random_traffic_keeps_every_invariant(sequence, graph_sizes):
+    """With and without captured prefill sizes (the budget then rounds down to one)."""
+    s = make(prefill_graph_sizes=graph_sizes)
     d = Driver(s)
     added, n = [], 0
     for op in sequence:
