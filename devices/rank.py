@@ -18,8 +18,10 @@ import torch
 
 from deltaserve.model.batch import (DecodeBatch, PrefillBatch, PrefillChunk, PrefillInputs, VerifyBatch, select_rows,
                                     upload)
+from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.state import ModelState
+from deltaserve.model.weights import fp8_copy
 
 from .backend import GraphProgram, StepGraphs
 from .commands import UNKNOWN_TOKEN, SampledToken, SlotProtocolError, StepCommand, StepResult
@@ -119,6 +121,19 @@ class SpeculationInputs:
         self.override[:bucket].copy_(dev[3:].t())
 
 
+def draft_head(lm_head: torch.Tensor, vocab: int = 0, fp8: bool = False) -> "torch.Tensor | Fp8Weight | None":
+    """What the MTP head's drafts read in place of lm_head: its first `vocab` rows (0: all of them), as an FP8 copy
+    when `fp8` (half the bytes a draft reads: a draft needs only an argmax, and verification with the bf16 lm_head
+    keeps the output exact); None where that is lm_head itself."""
+    if isinstance(lm_head, Fp8Weight):  # a checkpoint that stores it in FP8 already
+        return Fp8Weight(lm_head.values[:vocab], lm_head.scale[: -(-vocab // lm_head.block)], lm_head.block) \
+            if vocab else None
+    rows = lm_head[:vocab] if vocab else lm_head
+    if fp8:
+        return fp8_copy(rows)
+    return rows if vocab else None  # a view: no copy
+
+
 class RankRuntime:
     def __init__(
         self,
@@ -132,11 +147,12 @@ class RankRuntime:
         tp: int = 1,
         acceptance: tuple[float, ...] | None = None,
         speculate_up_to: int | None = None,
-        draft_vocab: int = 0,
+        draft_head: "torch.Tensor | Fp8Weight | None" = None,
     ) -> None:
         """With speculation (state.verify_steps > 0): decode steps of at most `speculate_up_to` rows (None: any)
         may draft and verify (`StepCommand.speculate`); acceptance: benchmarks' emulated draft acceptance
-        (`EngineArgs.speculative_acceptance`); draft_vocab: drafts among the first that many token ids (0: all)."""
+        (`EngineArgs.speculative_acceptance`); draft_head: what the drafts read in place of lm_head
+        (`draft_head()`; None: lm_head)."""
         self.model, self.state, self.rank, self.max_batch, self.tp = model, state, rank, max_batch, tp
         self.acceptance = acceptance
         self.speculate_up_to = max_batch if speculate_up_to is None else speculate_up_to
@@ -159,7 +175,7 @@ class RankRuntime:
         self.last_tokens = self.sampling.last_tokens if self.sampling else \
             torch.zeros(state.num_slots + 1, dtype=torch.long, device=device)
         self.speculation = SpeculationInputs(max_batch, state.verify_steps, device) if state.verify_steps else None
-        self.draft_head = model.w["lm_head.weight"][:draft_vocab] if draft_vocab else None  # a view: no copy
+        self.draft_head = draft_head
 
     def prefill_programs(self, buckets: list[int], requests: int = 1) -> dict[int, GraphProgram]:
         """For each bucket of tokens, a prefill of up to `requests` chunks over the fixed inputs and the state,
@@ -423,7 +439,7 @@ class RankRuntime:
         return program
 
     def _draft(self, h: torch.Tensor) -> torch.Tensor:
-        """The head's greedy token from its output `h`, among the draft vocabulary's ids when there is one."""
+        """The head's greedy token from its output `h`, from the draft head when there is one."""
         if self.draft_head is None:
             return self.model.logits(h).argmax(-1)
         return self.model.ops.linear(h, self.draft_head).argmax(-1)

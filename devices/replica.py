@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.kernels.config import KernelConfig
+from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.sharding import LocalSizes
@@ -25,7 +26,7 @@ from deltaserve.model.weights import bytes_by_dtype, load_rank_weights, random_r
 from .backend import device_backend
 from .capacity import CapacityPlan, plan_capacity
 from .commands import StepCommand, StepResult
-from .rank import RankRuntime
+from .rank import RankRuntime, draft_head
 from .worker import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class ReplicaSpec:
     speculative_tokens: int = 0
     speculative_acceptance: tuple[float, ...] | None = None  # benchmarks: EngineArgs.speculative_acceptance
     speculative_draft_vocab: int = 0  # drafts among the first N token ids (0: all)
+    speculative_fp8_draft_head: bool = False  # the drafts read an FP8 copy of lm_head (EngineArgs)
     fp8_kernels: bool = False  # FP8 checkpoints: weights kept in FP8 (EngineArgs.fp8_kernels)
     speculative_max_batch: int | None = None  # larger decode steps decode one token a row (None: none larger)
 
@@ -90,6 +92,7 @@ class _Rank:
     def __init__(self) -> None:
         self.backend = None
         self.model: Qwen35Shard | None = None
+        self.draft_head = None  # what the MTP head's drafts read in place of lm_head (`rank.draft_head`)
         self.runtime: RankRuntime | None = None
 
 
@@ -240,6 +243,12 @@ class Replica:
             r.model = Qwen35Shard(spec.cfg, weights, self.local, ops=r.backend.ops, all_reduce=r.backend.all_reduce)
             log.info("rank %d/%d: %.1f MiB of weights on %s (%s)", rank, spec.tp, sum(held.values()) / 2**20,
                      r.backend.device, ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in sorted(held.items())))
+            if mtp:  # before the free memory is measured: a copy counts against it
+                r.draft_head = draft_head(r.model.w["lm_head.weight"], spec.speculative_draft_vocab,
+                                          spec.speculative_fp8_draft_head)
+                if isinstance(r.draft_head, Fp8Weight):
+                    log.info("rank %d: the drafts read an FP8 copy of lm_head's first %d rows (%.1f MiB)", rank,
+                             r.draft_head.shape[0], r.draft_head.nbytes / 2**20)
             return r.backend.free_memory(spec.memory_fraction)
 
     def _allocate(self, rank: int) -> None:
@@ -253,7 +262,7 @@ class Replica:
                 r.model, state, rank=rank, max_batch=plan.max_batch,
                 max_pages_per_seq=-(-(spec.max_model_len + k) // plan.page_size), device=r.backend.device,
                 tp=spec.tp, acceptance=spec.speculative_acceptance, speculate_up_to=spec.speculative_max_batch,
-                draft_vocab=spec.speculative_draft_vocab,
+                draft_head=r.draft_head,
             )
             log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)
             if r.runtime.sampling:  # a speculative step draws k rows a request after the first

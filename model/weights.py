@@ -266,6 +266,14 @@ def quantise_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.
     return values.to(torch.float8_e4m3fn), scale
 
 
+def fp8_copy(weight: torch.Tensor, block: int = 128, rows_at_once: int = 16384) -> Fp8Weight:
+    """A block-scaled FP8 copy of a 2-D weight, quantised `rows_at_once` rows at a time (a multiple of `block`), so
+    the fp32 temporaries stay small beside a model already on the device (a whole 27B lm_head would take 5 GB)."""
+    step = max(block, rows_at_once // block * block)
+    return Fp8Weight.cat([Fp8Weight(*quantise_fp8(weight[i : i + step], block), block)
+                          for i in range(0, weight.shape[0], step)])
+
+
 def _scale_plan(plan, block: int):
     """A weight shard's plan, in scale entries (the shard's ranges are whole blocks: `_check_fp8`)."""
     if plan is None:

@@ -55,6 +55,10 @@ class EngineArgs:
     # rows of lm_head instead of all. Outputs do not change, only which drafts are proposed; 0: the whole
     # vocabulary.
     speculative_draft_vocab: int = 0
+    # The drafts read an FP8 copy of lm_head (or of its first speculative_draft_vocab rows): half the bytes of each
+    # of the k drafts' reads, for a copy of V x H bytes. A draft needs only an argmax and verification reads the
+    # model's own lm_head, so outputs do not change, only (rarely, at near-ties) which drafts are proposed.
+    speculative_fp8_draft_head: bool = True
     # FP8 checkpoints (block-scaled, Qwen's format): keep those weights in FP8 and run the FP8 projections
     # (`kernels.fp8`: half the bytes a decode step reads; the 27B step at batch 1 took 11.6 ms against 17.6 bf16,
     # H100); False: dequantise them to `dtype` as they are read. Nothing changes for other checkpoints.
@@ -116,6 +120,9 @@ class EngineArgs:
             raise ValueError(f"speculative_draft_vocab must be an integer >= 0, got {self.speculative_draft_vocab!r}")
         if not isinstance(self.fp8_kernels, bool):
             raise ValueError(f"fp8_kernels must be True or False, got {self.fp8_kernels!r}")
+        if not isinstance(self.speculative_fp8_draft_head, bool):
+            raise ValueError(f"speculative_fp8_draft_head must be True or False, got "
+                             f"{self.speculative_fp8_draft_head!r}")
         if not isinstance(self.speculative_adaptive, bool):
             raise ValueError(f"speculative_adaptive must be True or False, got {self.speculative_adaptive!r}")
         if self.speculative_acceptance is not None:

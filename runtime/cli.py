@@ -144,6 +144,10 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--speculative-draft-vocab", type=_int_in(0), metavar="N", default=0,
                         help="with speculation: the head drafts among the first N token ids only, reading N rows of "
                              "lm_head a draft instead of all (outputs do not change; 0: the whole vocabulary)")
+    parser.add_argument("--speculative-fp8-draft-head", action=argparse.BooleanOptionalAction,
+                        default=defaults.speculative_fp8_draft_head,
+                        help="with speculation: the drafts read an FP8 copy of lm_head, half the bytes a draft reads "
+                             "(the default; outputs do not change, verification reads the model's lm_head)")
     parser.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction,
                         default=defaults.speculative_adaptive,
                         help="with speculation: each batch size speculates only while its steps are measured to "
@@ -260,7 +264,8 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=ns.enable_prefix_caching, prefix_cache_state_gib=ns.prefix_cache_state_gib,
         speculative_tokens=speculative_tokens(ns), speculative_acceptance=ns.speculative_acceptance,
         speculative_max_batch=ns.speculative_max_batch, speculative_adaptive=ns.speculative_adaptive,
-        speculative_draft_vocab=ns.speculative_draft_vocab, fp8_kernels=ns.fp8_kernels,
+        speculative_draft_vocab=ns.speculative_draft_vocab, speculative_fp8_draft_head=ns.speculative_fp8_draft_head,
+        fp8_kernels=ns.fp8_kernels,
     )
 
 

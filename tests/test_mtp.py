@@ -14,6 +14,7 @@ import torch
 from helpers import CpuRunner, EagerPrograms, hf_model, rel_err
 from safetensors.torch import load_file
 
+from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.model.synthetic import write_checkpoint
 from deltaserve.model.weights import checkpoint_files
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
@@ -432,14 +433,26 @@ async def _collect(engine, prompt, params):
 
 
 @pytest.mark.parametrize("draft_vocab", [0, 64])
-def test_a_draft_vocabulary_limits_the_drafts_not_the_output(tiny_tp_ckpt, plain_greedy, draft_vocab):
-    """With speculative_draft_vocab N the head drafts among token ids below N (lm_head's first N rows); the
-    output is plain decoding's either way."""
+@pytest.mark.parametrize("fp8", [True, False])
+def test_a_draft_vocabulary_limits_the_drafts_not_the_output(tiny_tp_ckpt, plain_greedy, draft_vocab, fp8):
+    """With speculative_draft_vocab N the head drafts among token ids below N (lm_head's first N rows), from an
+    FP8 copy of them by default; the output is plain decoding's either way."""
     async def main():
         args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20,
-                          speculative_tokens=3, speculative_adaptive=False, speculative_draft_vocab=draft_vocab)
+                          speculative_tokens=3, speculative_adaptive=False, speculative_draft_vocab=draft_vocab,
+                          speculative_fp8_draft_head=fp8)
         async with AsyncEngine(args) as engine:
-            state = engine.replica.ranks[0].runtime.state
+            runtime = engine.replica.ranks[0].runtime
+            lm_head = runtime.model.w["lm_head.weight"]
+            rows = draft_vocab or lm_head.shape[0]
+            if fp8:
+                assert isinstance(runtime.draft_head, Fp8Weight) and runtime.draft_head.shape == (rows, lm_head.shape[1])
+                err = (runtime.draft_head.dequantise() - lm_head[:rows].float()).abs().max()
+                assert 0 < err <= lm_head.abs().max() / 8  # e4m3 keeps 3 mantissa bits
+            else:
+                assert runtime.draft_head is None if not draft_vocab else runtime.draft_head.data_ptr() == \
+                    lm_head.data_ptr()  # a view of lm_head's first rows
+            state = runtime.state
             drafts = []
             for i, p in enumerate(_prompts()):
                 outs = await _collect(engine, p, _greedy(i))
@@ -538,3 +551,22 @@ def test_speculation_on_an_fp8_checkpoint_keeps_the_tokens_of_plain_decoding(tmp
     assert [o[0] for o in outs] == [o[0] for o in plain] and drafted > 0
     for (_, lps, _), (_, ref_lps, _) in zip(outs, plain):
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
+
+
+def test_the_draft_head_is_lm_heads_first_rows_in_the_form_asked():
+    """`draft_head`: None for the whole bf16 lm_head, a view of its first rows, or an FP8 copy quantised a few rows
+    at a time exactly as a whole (the same blocks); an lm_head stored in FP8 gives its rows with their scales."""
+    from deltaserve.devices.rank import draft_head
+    from deltaserve.model.weights import fp8_copy, quantise_fp8
+
+    lm = torch.randn(300, 256, generator=torch.Generator().manual_seed(2))
+    whole = Fp8Weight(*quantise_fp8(lm, 128), 128)
+    sliced = fp8_copy(lm, rows_at_once=128)  # three slices, the last one short
+    assert torch.equal(sliced.values.view(torch.uint8), whole.values.view(torch.uint8))
+    assert torch.equal(sliced.scale, whole.scale)
+    assert draft_head(lm) is None
+    view = draft_head(lm, 100)
+    assert view.shape == (100, 256) and view.data_ptr() == lm.data_ptr()
+    assert draft_head(lm, 200, fp8=True).shape == (200, 256) and draft_head(lm, fp8=True).shape == (300, 256)
+    assert draft_head(whole) is None
+    assert torch.equal(draft_head(whole, 200).dequantise(), whole.dequantise()[:200])

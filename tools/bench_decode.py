@@ -62,7 +62,7 @@ def step_bytes(cfg, weights, tp: int, dtype, rows: int, context: int) -> int:
 async def open_engine(size: str, layers: int | None, batches: list[int], context: int, tp: int,
                       kernel_config: KernelConfig | None = None, async_scheduling: bool = True,
                       speculative_tokens: int = 0, speculative_acceptance: tuple[float, ...] | None = None,
-                      draft_vocab: int = 0, fp8: bool = False):
+                      draft_vocab: int = 0, fp8: bool = False, fp8_draft_head: bool = True):
     """An engine on random bf16 weights of a `size`-shaped config, with a graph bucket for each batch size; fp8:
     the projections an FP8 checkpoint holds in FP8 random FP8, on the FP8 kernels."""
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as folder:
@@ -72,6 +72,7 @@ async def open_engine(size: str, layers: int | None, batches: list[int], context
                           prefill_token_budget=512, kernel_config=kernel_config,
                           async_scheduling=async_scheduling, speculative_tokens=speculative_tokens,
                           speculative_adaptive=False, speculative_draft_vocab=draft_vocab, fp8_kernels=fp8,
+                          speculative_fp8_draft_head=fp8_draft_head,
                           speculative_acceptance=speculative_acceptance)
         async with AsyncEngine(args) as engine:
             yield engine
@@ -137,7 +138,8 @@ async def speculative_run(ns) -> str:
         async with open_engine(ns.size, ns.layers, batches, ns.context, ns.tp, kernel_config(ns),
                                ns.async_scheduling, speculative_tokens=k,
                                speculative_acceptance=acceptance if k else None,
-                               draft_vocab=ns.draft_vocab if k else 0, fp8=ns.fp8) as engine:
+                               draft_vocab=ns.draft_vocab if k else 0, fp8=ns.fp8,
+                               fp8_draft_head=ns.fp8_draft_head) as engine:
             for rows in batches:
                 m = engine.metrics
                 drafted, accepted = m.spec_drafts._value.get(), m.spec_accepted._value.get()
@@ -151,7 +153,8 @@ async def speculative_run(ns) -> str:
     source = f"emulated {ns.acceptance}" if acceptance else "the random head's"
     lines = [f"{ns.size} ({ns.layers or 'all'} layers), tp={ns.tp}, bf16, context {ns.context}, random weights; "
              f"engine step through generate, greedy; acceptance {source}"
-             + (f"; drafts among the first {ns.draft_vocab} token ids" if ns.draft_vocab else ""), "",
+             + (f"; drafts among the first {ns.draft_vocab} token ids" if ns.draft_vocab else "")
+             + f"; draft head {'FP8' if ns.fp8_draft_head else 'bf16'}", "",
              f"| batch | step ms, plain | step ms, {k} drafts | speculative / plain | tokens a speculative step "
              f"| TPOT ms, plain | TPOT ms, speculative | step / expected tokens ({expected:.3f}) ms |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -252,6 +255,9 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                         help="with --speculative-tokens: the head drafts among the first N token ids "
                              "(EngineArgs.speculative_draft_vocab)")
+    parser.add_argument("--fp8-draft-head", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --speculative-tokens: the drafts read an FP8 copy of lm_head "
+                             "(EngineArgs.speculative_fp8_draft_head)")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():

@@ -10,8 +10,8 @@
 #
 # tests   the GPU tests of what changed last (speculation with both graphs a bucket, capture_check, prefill
 #         graphs of packed chunks, no launch waiting for the device)
-# spec    #32: the speculative step against a plain one, with the 27B head's published acceptance emulated, with
-#         the whole vocabulary and with drafts among the first 32k ids
+# spec    #32: the speculative step against a plain one, with the 27B head's published acceptance emulated, the
+#         drafts reading an FP8 copy of lm_head (the default) and the bf16 one
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
 # fewrows #30: the few-row kernel's tile sweep, then the batch-8 decode step with it and without it
 # mixed   #30: what a prompt chunk adds to a step of 60 decode rows (tools/lab/profile_mixed_step.py)
@@ -34,10 +34,10 @@ for stage in ${STAGES//,/ }; do
           -k "speculative or capture_check or prefill_graphs or fp8 or never_waits" > "$DIR/tests.log" 2>&1
       grep -E "passed|failed|speculation k=|on/off" "$DIR/tests.log" | tail -8 ;;
     spec)
-      for vocab in 0 32768; do
+      for head in --fp8-draft-head --no-fp8-draft-head; do
         timeout 150 python3 -m deltaserve.tools.bench_decode --size 4b --batches 1,8 --speculative-tokens 4 \
-            --acceptance 0.92,0.84,0.65,0.54 --draft-vocab $vocab > "$DIR/spec-$vocab.md" 2>&1
-        grep "^| [0-9]" "$DIR/spec-$vocab.md" | sed "s/^/draft vocab $vocab /"
+            --acceptance 0.92,0.84,0.65,0.54 $head > "$DIR/spec$head.md" 2>&1
+        grep "^| [0-9]" "$DIR/spec$head.md" | sed "s/^/$head /"
       done ;;
     prefix)
       timeout 300 bash tools/lab/prefix_cache_rows.sh /tmp/prefix-rows
