@@ -281,8 +281,7 @@ class RankRuntime:
 
     # The step -------------------------------------------------------------------------------------------------------
     def execute(self, cmd: StepCommand, on_launched: Callable[[], None] = lambda: None) -> StepResult | None:
-        """Run one step; `on_launched()` once the decode graph is queued on the GPU (at the start, when this step
-        has no graph to launch: on the CPU, eager, prefill only)."""
+        """Run one step; `on_launched()` as `launch` calls it."""
         launched = self.launch(cmd, on_launched)
         return None if launched is None else launched.finish()
 
@@ -290,14 +289,17 @@ class RankRuntime:
     def launch(self, cmd: StepCommand, on_launched: Callable[[], None] = lambda: None) -> "LaunchedStep | None":
         """Queue one step on the device without waiting for it: rank 0 returns what `finish` reads its tokens
         from, the other ranks None. Overlap scheduling launches step k+1 before finishing step k; step k+1's
-        UNKNOWN_TOKEN rows then take step k's tokens on the device."""
+        UNKNOWN_TOKEN rows then take step k's tokens on the device. `on_launched()` once the whole step is queued
+        on a GPU (its caller keeps other Python off the GIL until then: every torch call here gives the GIL up and
+        waits to get it back), at the start on the CPU, where launching computes the step."""
         if cmd.speculate and not (cmd.decode_tokens and self.can_speculate(cmd.bucket)):
             raise SlotProtocolError(f"rank {self.rank}: a speculative step of bucket {cmd.bucket} "
                                     f"({len(cmd.decode_tokens)} rows), which this rank does not speculate")
         clock = StepClock(self.device) if self.sampling else None  # rank 0 times its steps
         graphs = self.speculative_graphs if cmd.speculate else self.graphs
         replay = graphs is not None and graphs.captured(cmd.bucket)
-        if not (replay and cmd.decode_tokens):
+        queued = self.device.type == "cuda"  # launching queues the work (on the CPU it computes it)
+        if not queued:
             on_launched()
         for slot, snapshot, kept in cmd.finish_snapshots:  # before the compactions reuse the slots
             if not (0 <= slot < self.max_batch and self.occupied[slot]):
@@ -322,8 +324,6 @@ class RankRuntime:
                 self.speculation.fill(cmd, self.state.verify_steps + 1)
         if cmd.speculate:
             decode_draw, speculation = self._speculative_decode(cmd, replay)
-            if replay:
-                on_launched()
         elif n:
             if self.sampling:
                 # Before this step reads them: a row the step before drew may have been flagged (the logits it is
@@ -336,7 +336,6 @@ class RankRuntime:
             batch = self.inputs.batch(cmd.bucket)
             if replay:
                 decode_logits = self.graphs(cmd.bucket)
-                on_launched()
             else:
                 decode_logits = self._plain_decode(batch, cmd.bucket)
             if self.sampling:  # queued behind the forward
@@ -376,10 +375,11 @@ class RankRuntime:
                 # A prompt's last chunk draws the request's first token (token index 0).
                 setup = self.sampling.prepare([cmd.prefill[i].slot for i in last], [0] * len(last), cmd.step_seed)
                 prefill_draw = self.sampling.draw(select_rows(prefill_logits, last), setup)
-        if not self.sampling:
-            return None
-        clock.stop()
-        return LaunchedStep(self, cmd, decode_draw, prefill_draw, speculation, clock)
+        if clock is not None:
+            clock.stop()
+        if queued:
+            on_launched()
+        return LaunchedStep(self, cmd, decode_draw, prefill_draw, speculation, clock) if self.sampling else None
 
     # Speculative decoding (k drafts a row) -----------------------------------------------------------------------
     def _head_inputs(self, cmd: StepCommand) -> tuple[list[int] | None, list[int] | None]:

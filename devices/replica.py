@@ -283,19 +283,23 @@ class Replica:
 
     # Steps ----------------------------------------------------------------------------------------------------------
     def start_step(self, cmd: StepCommand, overlapped: bool = False) -> Awaitable[StepResult]:
-        """Hand `cmd` to every rank now, and return once each has launched its decode step (at most
-        LAUNCH_WAIT_S later); await the result (rank 0's). The caller's work after the hand-off (the last step's
-        outputs, in Python) would otherwise hold the GIL while the ranks need it to launch, and the GPU would wait
-        for it: a thread waiting for the GIL gets it only after the switch interval.
+        """Hand `cmd` to every rank now, and return once each has launched it (at most LAUNCH_WAIT_S later); await
+        the result (rank 0's). The caller's work after the hand-off (the last step's outputs and the streams'
+        writes, in Python) would otherwise hold the GIL while the ranks launch: each torch call of a launch gives
+        the GIL up and waits a switch interval to get it back, so a launch of a few dozen calls would last as long
+        as the loop's work beside it, and the GPU would wait for it.
 
-        `overlapped` (overlap scheduling: the caller hands over the next step before it awaits this one): the
-        ranks are still busy with the step before, so there is no launch to wait for, and each rank may launch
-        the next step before it reads this one's tokens (DeviceWorker's pipelined commands)."""
-        if overlapped:
-            futures = self.group.submit(lambda rank: self._launch(rank, cmd), pipelined=True)
-            return self._result(futures)
+        `overlapped` (overlap scheduling: the caller hands over the next step before it awaits this one): each
+        rank launches it while the step before still runs on the GPU, before it reads that one's tokens
+        (DeviceWorker's pipelined commands); a CPU rank is still computing the step before, so nothing is waited
+        for there."""
         launched = [threading.Event() for _ in self.ranks]
-        futures = self.group.submit(lambda rank: self._execute(rank, cmd, launched[rank].set))
+        if overlapped:
+            futures = self.group.submit(lambda rank: self._launch(rank, cmd, launched[rank].set), pipelined=True)
+            if self.spec.device != "cuda":  # a CPU rank computes the step before as it launched it: still busy
+                return self._result(futures)
+        else:
+            futures = self.group.submit(lambda rank: self._execute(rank, cmd, launched[rank].set))
         deadline = time.monotonic() + LAUNCH_WAIT_S
         for event in launched:  # releases the GIL while it waits
             event.wait(max(0.0, deadline - time.monotonic()))
@@ -304,10 +308,13 @@ class Replica:
     async def _result(self, futures) -> StepResult:
         return (await self.group.gather(futures))[0]
 
-    def _launch(self, rank: int, cmd: StepCommand) -> "_Launched | None":
+    def _launch(self, rank: int, cmd: StepCommand, on_launched) -> "_Launched | None":
         r = self.ranks[rank]
-        with r.backend.context():
-            step = r.runtime.launch(cmd)
+        try:
+            with r.backend.context():
+                step = r.runtime.launch(cmd, on_launched)
+        finally:
+            on_launched()  # a step that failed releases the caller too
         return None if step is None else _Launched(step, r.backend.context)
 
     def _execute(self, rank: int, cmd: StepCommand, on_launched) -> StepResult | None:

@@ -10,7 +10,9 @@ works).
 
 It also times a hand-off: how long after `WorkerGroup.submit` a rank's thread starts the step while the loop
 thread keeps running Python (as it does making the last step's outputs), with the process's GIL switch interval
-as the workers set it and as CPython leaves it.
+as the workers set it and as CPython leaves it; and a launch of 40 small torch calls (each gives the GIL up and
+waits to get it back, as a step's launch does) beside a loop busy for 4 ms, then with the loop waiting for the
+launch first, as `Replica.start_step` does.
 """
 
 from __future__ import annotations
@@ -94,6 +96,34 @@ async def handoff_delay(busy_s: float = 0.02, trials: int = 7) -> float:
     return statistics.median(delays)
 
 
+async def launch_time(wait_first: bool, calls: int = 40, busy_s: float = 0.004, trials: int = 7) -> float:
+    """Median seconds from a hand-off to the end of a launch of `calls` torch calls, the loop thread busy for
+    busy_s after the hand-off, or first waiting (GIL released, as start_step does) until the launch is done."""
+    import threading
+
+    import torch
+
+    group, x, times = WorkerGroup(1), torch.zeros(16), []
+
+    def launch(rank, done):
+        for _ in range(calls):
+            x.add_(1)
+        done.set()
+        return time.perf_counter()
+
+    for _ in range(trials):
+        done = threading.Event()
+        handed = time.perf_counter()
+        futures = group.submit(lambda rank: launch(rank, done))
+        if wait_first:
+            done.wait(0.002)
+        while time.perf_counter() - handed < busy_s:  # the loop's outputs: pure Python, holding the GIL
+            pass
+        times.append((await group.gather(futures))[0] - handed)
+    group.stop()
+    return statistics.median(times)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,64")
@@ -114,6 +144,10 @@ def main(argv=None) -> int:
         print(f"hand-off to a rank, loop thread busy 20 ms, switch interval {setting}: rank starts after "
               f"{delay * 1e3:.2f} ms (median of 7)")
     worker.WORKER_SWITCH_INTERVAL_S = ours
+    for wait_first in (False, True):
+        took = asyncio.run(launch_time(wait_first))
+        print(f"a launch of 40 torch calls beside a loop busy 4 ms, {'the loop waiting for it first' if wait_first else 'the loop busy at once'}: "
+              f"done {took * 1e3:.2f} ms after the hand-off (median of 7)")
     return 0
 
 
