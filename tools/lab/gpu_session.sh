@@ -18,7 +18,8 @@
 # turn    #31: a chat turn's prefill (1024 tokens) after cached prefixes of 0, 3.6k and 7.6k tokens, with the
 #         kernels that take the GPU time (what grows with the prefix)
 # fp8     #33: the FP8 kernels' tests and the accuracy gate at the 9B and 27B widths, the FP8 projections per
-#         shape, then the 27B decode step with FP8 projections against bf16 (its floor counts the FP8 bytes)
+#         shape, then the 27B decode step with FP8 projections (batch 1 and 64) against bf16 (batch 1; the FP8
+#         floor counts the FP8 bytes)
 # serve27 #30, #33: the 27B serving rows of the issues (8192 in, 1024 out; c1 and c16), FP8 then bf16 checkpoints
 set -uo pipefail
 STAGES=${1:-tests,spec,prefix}
@@ -66,9 +67,9 @@ for stage in ${STAGES//,/ }; do
       grep -E "passed|failed|FP8 .*: top-8" "$DIR/fp8-tests.log" | tail -4
       timeout 150 python3 -m deltaserve.tools.bench_kernels --size 27b --only fp8 > "$DIR/fp8-kernels.md" 2>&1
       grep "fp8 projection" "$DIR/fp8-kernels.md"
-      for flag in --fp8 ""; do
-        timeout 150 python3 -m deltaserve.tools.bench_decode --size 27b --batches 1 $flag \
-            > "$DIR/decode-27b$flag.md" 2>&1
+      for flag in --fp8 ""; do  # batch 64 too with FP8 weights (bf16 ones leave an H100 no room for 64 rows)
+        timeout 150 python3 -m deltaserve.tools.bench_decode --size 27b --batches $([ -n "$flag" ] && echo 1,64 || echo 1) \
+            $flag > "$DIR/decode-27b$flag.md" 2>&1
         grep "^| [0-9]" "$DIR/decode-27b$flag.md" | sed "s/^/27b ${flag:-bf16} /"
       done ;;
     serve27)
