@@ -203,6 +203,51 @@ def test_the_hand_off_returns_once_every_rank_has_launched(tiny_ckpt, monkeypatc
             assert not ranks and returned - called < wake_s / 2
 
 
+def test_an_overlapped_hand_off_to_a_gpu_waits_until_the_whole_step_is_queued(tiny_ckpt, monkeypatch):
+    """With overlap scheduling on a GPU the ranks launch a step while the one before runs, and each torch call of
+    a launch gives the GIL up: the loop waits (at most LAUNCH_WAIT_S) until every rank has queued the whole step,
+    or its Python would stretch the launch. Here the ranks' launches take 5 ms (a CPU engine whose replica says
+    cuda; the launch signals at its end, as a GPU's does), within a LAUNCH_WAIT_S raised to 1 s."""
+    from deltaserve.devices.rank import RankRuntime
+
+    launch, queued = RankRuntime.launch, {}
+
+    def gpu_like_launch(runtime, cmd, on_launched=lambda: None):
+        step = launch(runtime, cmd)
+        time.sleep(0.005)
+        queued[runtime.rank] = time.perf_counter()
+        on_launched()
+        return step
+
+    from deltaserve.devices import replica
+
+    monkeypatch.setattr(RankRuntime, "launch", gpu_like_launch)
+    monkeypatch.setattr(replica, "LAUNCH_WAIT_S", 1.0)
+
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt, tp=2)) as engine:
+            monkeypatch.setattr(engine.replica.spec, "device", "cuda")
+            stream = engine.generate("the cat", SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY))
+            handed, start_step = [], engine.replica.start_step
+
+            def timed_start_step(cmd, overlapped=False):
+                queued.clear()
+                step = start_step(cmd, overlapped)
+                handed.append((overlapped, time.perf_counter(), dict(queued)))
+                return step
+
+            engine.replica.start_step = timed_start_step
+            outs = [out async for out in stream]
+            return handed, outs
+
+    handed, outs = run(main())
+    assert outs[-1].finished and len(outs[-1].token_ids) == 6
+    overlapped = [(returned, ranks) for over, returned, ranks in handed if over]
+    assert len(overlapped) >= 4
+    for returned, ranks in overlapped:
+        assert sorted(ranks) == [0, 1] and max(ranks.values()) <= returned
+
+
 def test_stop_strings_stop_tokens_min_tokens_and_logprobs(tiny_ckpt):
     async def main():
         async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
