@@ -16,9 +16,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.model.batch import (DecodeBatch, PrefillBatch, PrefillChunk, PrefillInputs, VerifyBatch, select_rows,
                                     upload)
-from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.state import ModelState
 from deltaserve.model.weights import fp8_copy
