@@ -15,8 +15,8 @@
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
 # fewrows #30: the few-row kernel's tile sweep, then the batch-8 decode step with it and without it
 # mixed   #30: what a prompt chunk adds to a step of 60 decode rows (tools/lab/profile_mixed_step.py)
-# turn    #31: a chat turn's prefill (1024 tokens) after cached prefixes of 0, 3.6k and 7.6k tokens, with the
-#         kernels that take the GPU time (what grows with the prefix)
+# turn    #31: a chat turn's prefill (1024 tokens) after cached prefixes of 0 and 7.6k tokens, with the kernels
+#         that take the GPU time (what grows with the prefix)
 # fp8     #33: the FP8 kernels' tests and the accuracy gate at the 9B and 27B widths, the FP8 projections per
 #         shape, then the 27B decode step with FP8 projections (batch 1 and 64) against bf16 (batch 1; the FP8
 #         floor counts the FP8 bytes)
@@ -56,7 +56,7 @@ for stage in ${STAGES//,/ }; do
           > "$DIR/mixed-step.txt" 2>&1
       grep -A12 "^decode only" "$DIR/mixed-step.txt" ;;
     turn)
-      for prefix in 0 3584 7680; do
+      for prefix in 0 7680; do
         timeout 100 python3 -m deltaserve.tools.lab.profile_prefill --size 4b --tokens 1024 --prefix $prefix \
             --repeats 3 > "$DIR/turn-prefix-$prefix.txt" 2>&1
         grep -E "^\| [0-9]|most GPU time" "$DIR/turn-prefix-$prefix.txt" | sed "s/^/prefix $prefix: /"
