@@ -283,6 +283,13 @@ def _raise_if_failed(out: RequestOutput) -> None:
 
 async def _merged(gens, firsts):
     """Yield (index, output) from several generators as they produce."""
+    if len(gens) == 1:  # the usual request: no task and queue hop a token
+        out = firsts[0]
+        yield 0, out
+        while not out.finished:
+            out = await gens[0].__anext__()
+            yield 0, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, gen, first):
