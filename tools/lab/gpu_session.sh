@@ -9,7 +9,7 @@
 # `pip install --no-deps --no-build-isolation -e .`).
 #
 # tests   the GPU tests of what changed last (speculation with both graphs a bucket, capture_check, prefill
-#         graphs of packed chunks, no launch waiting for the device, overlap on/off); the FP8 ones are fp8's
+#         graphs of packed chunks, no launch waiting for the device); the FP8 ones are fp8's
 # spec    #32: the speculative step against a plain one, with the 27B head's published acceptance emulated, the
 #         drafts reading an FP8 copy of lm_head (the default) and the bf16 one
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
@@ -32,7 +32,7 @@ for stage in ${STAGES//,/ }; do
   case $stage in
     tests)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -o log_cli=true --log-cli-level=INFO \
-          -k "speculative or capture_check or prefill_graphs or never_waits or overlap" > "$DIR/tests.log" 2>&1
+          -k "speculative or capture_check or prefill_graphs or never_waits" > "$DIR/tests.log" 2>&1
       grep -E "passed|failed|speculation k=|on/off" "$DIR/tests.log" | tail -8 ;;
     spec)
       for head in --fp8-draft-head --no-fp8-draft-head; do
