@@ -146,6 +146,7 @@ class _Request:
     cached_tokens: int = 0  # prompt tokens a cached prefix spared the prefill
     verify_accepted: int = 0  # speculative decoding: tokens its last step kept (0 before its first decode step)
     arrival: float = field(default_factory=time.perf_counter)
+    prefill_start: float | None = None  # when its prompt's first chunk was handed to the devices
     last_token_time: float | None = None
 
 
@@ -616,6 +617,8 @@ class AsyncEngine:
             if w.first:
                 req.cached_tokens = w.start
                 self.metrics.count_prefix(len(req.prompt_ids), w.start)
+                req.prefill_start = time.perf_counter()
+                self.metrics.queue_time.observe(req.prefill_start - req.arrival)
         return cmd
 
     def _decide(self, plan) -> None:
@@ -694,6 +697,8 @@ class AsyncEngine:
     def _observe_latency(self, req: _Request, since_last: float | None, now: float) -> None:
         if since_last is None:
             self.metrics.ttft.observe(now - req.arrival)
+            if req.prefill_start is not None:
+                self.metrics.prefill_time.observe(now - req.prefill_start)
         else:
             self.metrics.itl.observe(since_last)
 

@@ -19,6 +19,14 @@ class EngineMetrics:
                              registry=r, buckets=_LATENCY_BUCKETS)
         self.e2e = Histogram("deltaserve_e2e_request_latency_seconds", "Arrival to finish", registry=r,
                              buckets=_LATENCY_BUCKETS)
+        # TTFT split at the hand-off of the prompt's first chunk: waiting for admission and the step budget, then
+        # the prefill steps (vLLM's request queue and prefill times).
+        self.queue_time = Histogram("deltaserve_request_queue_time_seconds",
+                                    "Arrival to the prompt's first chunk handed to the devices", registry=r,
+                                    buckets=_LATENCY_BUCKETS)
+        self.prefill_time = Histogram("deltaserve_request_prefill_time_seconds",
+                                      "The prompt's first chunk handed over to the first token", registry=r,
+                                      buckets=_LATENCY_BUCKETS)
         self.prompt_tokens = Counter("deltaserve_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter("deltaserve_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("deltaserve_requests_finished", "Finished requests", ["finish_reason"], registry=r)

@@ -248,6 +248,25 @@ def test_an_overlapped_hand_off_to_a_gpu_waits_until_the_whole_step_is_queued(ti
         assert sorted(ranks) == [0, 1] and max(ranks.values()) <= returned
 
 
+def test_time_to_first_token_splits_into_queue_and_prefill_time(tiny_ckpt):
+    """Each request's TTFT is its queue time (arrival to its prompt's first chunk handed over) plus its prefill time
+    (that hand-off to the first token); requests admitted behind others wait in the queue."""
+    def value(metric, suffix):
+        return next(s.value for m in metric.collect() for s in m.samples if s.name.endswith(suffix))
+
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt, max_batch=2, prefill_slots=1)) as engine:
+            params = SamplingParams(max_tokens=8, ignore_eos=True, **GREEDY)
+            await asyncio.gather(*[collect(engine.generate([3 + i] * (40 + 30 * i), params)) for i in range(6)])
+            return engine.metrics
+
+    m = run(main())
+    assert value(m.queue_time, "_count") == value(m.prefill_time, "_count") == value(m.ttft, "_count") == 6
+    total = value(m.queue_time, "_sum") + value(m.prefill_time, "_sum")
+    assert abs(total - value(m.ttft, "_sum")) < 1e-6
+    assert value(m.queue_time, "_sum") > value(m.prefill_time, "_sum") / 6  # the later requests waited
+
+
 def test_stop_strings_stop_tokens_min_tokens_and_logprobs(tiny_ckpt):
     async def main():
         async with AsyncEngine(engine_args(tiny_ckpt)) as engine:

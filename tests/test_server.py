@@ -205,7 +205,8 @@ def test_disconnect_mid_stream_aborts_and_metrics_report(tiny_ckpt, caplog):
                 text = await r.text()
         assert 'deltaserve_requests_finished_total{finish_reason="abort"} 1.0' in text
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # a client leaving is not an error
-        for name in ("deltaserve_time_to_first_token_seconds", "deltaserve_inter_token_latency_seconds",
+        for name in ("deltaserve_time_to_first_token_seconds", "deltaserve_request_queue_time_seconds",
+                     "deltaserve_request_prefill_time_seconds", "deltaserve_inter_token_latency_seconds",
                      "deltaserve_e2e_request_latency_seconds", "deltaserve_prompt_tokens_total",
                      "deltaserve_generation_tokens_total", "deltaserve_kv_pages_usage_ratio",
                      "deltaserve_decode_slots_usage_ratio", "deltaserve_requests_running",

@@ -62,5 +62,6 @@ for mode in ${MODES:-on off}; do
     off) serve off --no-enable-prefix-caching "$@"; rows "-off" ;;
     *) echo "unknown mode $mode (on, off)"; exit 2 ;;
   esac
+  curl -s http://127.0.0.1:8000/metrics > "$OUT/metrics-$mode.txt"  # TTFT's queue and prefill parts, step times
   kill -INT $SERVER; wait $SERVER
 done
