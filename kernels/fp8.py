@@ -140,10 +140,7 @@ def decode_tiles(m: int, n: int, k: int, block: int, programs: int, block_n: int
     about `programs` programs run, each over at least two blocks."""
     if triton.cdiv(n, block_n) > 2 * programs:
         block_n *= 2
-    blocks = triton.cdiv(k, block)
-    splits = k_splits(triton.cdiv(n, block_n), blocks, programs)  # one row tile: `DECODE_ROWS` rows at most
-    per_split = triton.cdiv(blocks, splits) * block
-    return block_n, triton.cdiv(k, per_split), per_split
+    return block_n, *k_splits(triton.cdiv(n, block_n), k, block, programs)  # one row tile: DECODE_ROWS rows
 
 
 DECODE_ROWS = 64  # up to this many rows (decode batches, verify steps) a projection reads each weight once

@@ -210,10 +210,8 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul_rows: int = 0, cfg:
         x = x.contiguous()
     N = silu_mul_rows or weight.shape[0]
     block_n, block_k, warps, stages = config or (cfg.few_rows_silu_tile if silu_mul_rows else cfg.few_rows_tile)
-    splits = 1 if silu_mul_rows or not cfg.few_rows_split_programs else k_splits(
-        triton.cdiv(N, block_n), triton.cdiv(K, block_k), cfg.few_rows_split_programs * multiprocessors(x.device))
-    per_split = triton.cdiv(triton.cdiv(K, block_k), splits) * block_k
-    splits = triton.cdiv(K, per_split)
+    splits, per_split = (1, K) if silu_mul_rows or not cfg.few_rows_split_programs else k_splits(
+        triton.cdiv(N, block_n), K, block_k, cfg.few_rows_split_programs * multiprocessors(x.device))
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     _few_rows_kernel[(triton.cdiv(N, block_n), splits)](

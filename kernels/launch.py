@@ -70,10 +70,13 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
 # are added by `sum_splits` in a fixed order (deterministic, unlike atomics).
 
 
-def k_splits(tiles: int, k_blocks: int, programs: int) -> int:
-    """Programs sharing each column tile's K range: enough for about `programs` programs in all, each over at least
-    two of the `k_blocks` blocks of K."""
-    return max(1, min(triton.cdiv(programs, tiles), k_blocks // 2))
+def k_splits(tiles: int, k: int, block: int, programs: int) -> tuple[int, int]:
+    """(splits, K a split): programs sharing each column tile's K range, enough for about `programs` programs in
+    all, each over at least two whole blocks of `block` columns (the last split takes what is left)."""
+    blocks = triton.cdiv(k, block)
+    splits = max(1, min(triton.cdiv(programs, tiles), blocks // 2))
+    per_split = triton.cdiv(blocks, splits) * block
+    return triton.cdiv(k, per_split), per_split
 
 
 @triton.jit
