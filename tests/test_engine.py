@@ -160,6 +160,30 @@ def test_each_step_is_handed_over_before_the_last_steps_outputs_are_made(tiny_ck
     assert [t for o in outputs for t in o.delta_token_ids] == final.token_ids
 
 
+def timed_hand_offs(args, max_tokens: int, marks: dict, replica_device: str | None = None):
+    """Serve one greedy request, recording each `start_step` as (overlapped, called, returned, the ranks' `marks`
+    then; `marks` is cleared at each hand-off). Returns (records, outputs). `replica_device`: what the replica's
+    spec says it runs on."""
+    async def main():
+        async with AsyncEngine(args) as engine:
+            if replica_device:
+                engine.replica.spec.device = replica_device
+            stream = engine.generate("the cat", SamplingParams(max_tokens=max_tokens, ignore_eos=True, **GREEDY))
+            handed, start_step = [], engine.replica.start_step
+
+            def timed_start_step(cmd, overlapped=False):
+                marks.clear()
+                called = time.perf_counter()
+                step = start_step(cmd, overlapped)
+                handed.append((overlapped, called, time.perf_counter(), dict(marks)))
+                return step
+
+            engine.replica.start_step = timed_start_step
+            return handed, [out async for out in stream]
+
+    return run(main())
+
+
 @pytest.mark.parametrize("wake_s,wait_s", [(0.005, 1.0), (0.05, 0.001)])
 def test_the_hand_off_returns_once_every_rank_has_launched(tiny_ckpt, monkeypatch, wake_s, wait_s):
     """start_step keeps the event loop (and the GIL) away from the ranks until each has launched its step (here,
@@ -177,26 +201,9 @@ def test_the_hand_off_returns_once_every_rank_has_launched(tiny_ckpt, monkeypatc
     monkeypatch.setattr(RankRuntime, "execute", late_rank)
     monkeypatch.setattr(replica, "LAUNCH_WAIT_S", wait_s)
 
-    async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt, tp=2, async_scheduling=False)) as engine:
-            stream = engine.generate("the cat", SamplingParams(max_tokens=3, ignore_eos=True, **GREEDY))
-            handed = []
-            start_step = engine.replica.start_step
-
-            def timed_start_step(cmd):
-                started.clear()
-                called = time.perf_counter()
-                step = start_step(cmd)
-                handed.append((called, time.perf_counter(), dict(started)))
-                return step
-
-            engine.replica.start_step = timed_start_step
-            outs = [out async for out in stream]
-            return handed, outs
-
-    handed, outs = run(main())
+    handed, outs = timed_hand_offs(engine_args(tiny_ckpt, tp=2, async_scheduling=False), 3, started)
     assert len(handed) >= 3 and outs[-1].finished and len(outs[-1].token_ids) == 3
-    for called, returned, ranks in handed:
+    for _, called, returned, ranks in handed:
         if wait_s > wake_s:
             assert sorted(ranks) == [0, 1] and max(ranks.values()) <= returned
         else:
@@ -224,25 +231,9 @@ def test_an_overlapped_hand_off_to_a_gpu_waits_until_the_whole_step_is_queued(ti
     monkeypatch.setattr(RankRuntime, "launch", gpu_like_launch)
     monkeypatch.setattr(replica, "LAUNCH_WAIT_S", 1.0)
 
-    async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt, tp=2)) as engine:
-            monkeypatch.setattr(engine.replica.spec, "device", "cuda")
-            stream = engine.generate("the cat", SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY))
-            handed, start_step = [], engine.replica.start_step
-
-            def timed_start_step(cmd, overlapped=False):
-                queued.clear()
-                step = start_step(cmd, overlapped)
-                handed.append((overlapped, time.perf_counter(), dict(queued)))
-                return step
-
-            engine.replica.start_step = timed_start_step
-            outs = [out async for out in stream]
-            return handed, outs
-
-    handed, outs = run(main())
+    handed, outs = timed_hand_offs(engine_args(tiny_ckpt, tp=2), 6, queued, replica_device="cuda")
     assert outs[-1].finished and len(outs[-1].token_ids) == 6
-    overlapped = [(returned, ranks) for over, returned, ranks in handed if over]
+    overlapped = [(returned, ranks) for over, _, returned, ranks in handed if over]
     assert len(overlapped) >= 4
     for returned, ranks in overlapped:
         assert sorted(ranks) == [0, 1] and max(ranks.values()) <= returned
