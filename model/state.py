@@ -100,9 +100,10 @@ class ModelState:
         self.v_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
 
     def reset_slots(self, slots: torch.Tensor) -> None:
-        """Zero the GDN state of these slots (a request starting from its first token)."""
-        self.conv[:, slots] = 0
-        self.ssm[:, slots] = 0
+        """Zero the GDN state of these slots (a request starting from its first token). `index_fill_` takes the
+        zero as a scalar: `t[:, slots] = 0` would first copy a 0-d tensor to the device, waiting for the stream."""
+        self.conv.index_fill_(1, slots, 0)
+        self.ssm.index_fill_(1, slots, 0)
 
     def reset_slot(self, slot: int) -> None:
         """`reset_slots` for one slot known on the host: no index tensor to upload."""

@@ -302,20 +302,30 @@ def test_serving_after_the_warm_up_compiles_no_triton_kernel(real_geometry_ckpt)
 def test_launching_a_step_never_waits_for_the_device(real_geometry_ckpt, monkeypatch, speculative):
     """Overlap scheduling holds only while launching a step queues work without waiting for the stream: one hidden
     synchronisation (a blocking copy, a host index list, `.item()`) makes the host wait for the step before, and
-    the GPU then idles while the host launches. Every launch while serving runs under torch's sync debug mode set
-    to raise: mixed decode and prompt steps (graphed and eager chunks, cache hits and snapshots), greedy and
-    sampled rows with penalties, log-probs, `min_tokens` and stop ids; with speculation, speculative and one-token
-    steps. Only the sampler's settle may wait: it waits for the flagged draws of the step before by design."""
+    the GPU then idles while the host launches. Every launch while serving runs under torch's sync debug mode, each
+    synchronising call recorded with its stack: mixed decode and prompt steps (graphed and eager chunks, cache
+    hits and snapshots), greedy and sampled rows with penalties, log-probs, `min_tokens` and stop ids; with
+    speculation, speculative and one-token steps. Only the sampler's settle may wait: it waits for the flagged draws of the step before by design."""
     import random
 
     from deltaserve.devices.rank import RankRuntime
     from deltaserve.devices.sampling import SlotSampling
     from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 
+    import traceback
+    import warnings
+
     launch, settle = RankRuntime.launch, SlotSampling.settle
+    waits: dict[str, int] = {}  # where a launch synchronised (its stack) -> how often
+
+    def record(message, *args, **kwargs):
+        if "synchroniz" in str(message):
+            where = "".join(traceback.format_stack(limit=14)[:-2])
+            waits[where] = waits.get(where, 0) + 1
 
     def checked_launch(self, *args, **kwargs):
-        torch.cuda.set_sync_debug_mode("error")
+        # Warn rather than raise, so that one run finds every place that waits, not only the first.
+        torch.cuda.set_sync_debug_mode("warn")
         try:
             return launch(self, *args, **kwargs)
         finally:
@@ -343,6 +353,8 @@ def test_launching_a_step_never_waits_for_the_device(real_geometry_ckpt, monkeyp
         async with AsyncEngine(args) as engine:
             monkeypatch.setattr(RankRuntime, "launch", checked_launch)
             monkeypatch.setattr(SlotSampling, "settle", waiting_settle)
+            monkeypatch.setattr(warnings, "showwarning", record)
+            warnings.simplefilter("always")
 
             async def one(i):
                 await asyncio.sleep(rng.random() * 0.3)
@@ -355,8 +367,10 @@ def test_launching_a_step_never_waits_for_the_device(real_geometry_ckpt, monkeyp
             monkeypatch.undo()
         return outs
 
-    outs = asyncio.run(main())
+    with warnings.catch_warnings():
+        outs = asyncio.run(main())
     assert all(out.finished and out.error is None and out.token_ids for out in outs), [o.error for o in outs]
+    assert not waits, "\n".join(f"{n} launches waited at:\n{where}" for where, n in waits.items())
 
 
 def test_bf16_model_at_the_4b_width_matches_hf(T, tmp_path):
