@@ -19,7 +19,7 @@ import triton.testing
 from triton.runtime.errors import OutOfResources
 
 from deltaserve.kernels import attention, conv1d, gdn, gemv, norm
-from deltaserve.kernels.config import GDN_FACTOR_MODES, WholeRows
+from deltaserve.kernels.config import DEFAULT, GDN_FACTOR_MODES, WholeRows
 from deltaserve.kernels.sampling import SamplingTensors, lm_like_logits, sample_reference
 from deltaserve.kernels.triton_sampling import MAX_CANDIDATES, TOP_P_ROUNDS, draw, sample_on_gpu, top_p_alone
 from deltaserve.model.config import ModelConfig
@@ -219,8 +219,8 @@ def few_row_projections(cfg, rows: list, bw: float, sweep: bool, counts=(2, 4, 8
             x = torch.randn(m, k, device=dev, dtype=bf)
             nbytes = (n * k + m * k + m * (n // 2 if silu else n)) * 2
 
-            def ours(config=None, split=cfg.few_rows_split_programs):
-                c = replace(cfg, few_rows_split_programs=split)
+            def ours(config=None, split=DEFAULT.few_rows_split_programs):
+                c = replace(DEFAULT, few_rows_split_programs=split)
                 return lambda w: lambda: gemv.few_rows(x, w, n // 2 if silu else 0, cfg=c, config=config)
 
             def peer(w):
@@ -230,7 +230,7 @@ def few_row_projections(cfg, rows: list, bw: float, sweep: bool, counts=(2, 4, 8
             rows.append((f"few-row projection {name}{' + silu_mul' if silu else ''}", f"{m} x {k} -> {n}", t,
                          f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy; cuBLAS "
                          f"{nbytes / t_peer / bw:.0%} ({t_peer / t:.2f}x our time)"))
-            if not silu and cfg.few_rows_split_programs:
+            if not silu and DEFAULT.few_rows_split_programs:
                 t_whole = graph_time_per_call(ours(split=0), weights)
                 rows.append((f"few-row projection {name}, K not split", f"{m} x {k} -> {n}", t_whole,
                              f"{nbytes / t_whole / 1e12:.2f} TB/s", f"{nbytes / t_whole / bw:.0%} of copy"))
