@@ -9,7 +9,7 @@
 # `pip install --no-deps --no-build-isolation -e .`).
 #
 # tests   the GPU tests of what changed last (speculation with both graphs a bucket, capture_check, prefill
-#         graphs of packed chunks, no launch waiting for the device); the FP8 ones are fp8's
+#         graphs of packed chunks, no launch waiting for the device; TESTS=EXPR picks others); the FP8 ones are fp8's
 # spec    #32: the speculative step against a plain one, with the 27B head's published acceptance emulated, the
 #         drafts reading an FP8 copy of lm_head (the default) and the bf16 one
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
@@ -20,6 +20,8 @@
 # fp8     #33: the FP8 kernels' tests and the accuracy gate at the 9B and 27B widths, the FP8 projections per
 #         shape, then the 27B decode step with FP8 projections (batch 1 and 64) against bf16 (batch 1; the FP8
 #         floor counts the FP8 bytes)
+# serve4  #30: the 4B start-up (cold and warm compile cache: ready time, first request against steady TTFT), an
+#         8k-token prompt's prefill rate and eight of them arriving together
 # serve27 #30, #33: the 27B serving rows of the issues (8192 in, 1024 out; c1 and c16), FP8 then bf16 checkpoints
 set -uo pipefail
 STAGES=${1:-tests,spec,prefix}
@@ -32,8 +34,8 @@ for stage in ${STAGES//,/ }; do
   case $stage in
     tests)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -o log_cli=true --log-cli-level=INFO \
-          -k "speculative or capture_check or prefill_graphs or never_waits" > "$DIR/tests.log" 2>&1
-      grep -E "passed|failed|speculation k=|on/off" "$DIR/tests.log" | tail -8 ;;
+          -k "${TESTS:-speculative or capture_check or prefill_graphs or never_waits}" > "$DIR/tests.log" 2>&1
+      grep -E "passed|failed|speculation k=|on/off|launches waited" "$DIR/tests.log" | tail -12 ;;
     spec)
       for head in --fp8-draft-head --no-fp8-draft-head; do
         timeout 150 python3 -m deltaserve.tools.bench_decode --size 4b --batches 1,8 --speculative-tokens 4 \
@@ -89,7 +91,17 @@ for stage in ${STAGES//,/ }; do
         done
         kill -INT $server; wait $server
       done ;;
-    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, turn, fp8, serve27)"; exit 2 ;;
+    serve4)
+      python3 -m deltaserve.tools.make_checkpoint /tmp/ck4b --size 4b --config-only > /dev/null
+      for start in cold warm; do  # the same fresh compile cache twice: Triton compiles, then loads
+        TRITON_CACHE_DIR=/tmp/triton-startup timeout 150 python3 -m deltaserve.tools.lab.startup -- /tmp/ck4b \
+            --load-format random --device cuda --stats-interval 0 --disable-access-log --max-num-seqs 64 \
+            > "$DIR/startup-$start.txt" 2>&1
+        tail -1 "$DIR/startup-$start.txt" | sed "s/^/$start start: /"
+      done
+      ROWS="long burst" MODES=on timeout 200 bash tools/lab/prefix_cache_rows.sh /tmp/serve4
+      cp /tmp/serve4/*.json /tmp/serve4/server-on.log "$DIR/" ;;
+    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, turn, fp8, serve27, serve4)"; exit 2 ;;
   esac
   stamp "$stage done"
 done
