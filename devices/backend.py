@@ -69,6 +69,10 @@ class RankBackend(Protocol):
 
     def warm_up_collective(self) -> None: ...
 
+    def check_fp8_ops(self) -> None:
+        """Before a model on FP8 weights is built: the op set's FP8 choices checked against the device (an op the
+        device lacks replaced by one it has, with a line in the log)."""
+
     def capture_decode(self, programs: dict[int, GraphProgram], progress: bool) -> StepGraphs | None:
         """Capture each bucket's decode program (None: this device has no graphs)."""
 

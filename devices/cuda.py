@@ -10,6 +10,7 @@ Every Triton kernel is compiled and cuBLAS warmed on the capturing thread and st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -147,6 +148,16 @@ class CudaRankBackend:
     def warm_up_collective(self) -> None:
         if self.collective is not None:
             self.collective.warm_up(self.rank, self.device)
+
+    def check_fp8_ops(self) -> None:
+        from deltaserve.kernels import fp8
+        from deltaserve.kernels.ops import triton_ops
+
+        config = self.ops.config
+        if config.fp8_prefill == "cublas" and not fp8.cublas_block_scaled_works(self.device):
+            log.warning("rank %d: no block-scaled FP8 GEMM in this cuBLAS or GPU (it needs sm90 and CUDA 12.9+); "
+                        "FP8 prefill runs the Triton W8A8 kernel", self.rank)
+            self.ops = triton_ops(dataclasses.replace(config, fp8_prefill="w8a8"))
 
     def capture_decode(self, programs: dict[int, GraphProgram], progress: bool) -> "CudaGraphs":
         self.graphs = CudaGraphs(self, programs, progress, "decode")

@@ -232,6 +232,8 @@ class Replica:
         with r.backend.context():
             mtp = spec.speculative_tokens > 0
             fp8 = spec.fp8_kernels and bool(spec.cfg.fp8_block)
+            if fp8:
+                r.backend.check_fp8_ops()
             if spec.random_weights:
                 weights = random_rank_weights(spec.cfg, rank=rank, tp=spec.tp, device=r.backend.device,
                                               dtype=self.dtype, seed=spec.seed, progress=rank == 0, mtp=mtp,

@@ -174,16 +174,19 @@ def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT
 
 
 @triton.jit
-def _quantise_activations_kernel(x_ptr, q_ptr, s_ptr, K, x_row_stride, groups, GROUP: tl.constexpr):
-    """Row m's group g: its scale (largest magnitude / FP8_MAX) into s[m, g], its values / scale as e4m3."""
+def _quantise_activations_kernel(x_ptr, q_ptr, s_ptr, M, K, x_row_stride, s_row_stride, s_group_stride,
+                                 GROUP: tl.constexpr):
+    """Row m's group g: its scale (largest magnitude / FP8_MAX) into s[m, g], its values / scale as e4m3. Rows
+    from M on (padding) get zeros."""
     m, g = tl.program_id(0), tl.program_id(1)
     k = g * GROUP + tl.arange(0, GROUP)
     live = k < K
-    x = tl.load(x_ptr + m.to(tl.int64) * x_row_stride + k, mask=live, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + m.to(tl.int64) * x_row_stride + k, mask=k < tl.where(m < M, K, 0), other=0.0)
+    x = x.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0  # FP8_MAX
     q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
     tl.store(q_ptr + m.to(tl.int64) * K + k, q.to(q_ptr.dtype.element_ty), mask=live)
-    tl.store(s_ptr + m * groups + g, scale)
+    tl.store(s_ptr + m * s_row_stride + g * s_group_stride, scale)
 
 
 @triton.jit
@@ -212,15 +215,22 @@ def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, groups, scale_c
              mask=m_live[:, None] & n_live[None, :])
 
 
-def quantise_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantise_activations_reference` on the Triton kernel."""
+def quantise_activations(x: torch.Tensor, group: int, rows: int | None = None,
+                         group_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantise_activations_reference` on the Triton kernel. `rows` (>= x's): the result padded with zero rows;
+    group_major: the scales [rows, groups] stored group by group (stride (1, rows)), as cuBLAS reads them."""
     M, K = x.shape
+    rows = rows or M
     groups = triton.cdiv(K, group)
-    values = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(M, groups, dtype=torch.float32, device=x.device)
+    values = torch.empty(rows, K, dtype=torch.float8_e4m3fn, device=x.device)
+    if group_major:
+        scale = torch.empty(groups, rows, dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
-    _quantise_activations_kernel[(M, groups)](x, values, scale, K, x.stride(0), groups, GROUP=group)
+    _quantise_activations_kernel[(rows, groups)](x, values, scale, M, K, x.stride(0), scale.stride(0),
+                                                 scale.stride(1), GROUP=group)
     return values, scale
 
 
@@ -244,9 +254,48 @@ def w8a8_matmul(values: torch.Tensor, scale: torch.Tensor, weight: Fp8Weight, dt
     return out
 
 
+def cublas_takes(weight: Fp8Weight) -> bool:
+    """Whether cuBLAS's block-scaled GEMM reads this weight as stored: 128 x 128 blocks, whole blocks along N,
+    and a K of whole blocks in a multiple of four (its scale layout; a tp = 4 shard of the 27B's down_proj has
+    34). Other weights go to the Triton W8A8 kernel."""
+    n, k = weight.shape
+    return weight.block == 128 and n % 128 == 0 and k % 128 == 0 and (k // 128) % 4 == 0
+
+
+def linear_cublas(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """`linear_w8a8`'s arithmetic on cuBLAS's block-scaled FP8 GEMM (1 x 128 activation groups, 128 x 128 weight
+    blocks: DeepSeek's scheme, CUDA 12.9+ on sm90), through `torch._scaled_mm`. cuBLAS takes the rows in a
+    multiple of four and the activation scales group-major; the weight's scales are its `weight_scale_inv`,
+    transposed."""
+    M = x.shape[0]
+    values, scale = quantise_activations(x, weight.block, rows=-(-M // 4) * 4, group_major=True)
+    out = torch._scaled_mm(values, weight.values.t(), scale_a=scale, scale_b=weight.scale.t(), out_dtype=x.dtype)
+    return out[:M]
+
+
+def cublas_block_scaled_works(device: torch.device) -> bool:
+    """Whether `linear_cublas` runs on this device and agrees with the reference (a small probe at start-up:
+    torch built without it, a GPU before sm90 or an older cuBLAS raise)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(70, 512, device=device, generator=gen).to(torch.bfloat16)
+    w = torch.randn(256, 512, device=device, generator=gen) * 0.02
+    blocks = w.view(2, 128, 4, 128).abs().amax((1, 3)).clamp_min(1e-10) / FP8_MAX
+    weight = Fp8Weight((w / blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(torch.float8_e4m3fn),
+                       blocks.float(), 128)
+    try:
+        got = linear_cublas(x, weight).float()
+    except (RuntimeError, NotImplementedError):
+        return False
+    want = linear_w8a8_reference(x, weight).float()
+    return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()))
+
+
 def linear(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
-    """The FP8 projection: W8A16 up to DECODE_ROWS rows, above by `KernelConfig.fp8_prefill` ("w8a8" or
-    "w8a16"); an fp32 model (tests) stays W8A16."""
-    if x.shape[0] > DECODE_ROWS and cfg.fp8_prefill == "w8a8" and x.dtype != torch.float32:
+    """The FP8 projection: W8A16 up to DECODE_ROWS rows, above by `KernelConfig.fp8_prefill` ("cublas", "w8a8"
+    or "w8a16"; "cublas" falls back to "w8a8" for a weight `cublas_takes` refuses); an fp32 model (tests) stays
+    W8A16."""
+    if x.shape[0] > DECODE_ROWS and cfg.fp8_prefill != "w8a16" and x.dtype != torch.float32:
+        if cfg.fp8_prefill == "cublas" and cublas_takes(weight):
+            return linear_cublas(x, weight)
         return linear_w8a8(x, weight, cfg)
     return linear_w8a16(x, weight, cfg)

@@ -653,3 +653,34 @@ def test_the_w8a8_projection_equals_its_reference(rows):
     if DEVICE == "cuda":
         assert rel(fp8.linear(x, weight).float(), ref.float()) <= 1e-2  # the default prefill path
     assert rel(ref.float(), fp8.linear_reference(x, weight).float()) <= 0.05
+
+
+def test_activation_quantisation_pads_rows_and_stores_scales_group_major():
+    """The layout cuBLAS's block-scaled GEMM reads: rows padded to a multiple of four with zeros, the scales [rows,
+    groups] stored group by group; the live rows as the plain layout has them."""
+    from deltaserve.kernels import fp8
+
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+    values, scale = fp8.quantise_activations(x, 128, rows=8, group_major=True)
+    plain_values, plain_scale = fp8.quantise_activations(x, 128)
+    assert values.shape == (8, 300) and scale.shape == (8, 3) and scale.stride() == (1, 8)
+    assert torch.equal(scale[:5], plain_scale) and torch.equal(values[:5].float(), plain_values.float())
+    assert not values[5:].float().any() and (scale[5:] > 0).all()  # zeros, and scales that divide nothing by 0
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="cuBLAS's block-scaled FP8 GEMM is a CUDA op")
+@pytest.mark.parametrize("rows", [65, 130, 2048])
+def test_the_cublas_fp8_projection_equals_its_reference(rows):
+    """The prefill's default FP8 projection (cuBLAS's 1 x 128 by 128 x 128 block-scaled GEMM) against the torch
+    arithmetic of W8A8, at row counts that are and are not multiples of four."""
+    from deltaserve.kernels import fp8
+
+    if not fp8.cublas_block_scaled_works(torch.device(DEVICE)):
+        pytest.skip("this GPU or CUDA has no block-scaled FP8 GEMM (sm90, CUDA 12.9+)")
+    weight, g = _fp8_weight(384, 1024, rows)
+    assert fp8.cublas_takes(weight) and not fp8.cublas_takes(_fp8_weight(200, 1024, rows)[0])
+    x = torch.randn(rows, 1024, generator=g).to(DEVICE, torch.bfloat16)
+    got = fp8.linear_cublas(x, weight)
+    assert got.shape == (rows, 384) and got.dtype == torch.bfloat16
+    assert rel(got.float(), fp8.linear_w8a8_reference(x, weight).float()) <= 1e-2
+    assert torch.equal(fp8.linear(x, weight), got)  # the default above DECODE_ROWS rows

@@ -198,6 +198,8 @@ def fp8_projections(cfg, rows: list, bw: float, flops: float, counts=(1, 5, 8, 6
             t_bf16 = graph_time_per_call(lambda w: lambda: gemv.linear(x, w), plain)
             # W8A8 from the largest decode batch up: where FP8 tensor cores could beat widening the weights
             kinds = [("w8a16", fp8.linear_w8a16)] + ([("w8a8", fp8.linear_w8a8)] if m >= fp8.DECODE_ROWS else [])
+            if m > fp8.DECODE_ROWS and fp8.cublas_takes(weights[0]) and fp8.cublas_block_scaled_works(dev):
+                kinds.append(("w8a8 on cuBLAS", fp8.linear_cublas))
             for kind, fn in kinds:
                 t = graph_time_per_call(lambda w: lambda: fn(x, w), weights)
                 rows.append((f"fp8 projection {name} ({kind})", f"{m} x {k} -> {n}", t,
