@@ -1,6 +1,7 @@
 """What a prefill step costs beyond its math: kernels launched, GPU busy time and wall time per prompt length.
 
     python -m deltaserve.tools.lab.profile_prefill --size 4b [--layers N] [--tokens 16,512,2048,8192] [--prefix N]
+        [--fp8]
 
 Random bf16 weights on a CUDA device, tp = 1, one request at a time through `engine.generate` (max_tokens 1), so
 its time to first token is one prefill step plus the sampler. Per prompt length: the median TTFT (no profiler),
@@ -54,12 +55,12 @@ async def run(ns) -> list[dict]:
     lengths = [int(t) for t in ns.tokens.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="profile_prefill_") as folder:
-        write_checkpoint(folder, ns.size, layers=ns.layers, weights=False)
+        write_checkpoint(folder, ns.size, layers=ns.layers, weights=False, fp8=ns.fp8)
         args = EngineArgs(model=folder, device="cuda", load_format="random", max_batch=1, buckets=[1],
                           max_model_len=ns.prefix + max(lengths) + 8, prefill_slots=1,
                           prefill_token_budget=max([*lengths, ns.prefix]), warmup=False, stats_interval_s=0,
                           enable_prefix_caching=ns.enable_prefix_caching or ns.prefix > 0,
-                          prefill_graph_tokens=ns.prefill_graph_tokens)
+                          prefill_graph_tokens=ns.prefill_graph_tokens, fp8_kernels=ns.fp8)
         async with AsyncEngine(args) as engine:
             for n in lengths:
                 for i in range(2):  # compiles
@@ -122,6 +123,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefix", type=int, default=0, metavar="N",
                         help="time each prompt after a cached prefix of N tokens (a chat's later turn); the "
                              "profile's kernels include the prefix's own prefill")
+    parser.add_argument("--fp8", action="store_true",
+                        help="an FP8 checkpoint's projections in FP8 (random, block-scaled) on the FP8 kernels")
     parser.add_argument("--enable-prefix-caching", action="store_true",
                         help="with the prefix cache on (every prompt differs: what a miss costs)")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
