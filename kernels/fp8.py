@@ -18,6 +18,7 @@ ceil(K / B)] float32 (`weight_scale_inv`), the real weight being each B x B tile
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -273,8 +274,9 @@ def linear_cublas(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     return out[:M]
 
 
+@functools.lru_cache(maxsize=None)
 def cublas_block_scaled_works(device: torch.device) -> bool:
-    """Whether `linear_cublas` runs on this device and agrees with the reference (a small probe at start-up:
+    """Whether `linear_cublas` runs on this device and agrees with the reference (a small probe, once a device:
     torch built without it, a GPU before sm90 or an older cuBLAS raise)."""
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(70, 512, device=device, generator=gen).to(torch.bfloat16)
