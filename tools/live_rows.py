@@ -41,7 +41,7 @@ def snapshot(state):
     which may be a tenth of the GPU), kept in host memory: 64 slots of the 27B's state are 9 GiB, more than the
     device has free once the engine planned its memory."""
     n = state.num_slots
-    return state.conv[:, :n].to("cpu"), state.ssm[:, :n].to("cpu")
+    return state.conv[:, :n].to("cpu", copy=True), state.ssm[:, :n].to("cpu", copy=True)  # a copy on a CPU too
 
 
 def restore(state, saved) -> None:
