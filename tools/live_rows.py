@@ -39,15 +39,17 @@ def fill_live_rows(runtime, rows: int, bucket: int, context: int, seed: int = 0,
 def snapshot(state):
     """The request slots' GDN state (not the prefix cache's snapshot pool, which the diagnostics never touch and
     which may be a tenth of the GPU), kept in host memory: 64 slots of the 27B's state are 9 GiB, more than the
-    device has free once the engine planned its memory."""
+    device has free once the engine planned its memory. Layer by layer: a slot range of one layer is contiguous,
+    so nothing is staged on the device."""
     n = state.num_slots
-    return state.conv[:, :n].to("cpu", copy=True), state.ssm[:, :n].to("cpu", copy=True)  # a copy on a CPU too
+    return [torch.stack([layer[:n].to("cpu", copy=True) for layer in pool]) for pool in (state.conv, state.ssm)]
 
 
 def restore(state, saved) -> None:
     n = state.num_slots
-    state.conv[:, :n].copy_(saved[0])
-    state.ssm[:, :n].copy_(saved[1])
+    for pool, kept in zip((state.conv, state.ssm), saved):
+        for layer, layer_kept in zip(pool, kept):
+            layer[:n].copy_(layer_kept)
 
 
 @contextlib.contextmanager
