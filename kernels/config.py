@@ -59,8 +59,9 @@ class KernelConfig:
     norm_gemv_silu_tile: Tile = Tile(8, 256, 4, 3)
 
     # Few-row projections (2 to `few_rows` rows: decode batches, a speculative verify): the Triton kernel that reads
-    # each weight tile once for all rows, instead of cuBLAS; 0 keeps them on cuBLAS. Off: the 4B batch-8 step was
-    # slower with it than with cuBLAS (1.43x against 1.35x its floor, H100; `tools/bench_kernels --only few_rows`).
+    # each weight tile once for all rows, instead of cuBLAS; 0 keeps them on cuBLAS. Off: with K split it edges
+    # cuBLAS at the 4B batch-8 step (4.145 against 4.209 ms, H100), but the speculative step's five-row verify
+    # is slower with it (7.185 against 6.782 ms; `bench_decode --few-rows 16 | 0`).
     few_rows: int = 0
     few_rows_tile: Tile = Tile(32, 256, 4, 3)
     few_rows_silu_tile: Tile = Tile(32, 128, 4, 3)
