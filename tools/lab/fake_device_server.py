@@ -3,6 +3,7 @@ every row, no model run. Point `deltaserve bench serve` at it to see what the ho
 the same machine) adds to a step: TPOT above `--step-ms` at a concurrency, or TTFT above it at one.
 
     python -m deltaserve.tools.lab.fake_device_server [--step-ms 7] [--port 8011] [--max-num-seqs 64]
+        [--max-model-len 4096]
 
 The engine is the tiny CPU checkpoint's (its 512-token vocabulary), with overlap scheduling as served; a step
 starts when it is handed over and after the one before it, as on a GPU stream. Steps with nothing to compute
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
 import sys
 import tempfile
 
@@ -49,11 +52,18 @@ class FakeDevice:
         return getattr(self.real, name)
 
 
-async def fake_engine(step_ms: float, max_batch: int) -> AsyncEngine:
+async def fake_engine(step_ms: float, max_batch: int, max_model_len: int = 4096) -> AsyncEngine:
     """A started engine on the tiny checkpoint whose replica is a `FakeDevice`."""
-    folder = tempfile.mkdtemp(prefix="fake_device_")
-    engine = AsyncEngine(EngineArgs(model=write_checkpoint(folder, "tiny"), max_batch=max_batch,
-                                    max_model_len=4096, cpu_memory_bytes=512 << 20, prefill_slots=4))
+    folder = write_checkpoint(tempfile.mkdtemp(prefix="fake_device_"), "tiny")
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    text = config.get("text_config", config)  # the tiny model's 4096 positions, raised for long prompts
+    text["max_position_embeddings"] = max(text["max_position_embeddings"], max_model_len)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    engine = AsyncEngine(EngineArgs(model=folder, max_batch=max_batch,
+                                    max_model_len=max_model_len, cpu_memory_bytes=512 << 20, prefill_slots=4))
     await engine.start()
     engine.replica = FakeDevice(engine.replica, step_ms / 1e3)
     return engine
@@ -62,7 +72,7 @@ async def fake_engine(step_ms: float, max_batch: int) -> AsyncEngine:
 async def serve_forever(ns) -> None:
     from deltaserve.runtime.server import serve
 
-    engine = await fake_engine(ns.step_ms, ns.max_num_seqs)
+    engine = await fake_engine(ns.step_ms, ns.max_num_seqs, ns.max_model_len)
     await serve(engine, "127.0.0.1", ns.port)
     logging.getLogger(__name__).info("fake device (%.1f ms a step) serving on http://127.0.0.1:%d", ns.step_ms,
                                      ns.port)
@@ -74,6 +84,7 @@ def main(argv=None) -> int:
     parser.add_argument("--step-ms", type=float, default=7.0)
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=4096, help="long prompts: a chat's later turns")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
