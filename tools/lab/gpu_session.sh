@@ -19,7 +19,7 @@
 #         that take the GPU time (what grows with the prefix)
 # fp8     #33: the FP8 kernels' tests and the accuracy gate at the 9B and 27B widths, the FP8 projections per
 #         shape, then the 27B decode step with FP8 projections (batch 1 and 64) against bf16 (batch 1; the FP8
-#         floor counts the FP8 bytes)
+#         floor counts the FP8 bytes), the 9B's at batch 1, and an 8k-token 27B prefill with FP8 and bf16 weights
 # serve4  #30: the 4B start-up (cold and warm compile cache: ready time, first request against steady TTFT), an
 #         8k-token prompt's prefill rate and eight of them arriving together
 # serve27 #30, #33: the 27B serving rows of the issues (8192 in, 1024 out; c1 and c16), FP8 then bf16 checkpoints
@@ -73,6 +73,13 @@ for stage in ${STAGES//,/ }; do
         timeout 150 python3 -m deltaserve.tools.bench_decode --size 27b --batches $([ -n "$flag" ] && echo 1,64 || echo 1) \
             $flag > "$DIR/decode-27b$flag.md" 2>&1
         grep "^| [0-9]" "$DIR/decode-27b$flag.md" | sed "s/^/27b ${flag:-bf16} /"
+      done
+      timeout 60 python3 -m deltaserve.tools.bench_decode --size 9b --batches 1 --fp8 > "$DIR/decode-9b-fp8.md" 2>&1
+      grep "^| [0-9]" "$DIR/decode-9b-fp8.md" | sed "s/^/9b fp8 /"
+      for flag in --fp8 ""; do  # #33's prefill rate: FP8 against bf16 weights, 8k tokens
+        timeout 90 python3 -m deltaserve.tools.lab.profile_prefill --size 27b --layers 16 --tokens 8192 --repeats 3 \
+            $flag > "$DIR/prefill-27b$flag.txt" 2>&1
+        grep "^| [0-9]" "$DIR/prefill-27b$flag.txt" | sed "s/^/27b (16 layers) prefill ${flag:-bf16} /"
       done ;;
     serve27)
       for fmt in fp8 bf16; do
