@@ -305,15 +305,15 @@ def test_launching_a_step_never_waits_for_the_device(real_geometry_ckpt, monkeyp
     the GPU then idles while the host launches. Every launch while serving runs under torch's sync debug mode, each
     synchronising call recorded with its stack: mixed decode and prompt steps (graphed and eager chunks, cache
     hits and snapshots), greedy and sampled rows with penalties, log-probs, `min_tokens` and stop ids; with
-    speculation, speculative and one-token steps. Only the sampler's settle may wait: it waits for the flagged draws of the step before by design."""
+    speculation, speculative and one-token steps. Only the sampler's settle may wait: it waits for the flagged
+    draws of the step before by design."""
     import random
+    import traceback
+    import warnings
 
     from deltaserve.devices.rank import RankRuntime
     from deltaserve.devices.sampling import SlotSampling
     from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
-
-    import traceback
-    import warnings
 
     launch, settle = RankRuntime.launch, SlotSampling.settle
     waits: dict[str, int] = {}  # where a launch synchronised (its stack) -> how often
