@@ -112,6 +112,8 @@ class StepResult:
     # The step's time on rank 0's device, from its first queued operation to its last (`rank.StepClock`): what
     # it cost, even while the host ran a step ahead. 0.0 where unknown.
     device_seconds: float = 0.0
+    # How long rank 0's host took to queue the step (on a CPU, to compute it). 0.0 where unknown.
+    launch_seconds: float = 0.0
 
 
 class SlotProtocolError(RuntimeError):

@@ -526,7 +526,9 @@ class RankRuntime:
             for i, s in zip(last, sampling.collect(step.prefill)):
                 prefill[i] = s
         more = self._accept(decode, drawn, step.speculation, cmd.step_seed) if step.speculation else []
-        return StepResult(decode, prefill, more, step.clock.seconds() if step.clock else 0.0)
+        clock = step.clock
+        return StepResult(decode, prefill, more, clock.seconds() if clock else 0.0,
+                          clock.launch_seconds if clock else 0.0)
 
 
 class LaunchedStep:
@@ -548,23 +550,28 @@ class LaunchedStep:
 
 class StepClock:
     """A step's time on its device: CUDA events around what it queues on the rank's stream (the step's own time,
-    wherever the host is meanwhile), or the host's clock on the CPU, where launching a step computes it."""
+    wherever the host is meanwhile), or the host's clock on the CPU, where launching a step computes it. Also
+    how long the host took to launch it: on a GPU, time the device may wait for the step's next launch."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.launched_at = time.perf_counter()
         if self.cuda:
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record()
         else:
-            self.start = time.perf_counter()
+            self.start = self.launched_at
         self.end = None
+        self.launch_seconds = 0.0
 
     def stop(self) -> None:
         if self.cuda:
             self.end = torch.cuda.Event(enable_timing=True)
             self.end.record()
-        else:
-            self.end = time.perf_counter()
+        now = time.perf_counter()
+        if not self.cuda:
+            self.end = now
+        self.launch_seconds = now - self.launched_at
 
     def seconds(self) -> float:
         """Once the step's tokens are on the host (its last operation is then done or nearly)."""

@@ -40,8 +40,8 @@ from .step_budget import StepBudget
 from .text import IncrementalDetokenizer, PromptTooLong, StopMatcher, TextTokenizer
 
 log = logging.getLogger(__name__)
-# One line per step at DEBUG (`deltaserve serve --log-steps`): what it carried, its time, and how long the devices
-# waited for the host to hand it over, for reading an ITL tail or a host-bound loop.
+# One line per step at DEBUG (`deltaserve serve --log-steps`): what it carried, its time, how long rank 0's host took
+# to launch it and the devices waited for the host to hand it over, for reading an ITL tail or a host-bound loop.
 steps_log = logging.getLogger("deltaserve.steps")
 
 _INLINE_TOKENIZE_CHARS = 16_384  # shorter texts tokenise in well under a millisecond: not worth a thread hop
@@ -567,10 +567,11 @@ class AsyncEngine:
         self.metrics.step_seconds.observe(seconds)
         self.scheduler.step_budget.observe(plan.bucket, prompt_tokens, device)
         if steps_log.isEnabledFor(logging.DEBUG):
+            launch = result.launch_seconds if result is not None else 0.0
             steps_log.debug("%d decode rows (bucket %d%s), %d prompt tokens in %d chunks (budget %d): %.2f ms on "
-                            "the device, %.2f ms seen by the host%s", len(plan.decode_ids), plan.bucket,
-                            ", speculative" if plan.speculate else "", prompt_tokens, len(plan.prefill),
-                            plan.prompt_budget, device * 1e3, seconds * 1e3,
+                            "the device, %.2f ms seen by the host, launched in %.2f ms%s", len(plan.decode_ids),
+                            plan.bucket, ", speculative" if plan.speculate else "", prompt_tokens, len(plan.prefill),
+                            plan.prompt_budget, device * 1e3, seconds * 1e3, launch * 1e3,
                             "" if idle is None else f", devices idle {idle * 1e3:.2f} ms before it")
         if self.speculative and plan.decode_ids and not plan.prefill and result is not None:
             rows = len(plan.decode_ids)

@@ -468,6 +468,8 @@ def test_step_log_names_what_each_step_carried(tiny_ckpt, caplog, overlap):
     assert all(("devices idle" in line) == overlap for line in lines[1:]) and "devices idle" not in lines[0]
     device_ms = [float(line.split(": ")[1].split(" ms on the device")[0]) for line in lines]
     assert all(ms > 0 for ms in device_ms)  # rank 0 timed each step (on the CPU: its launch computes it)
+    launch_ms = [float(line.split("launched in ")[1].split(" ms")[0]) for line in lines]
+    assert all(0 < launch <= device for launch, device in zip(launch_ms, device_ms))
 
 
 def test_bench_engine_overhead_runs_its_instant_device_through_the_overlapped_loop(tiny_ckpt):
