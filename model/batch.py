@@ -288,8 +288,10 @@ class PrefillInputs:
         put("last_token", [e - 1 for e in cu[1:]] + [bucket - 1] * (empty + 1))  # padding rows: never read
         cu += [bucket] * (empty + 1)
         put("cu_seqlens", cu)
-        table = [p for c in chunks for p in c.pages + [self.trash_page] * (self.width - len(c.pages))]
-        put("page_table", table + [self.trash_page] * (R * self.width - len(table)))
+        table = torch.full((R, self.width), self.trash_page, dtype=torch.int32)  # long contexts: wide rows
+        for i, c in enumerate(chunks):
+            table[i, : len(c.pages)] = torch.as_tensor(c.pages, dtype=torch.int32)
+        put("page_table", table.view(-1))
         spans, first = GdnChunks.layout(cu)
         spans += [bucket, bucket] * (self.chunks(bucket) - first[-1])
         first[-1] = self.chunks(bucket)
