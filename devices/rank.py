@@ -551,7 +551,7 @@ class LaunchedStep:
 class StepClock:
     """A step's time on its device: CUDA events around what it queues on the rank's stream (the step's own time,
     wherever the host is meanwhile), or the host's clock on the CPU, where launching a step computes it. Also
-    how long the host took to launch it: on a GPU, time the device may wait for the step's next launch."""
+    how long the host took to launch it (on a GPU the device may idle for part of that)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
