@@ -327,11 +327,13 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, ga
 
 
 @triton.jit(do_not_specialize=["R", "table_width"])  # they change every step: one compiled variant for all
-def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, R, NH, NKV, table_width,
-                         q_row_stride, scale, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                         PRECISION: tl.constexpr):
-    p, head = tl.program_id(0), tl.program_id(1)
+def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, part_o_ptr, part_ml_ptr, R, NH,
+                         NKV, table_width, q_row_stride, scale, GROUP: tl.constexpr, D: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+    """SPLITS > 1: program (block, head, split) covers the split's share of the block's keys and stores its
+    unnormalised output and (max, sum) in natural-log units into the parts, which `_merge_splits_kernel` adds."""
+    p, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rs = tl.arange(0, BLOCK_R)
     first_block = tl.load(cu_ptr + rs, mask=rs < R, other=0) // BLOCK_M + rs
     r = tl.sum(((first_block <= p) & (rs < R)).to(tl.int32), 0) - 1
@@ -351,7 +353,11 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         kv_end = ctx + tl.minimum(q0 + BLOCK_M, stop) - start  # keys past the block's last query are masked anyway
-        for n0 in range(0, kv_end, BLOCK_N):
+        share = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_N) * BLOCK_N
+        kv_start = split * share
+        if SPLITS > 1:
+            kv_end = tl.minimum(kv_end, kv_start + share)
+        for n0 in range(kv_start, kv_end, BLOCK_N):
             k_pos = n0 + tl.arange(0, BLOCK_N)
             k_live = k_pos < kv_end
             page = tl.load(table_ptr + r.to(tl.int64) * table_width + k_pos // PAGE, mask=k_live, other=0).to(tl.int64)
@@ -363,31 +369,50 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_live[None, :]
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
-            alpha = tl.exp2(m_i - m_new)
-            probs = tl.exp2(scores - m_new[:, None])
+            m_use = m_new
+            if SPLITS > 1:  # a split's keys may all lie after a query (no split but the first sees key 0)
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            probs = tl.exp2(scores - m_use[:, None])
             l_i = l_i * alpha + tl.sum(probs, 1)
             acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + (m_idx.to(tl.int64)[:, None] * NH + head) * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=q_live[:, None] & dmask[None, :])
+        if SPLITS > 1:
+            base = (m_idx.to(tl.int64) * NH + head) * SPLITS + split
+            tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=q_live[:, None] & dmask[None, :])
+            tl.store(part_ml_ptr + base * 2, m_i * 0.6931471805599453, mask=q_live)  # log2 units to natural
+            tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=q_live)
+        else:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + (m_idx.to(tl.int64)[:, None] * NH + head) * D + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=q_live[:, None] & dmask[None, :])
 
 
 def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale: float,
-                      cfg: KernelConfig = DEFAULT, config=None):
+                      cfg: KernelConfig = DEFAULT, config=None, splits: int | None = None):
     """Same contract as prefill_attention_reference; no host synchronisation, no score matrix in memory.
-    `config` overrides cfg.prefill_attention_tile (the benchmark sweeps it)."""
+    `config` overrides cfg.prefill_attention_tile (the benchmark sweeps it), `splits` cfg.prefill_attention_splits:
+    each query block's keys shared out over that many programs (a chunk after a long cached context has too few
+    query blocks to fill the GPU), whose parts a second kernel merges."""
     T_, NH, D = q.shape
     NKV, PAGE = k_cache.shape[2], k_cache.shape[1]
     R = context_lens.shape[0]
+    splits = splits or cfg.prefill_attention_splits
     out = torch.empty(T_, NH, D, dtype=q.dtype, device=q.device)
+    part_o = part_ml = out  # unread with one split
+    if splits > 1:
+        part_o = torch.empty(T_, NH, splits, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(T_, NH, splits, 2, dtype=torch.float32, device=q.device)
     if q.stride(2) != 1 or q.stride(1) != D:
         q = q.contiguous()
     block_m, block_n, warps, stages = config or (
         cfg.prefill_attention_tile_fp32 if q.dtype == torch.float32 else cfg.prefill_attention_tile)
-    _prefill_attn_kernel[(T_ // block_m + R, NH)](
-        q, k_cache, v_cache, page_table, cu_seqlens, context_lens, out, R, NH, NKV, page_table.shape[1],
-        q.stride(0), scale * 1.4426950408889634, GROUP=NH // NKV, D=D, PAGE=PAGE, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=_pow2(D), BLOCK_R=max(16, _pow2(R + 1)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages)
+    _prefill_attn_kernel[(T_ // block_m + R, NH, splits)](
+        q, k_cache, v_cache, page_table, cu_seqlens, context_lens, out, part_o, part_ml, R, NH, NKV,
+        page_table.shape[1], q.stride(0), scale * 1.4426950408889634, GROUP=NH // NKV, D=D, PAGE=PAGE,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(D), BLOCK_R=max(16, _pow2(R + 1)),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, num_warps=warps, num_stages=stages)
+    if splits > 1:
+        _merge_splits_kernel[(T_ * NH,)](part_o, part_ml, out, out, NH, 0, 0, D=D, SPLITS=splits, HAS_GATE=False,
+                                         BLOCK_S=_pow2(splits), BLOCK_D=_pow2(D))
     return out

@@ -85,6 +85,10 @@ class KernelConfig:
     # model's tiles are twice the bytes: (128, 64, 8, 3) asked for 289 KB of shared memory (an H100 has 227 KB).
     prefill_attention_tile: tuple[int, int, int, int] = (128, 64, 8, 3)
     prefill_attention_tile_fp32: tuple[int, int, int, int] = (32, 32, 4, 2)
+    # Programs each query block's keys are shared out over (a second kernel merges them). A chunk after a long
+    # cached context (a chat's later turn) has few query blocks, each over the whole context: 160 programs, two
+    # waves on 132 SMs for a 1025-token chunk at 4B. 1 until measured (`bench_kernels --only prefill`).
+    prefill_attention_splits: int = 1
 
     # Chunked GDN prefill, prep kernel (warps, stages, column block, register cap). Uncapped it takes 255 registers
     # a thread, two programs an SM; 168 lets three programs of four warps share the 64K registers, and the little it

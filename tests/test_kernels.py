@@ -195,8 +195,10 @@ def test_chunked_gdn_reference_matches_the_recurrence():
     assert rel(o2, o1) <= REDUCTION and rel(s2, s1) <= REDUCTION
 
 
-@pytest.mark.parametrize("nh,nkv,D", [(6, 2, 32), (4, 4, 16), (8, 1, 64)])
-def test_prefill_attention_over_paged_context(nh, nkv, D):
+@pytest.mark.parametrize("nh,nkv,D,splits", [(6, 2, 32, 1), (4, 4, 16, 1), (8, 1, 64, 1), (6, 2, 32, 3)])
+def test_prefill_attention_over_paged_context(nh, nkv, D, splits):
+    """splits: each query block's keys over that many programs, merged after (some splits of a short block have
+    no keys at all)."""
     pages = 60
     kc, vc = randn(pages + 1, 16, nkv, D), randn(pages + 1, 16, nkv, D)
     lens, contexts = [5, 130, 17, 1], [0, 33, 64, 200]  # several query and key blocks; chunks after cached pages
@@ -206,7 +208,7 @@ def test_prefill_attention_over_paged_context(nh, nkv, D):
     table[0, 1:] = pages  # unused entries point at the trash page
     ctx = torch.tensor(contexts, device=DEVICE)
     with poisoned_outputs():
-        got = attention.prefill_attention(q, kc, vc, table, cu, ctx, D**-0.5)
+        got = attention.prefill_attention(q, kc, vc, table, cu, ctx, D**-0.5, splits=splits)
     assert rel(got, attention.prefill_attention_reference(q, kc, vc, table, cu, ctx, D**-0.5)) <= REDUCTION
 
 

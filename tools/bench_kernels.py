@@ -504,6 +504,24 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
                      f"K/V) {t_sdpa * 1e6:.0f} us = {t_sdpa / t:.2f}x ours"))
         del kc3, vc3
 
+    # A chat's later turn: a 1025-token chunk after 7.6k cached tokens, its keys shared out over 1, 2 or 4 programs
+    # a query block (`KernelConfig.prefill_attention_splits`); and a fresh 1024-token prompt, what splitting costs.
+    for n_new, ctx_len in ((1025, 7616), (1024, 0)):
+        total = ctx_len + n_new
+        kc3 = torch.randn(total // 16 + 1, 16, nkv, D, device=dev, dtype=bf)
+        vc3 = torch.randn_like(kc3)
+        qp = torch.randn(n_new, nh, D, device=dev, dtype=bf)
+        table3 = torch.arange(total // 16 + 1, device=dev, dtype=torch.int32)[None]
+        cu3 = torch.tensor([0, n_new], device=dev, dtype=torch.int32)
+        ctx3 = torch.tensor([ctx_len], device=dev)
+        fl = 4 * nh * D * (n_new * ctx_len + n_new * n_new / 2)
+        times = {splits: bench(lambda: attention.prefill_attention(qp, kc3, vc3, table3, cu3, ctx3, D**-0.5,
+                                                                    splits=splits)) for splits in (1, 2, 4)}
+        for splits, t in times.items():
+            rows.append((f"prefill_attention, keys over {splits} programs a block", f"{n_new} tokens after {ctx_len} "
+                         f"cached", t, f"{fl / t / 1e12:.0f} TFLOP/s", f"{times[1] / t:.2f}x one program"))
+        del kc3, vc3
+
     mixed_long = torch.randn(L, C, device=dev, dtype=bf)
     conv_pool = torch.randn(3, 3, C, device=dev, dtype=bf)
     cu1, slot1 = torch.tensor([0, L], device=dev, dtype=torch.int32), torch.tensor([1], device=dev)

@@ -16,7 +16,7 @@
 # fewrows #30: the few-row kernel's tile sweep, then the batch-8 decode step with it and without it
 # mixed   #30: what a prompt chunk adds to a step of 60 decode rows (tools/lab/profile_mixed_step.py)
 # turn    #31: a chat turn's prefill (1024 tokens) after cached prefixes of 0 and 7.6k tokens, with the kernels
-#         that take the GPU time (what grows with the prefix)
+#         that take the GPU time (what grows with the prefix); prefill attention with the keys split 1, 2, 4 ways
 # fp8     #33: the FP8 kernels' tests and the accuracy gate at the 9B and 27B widths, the FP8 projections per
 #         shape, then the 27B decode step with FP8 projections (batch 1 and 64) against bf16 (batch 1; the FP8
 #         floor counts the FP8 bytes), the 9B's at batch 1, and an 8k-token 27B prefill with FP8 and bf16 weights
@@ -62,7 +62,9 @@ for stage in ${STAGES//,/ }; do
         timeout 100 python3 -m deltaserve.tools.lab.profile_prefill --size 4b --tokens 1024 --prefix $prefix \
             --repeats 3 > "$DIR/turn-prefix-$prefix.txt" 2>&1
         grep -E "^\| [0-9]|most GPU time" "$DIR/turn-prefix-$prefix.txt" | sed "s/^/prefix $prefix: /"
-      done ;;
+      done
+      timeout 150 python3 -m deltaserve.tools.bench_kernels --size 4b --only prefill > "$DIR/prefill-kernels.md" 2>&1
+      grep "keys over" "$DIR/prefill-kernels.md" ;;  # the split-context attention against one program a block
     fp8)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py -o log_cli=true \
           --log-cli-level=INFO -k "w8a16 or w8a8 or fp8" > "$DIR/fp8-tests.log" 2>&1
