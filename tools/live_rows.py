@@ -42,7 +42,7 @@ def snapshot(state):
     device has free once the engine planned its memory. Layer by layer: a slot range of one layer is contiguous,
     so nothing is staged on the device."""
     n = state.num_slots
-    return [torch.stack([layer[:n].to("cpu", copy=True) for layer in pool]) for pool in (state.conv, state.ssm)]
+    return [[layer[:n].to("cpu", copy=True) for layer in pool] for pool in (state.conv, state.ssm)]
 
 
 def restore(state, saved) -> None:
