@@ -1,6 +1,7 @@
 """The asyncio engine end to end on the CPU device with a tiny checkpoint."""
 
 import asyncio
+import gc
 import logging
 import time
 
@@ -128,6 +129,23 @@ def test_64_concurrent_streams_with_cancellations_free_everything(tiny_ckpt):
             continue
         assert r.finished and r.finish_reason == "length"
         assert len(r.token_ids) == 4 + (i * 7) % 29
+
+
+def test_a_ready_engine_keeps_its_start_up_objects_out_of_full_collections(tiny_ckpt):
+    """A full collection walking the weights, modules and graphs would stall the event loop for ~0.1-0.2 s; they are
+    frozen once the engine is ready, and thawed when the last engine closes."""
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt)) as first:
+            frozen = gc.get_freeze_count()
+            async with AsyncEngine(engine_args(tiny_ckpt)):
+                both = gc.get_freeze_count()
+            out = await collect(first.generate([1, 2, 3], SamplingParams(max_tokens=2, **GREEDY)))
+            return frozen, both, gc.get_freeze_count(), out
+
+    assert gc.get_freeze_count() == 0
+    frozen, both, after_second, out = run(main())
+    assert frozen > 10_000 and both > frozen and after_second > frozen // 2  # the first engine is still up
+    assert out.num_tokens == 2 and gc.get_freeze_count() == 0
 
 
 def test_each_step_is_handed_over_before_the_last_steps_outputs_are_made(tiny_ckpt):
