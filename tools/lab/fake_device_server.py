@@ -34,9 +34,13 @@ class FakeDevice:
         self.real, self.step_s, self.steps = real, step_s, 0
         self._last: asyncio.Future | None = None
 
-    def start_step(self, cmd, overlapped: bool = False) -> asyncio.Future:
-        self._last = asyncio.ensure_future(self._run(cmd, self._last))
-        return self._last
+    def start_step(self, cmd, overlapped: bool = False):
+        step = self._last = asyncio.ensure_future(self._run(cmd, self._last))
+        return self._result(step)  # a coroutine, as the replica returns: the engine closes one it won't await
+
+    @staticmethod
+    async def _result(step: asyncio.Future) -> StepResult:
+        return await step
 
     async def _run(self, cmd, before: asyncio.Future | None) -> StepResult:
         if before is not None:
