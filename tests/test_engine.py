@@ -519,3 +519,15 @@ def test_the_fake_device_server_s_engine_runs_steps_back_to_back_at_its_step_tim
     outs, elapsed, steps = run(main())
     assert all(o.num_tokens == 20 and o.finish_reason == "length" for o in outs)
     assert steps >= 20 and elapsed >= 20 * 3e-3
+
+
+def test_the_fake_device_models_a_step_from_its_rows_and_prompt_tokens():
+    """fake_device_server's cost model, which the throughput it predicts rests on: decode linear in the rows, a
+    step's prompt tokens adding a fixed pass and a cost a token; without a per-token cost, every step one time."""
+    from deltaserve.tools.lab.fake_device_server import StepCost
+
+    cost = StepCost(one_row_s=2.0, full_s=8.0, max_rows=4, token_s=0.5, prefill_s=3.0)
+    assert [cost.seconds(rows, 0) for rows in (0, 1, 2, 4)] == [0.0, 2.0, 4.0, 8.0]
+    assert cost.seconds(0, 10) == 3.0 + 5.0 and cost.seconds(4, 10) == 8.0 + 3.0 + 5.0
+    flat = StepCost(one_row_s=3.0)
+    assert flat.seconds(1, 0) == flat.seconds(7, 0) == flat.seconds(0, 100) == flat.seconds(2, 50) == 3.0
