@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from deltaserve.kernels.fp8 import Fp8Weight
-from deltaserve.model.batch import (DecodeBatch, PrefillBatch, PrefillChunk, PrefillInputs, VerifyBatch, select_rows,
-                                    upload)
+from deltaserve.model.batch import (DecodeBatch, MixedBatch, PrefillBatch, PrefillChunk, PrefillInputs, VerifyBatch,
+                                    select_rows, upload)
 from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.state import ModelState
 from deltaserve.model.weights import fp8_copy
@@ -148,12 +148,15 @@ class RankRuntime:
         acceptance: tuple[float, ...] | None = None,
         speculate_up_to: int | None = None,
         draft_head: "torch.Tensor | Fp8Weight | None" = None,
+        fuse_mixed_steps: bool = False,
     ) -> None:
         """With speculation (state.verify_steps > 0): decode steps of at most `speculate_up_to` rows (None: any)
         may draft and verify (`StepCommand.speculate`); acceptance: benchmarks' emulated draft acceptance
         (`EngineArgs.speculative_acceptance`); draft_head: what the drafts read in place of lm_head
-        (`draft_head()`; None: lm_head)."""
+        (`draft_head()`; None: lm_head). fuse_mixed_steps: a step's decode rows and prompt chunks run as one eager
+        forward (`MixedBatch`), not the decode graph then the prefill (without speculation)."""
         self.model, self.state, self.rank, self.max_batch, self.tp = model, state, rank, max_batch, tp
+        self.fuse_mixed_steps = fuse_mixed_steps
         self.acceptance = acceptance
         self.speculate_up_to = max_batch if speculate_up_to is None else speculate_up_to
         self.device = device
@@ -322,6 +325,7 @@ class RankRuntime:
             self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
             if self.speculation:
                 self.speculation.fill(cmd, self.state.verify_steps + 1)
+        fused = self.fuse_mixed_steps and bool(n and cmd.prefill) and not cmd.speculate and self.speculation is None
         if cmd.speculate:
             decode_draw, speculation = self._speculative_decode(cmd, replay)
         elif n:
@@ -333,14 +337,10 @@ class RankRuntime:
                 if self.tp > 1:  # rank 0's tokens to every rank, on the device: a sum with zeros from the others
                     self.model.all_reduce(self.last_tokens if self.rank == 0 else self.last_tokens.zero_())
                 self.inputs.take_unknown(self.last_tokens, cmd.bucket)
-            batch = self.inputs.batch(cmd.bucket)
-            if replay:
-                decode_logits = self.graphs(cmd.bucket)
-            else:
-                decode_logits = self._plain_decode(batch, cmd.bucket)
-            if self.sampling:  # queued behind the forward
-                setup = self.sampling.prepare(list(range(n)), cmd.decode_token_index, cmd.step_seed)
-                decode_draw = self.sampling.draw(decode_logits[:n], setup)
+            decode_batch = self.inputs.batch(cmd.bucket)
+            if not fused:  # else with the prompt chunks below
+                decode_logits = self.graphs(cmd.bucket) if replay else self._plain_decode(decode_batch, cmd.bucket)
+                decode_draw = self._draw_decode(cmd, decode_logits)
 
         # A prompt resuming after a cached prefix: its state and the KV of its partial page, before its chunk.
         for snapshot, slot in cmd.restore_snapshots:
@@ -352,8 +352,12 @@ class RankRuntime:
             self.state.copy_page(src, dst)
         if cmd.prefill:
             chunks = [PrefillChunk(p.token_ids, p.start, p.slot, p.pages) for p in cmd.prefill]
-            bucket = self._prefill_bucket(chunks)
-            if bucket:
+            bucket = 0 if fused else self._prefill_bucket(chunks)
+            if fused:
+                prefill = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
+                decode_logits, prefill_logits = self.model.mixed(self.state, MixedBatch.of(decode_batch, prefill))
+                decode_draw = self._draw_decode(cmd, decode_logits)
+            elif bucket:
                 for c in chunks:
                     if c.start == 0:
                         self.state.reset_slot(c.slot)
@@ -380,6 +384,14 @@ class RankRuntime:
         if queued:
             on_launched()
         return LaunchedStep(self, cmd, decode_draw, prefill_draw, speculation, clock) if self.sampling else None
+
+    def _draw_decode(self, cmd: StepCommand, logits: torch.Tensor):
+        """Rank 0 queues the decode rows' draw behind the forward (None elsewhere)."""
+        if not self.sampling:
+            return None
+        n = len(cmd.decode_tokens)
+        return self.sampling.draw(logits[:n], self.sampling.prepare(list(range(n)), cmd.decode_token_index,
+                                                                     cmd.step_seed))
 
     # Speculative decoding (k drafts a row) -----------------------------------------------------------------------
     def _head_inputs(self, cmd: StepCommand) -> tuple[list[int] | None, list[int] | None]:

@@ -68,6 +68,7 @@ class ReplicaSpec:
     speculative_draft_vocab: int = 0  # drafts among the first N token ids (0: all)
     speculative_fp8_draft_head: bool = False  # the drafts read an FP8 copy of lm_head (EngineArgs)
     fp8_kernels: bool = False  # FP8 checkpoints: weights kept in FP8 (EngineArgs.fp8_kernels)
+    fused_mixed_steps: bool = False  # decode rows and prompt chunks in one forward (EngineArgs.fused_mixed_steps)
     speculative_max_batch: int | None = None  # larger decode steps decode one token a row (None: none larger)
 
 
@@ -264,7 +265,7 @@ class Replica:
                 r.model, state, rank=rank, max_batch=plan.max_batch,
                 max_pages_per_seq=-(-(spec.max_model_len + k) // plan.page_size), device=r.backend.device,
                 tp=spec.tp, acceptance=spec.speculative_acceptance, speculate_up_to=spec.speculative_max_batch,
-                draft_head=r.draft_head,
+                draft_head=r.draft_head, fuse_mixed_steps=spec.fused_mixed_steps,
             )
             log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)
             if r.runtime.sampling:  # a speculative step draws k rows a request after the first

@@ -1,4 +1,4 @@
-"""Device-side inputs of one forward: packed prefill chunks, or one decode token per row.
+"""Device-side inputs of one forward: packed prefill chunks, one decode token per row, or both (a mixed step).
 
 Built from plain Python lists (what the scheduler hands the workers) by `PrefillBatch.build` and
 `DecodeBatch.build`; the tensors are what the ops read, the host lists what the reference ops loop over.
@@ -143,6 +143,32 @@ class DecodeBatch:
             seq_lens=t([p + 1 for p in positions]),
             slot_mapping=t(mapping),
         )
+
+
+@dataclass
+class MixedBatch:
+    """A step's decode rows and prompt chunks as one forward: the decode rows first, then the chunks' tokens. Each
+    projection reads the weights once for both (run apart, a step carrying a chunk reads them twice); the GDN and
+    attention cores run each part on its own kernels."""
+
+    decode: DecodeBatch
+    prefill: PrefillBatch
+    input_ids: torch.Tensor  # [N + T] long
+    positions: torch.Tensor  # [N + T] long
+    slot_mapping: torch.Tensor  # [N + T] long
+    logit_rows: torch.Tensor  # [N + R] long: every decode row, then each request's last token
+
+    @classmethod
+    def of(cls, decode: DecodeBatch, prefill: PrefillBatch) -> "MixedBatch":
+        n = decode.input_ids.shape[0]
+        rows = torch.cat([torch.arange(n, device=prefill.last_token.device), prefill.last_token + n])
+        return cls(decode, prefill, torch.cat([decode.input_ids, prefill.input_ids]),
+                   torch.cat([decode.positions, prefill.positions]),
+                   torch.cat([decode.slot_mapping, prefill.slot_mapping]), rows)
+
+    @property
+    def decode_rows(self) -> int:
+        return self.decode.input_ids.shape[0]
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.kernels.ops import ForwardOps, reference_ops
 
-from .batch import DecodeBatch, PrefillBatch, VerifyBatch
+from .batch import DecodeBatch, MixedBatch, PrefillBatch, VerifyBatch
 from .config import ModelConfig
 from .sharding import LocalSizes
 from .state import ModelState
@@ -168,23 +168,35 @@ class Qwen35Shard:
         return self.all_reduce(self.ops.linear(normed.reshape(T, -1), self.w[la + "out_proj.weight"]))
 
     def _gdn_prefill(self, x, residual, p, state: ModelState, batch: PrefillBatch, j: int):
-        cfg, w, la = self.cfg, self.w, p + "linear_attn."
         mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
+        return self._gdn_output(self._gdn_prefill_core(mixed, a, b, p, state, batch, j), z, p), residual
+
+    def _gdn_prefill_core(self, mixed, a, b, p, state: ModelState, batch: PrefillBatch, j: int) -> torch.Tensor:
+        cfg, w, la = self.cfg, self.w, p + "linear_attn."
         mixed = self.ops.conv1d_prefill(mixed, w[la + "conv1d.weight"], state.conv[j], batch.cu_seqlens, batch.slots)
-        o = self.ops.gdn_prefill(
+        return self.ops.gdn_prefill(
             mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], batch.cu_seqlens, batch.slots,
             self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, batch.gdn_chunks,
         )
-        return self._gdn_output(o, z, p), residual
 
     def _gdn_decode(self, x, residual, p, state: ModelState, batch: DecodeBatch, j: int):
-        cfg, w, la = self.cfg, self.w, p + "linear_attn."
         mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
+        return self._gdn_output(self._gdn_decode_core(mixed, a, b, p, state, batch, j), z, p), residual
+
+    def _gdn_decode_core(self, mixed, a, b, p, state: ModelState, batch: DecodeBatch, j: int) -> torch.Tensor:
+        cfg, w, la = self.cfg, self.w, p + "linear_attn."
         mixed = self.ops.conv1d_decode(mixed, w[la + "conv1d.weight"], state.conv[j], batch.slots)
-        o = self.ops.gdn_decode(
+        return self.ops.gdn_decode(
             mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], batch.slots,
             self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
         )
+
+    def _gdn_mixed(self, x, residual, p, state: ModelState, batch: MixedBatch, j: int):
+        """One projection for the step's decode rows and prompt tokens, then each part's own recurrence."""
+        mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
+        n = batch.decode_rows
+        o = torch.cat([self._gdn_decode_core(mixed[:n], a[:n], b[:n], p, state, batch.decode, j),
+                       self._gdn_prefill_core(mixed[n:], a[n:], b[n:], p, state, batch.prefill, j)])
         return self._gdn_output(o, z, p), residual
 
     def _gdn_verify(self, x, residual, p, state: ModelState, batch: VerifyBatch, j: int):
@@ -219,20 +231,34 @@ class Qwen35Shard:
 
     def _attn_prefill(self, x, residual, p, state: ModelState, batch: PrefillBatch, j: int):
         q, gate, residual = self._attn_inputs(x, residual, p, state, j, batch.positions, batch.slot_mapping)
+        return self._attn_output(self._attn_prefill_core(q, gate, state, batch, j), p), residual
+
+    def _attn_prefill_core(self, q, gate, state: ModelState, batch: PrefillBatch, j: int) -> torch.Tensor:
         o = self.ops.prefill_attention(
             q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.cu_seqlens, batch.context_lens, self.scale
         )
-        return self._attn_output(self.ops.apply_output_gate(o, gate), p), residual
+        return self.ops.apply_output_gate(o, gate)
 
     def _attn_decode(self, x, residual, p, state: ModelState, batch: DecodeBatch, j: int):
         q, gate, residual = self._attn_inputs(x, residual, p, state, j, batch.positions, batch.slot_mapping)
-        o = self.ops.decode_attention(  # the sigmoid output gate is applied inside
+        return self._attn_output(self._attn_decode_core(q, gate, state, batch, j), p), residual
+
+    def _attn_decode_core(self, q, gate, state: ModelState, batch: DecodeBatch, j: int) -> torch.Tensor:
+        return self.ops.decode_attention(  # the sigmoid output gate is applied inside
             q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.seq_lens, self.scale, gate
         )
+
+    def _attn_mixed(self, x, residual, p, state: ModelState, batch: MixedBatch, j: int):
+        """One q/k/v projection (and K/V write) for the step's decode rows and prompt tokens, then each part's own
+        attention kernel."""
+        q, gate, residual = self._attn_inputs(x, residual, p, state, j, batch.positions, batch.slot_mapping)
+        n = batch.decode_rows
+        o = torch.cat([self._attn_decode_core(q[:n], gate[:n], state, batch.decode, j).reshape(n, -1),
+                       self._attn_prefill_core(q[n:], gate[n:], state, batch.prefill, j).reshape(q.shape[0] - n, -1)])
         return self._attn_output(o, p), residual
 
     # Whole model --------------------------------------------------------------------------------------------------
-    def _run(self, input_ids, state, batch: PrefillBatch | DecodeBatch | VerifyBatch) -> torch.Tensor:
+    def _run(self, input_ids, state, batch: PrefillBatch | DecodeBatch | VerifyBatch | MixedBatch) -> torch.Tensor:
         """The final-normed hidden state of every token: what lm_head reads, and what the MTP head takes."""
         cfg, w, ops = self.cfg, self.w, self.ops
         x = w["embed_tokens.weight"][input_ids]
@@ -253,6 +279,8 @@ class Qwen35Shard:
 
     def _mixers(self, batch):
         """(attention, GDN) layer functions for the batch's kind."""
+        if isinstance(batch, MixedBatch):
+            return self._attn_mixed, self._gdn_mixed
         if isinstance(batch, PrefillBatch):
             return self._attn_prefill, self._gdn_prefill
         if isinstance(batch, VerifyBatch):  # attention: a decode row a token, each over its own prefix
@@ -278,6 +306,16 @@ class Qwen35Shard:
         """Run packed chunks; logits [R, V] at each request's last token (or [T, V] for every token)."""
         hidden = self.prefill_hidden(state, batch)
         return self.logits(hidden if all_logits else hidden[batch.last_token])
+
+    @torch.inference_mode()
+    def mixed(self, state: ModelState, batch: MixedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's decode rows and prompt chunks in one forward: (logits [N, V] of the decode rows, logits [R, V]
+        at each request's last token), as `decode` and `prefill` would give them run one after the other."""
+        if batch.prefill.fresh_slots.numel():
+            state.reset_slots(batch.prefill.fresh_slots)
+        logits = self.logits(self._run(batch.input_ids, state, batch)[batch.logit_rows])
+        n = batch.decode_rows
+        return logits[:n], logits[n:]
 
     @torch.inference_mode()
     def decode_hidden(self, state: ModelState, batch: DecodeBatch) -> torch.Tensor:

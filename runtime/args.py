@@ -23,6 +23,10 @@ class EngineArgs:
     # With graphs, prefill steps of up to this many tokens replay a graph (captured at 16, 32, 64, 128, every 64
     # tokens to 512, then every 128): a 512-token prefill's TTFT fell from 29.8 to 12.4 ms (H100, run S2); 0: none.
     prefill_graph_tokens: int = 2048
+    # A step carrying prompt chunks beside decode rows runs them as one forward (each projection reads the weights
+    # once, not once for the decode graph and again for the prefill), eagerly; off: the decode graph, then the
+    # prefill. Without speculation only. Off until measured on a GPU (`gpu_session.sh` stage fused).
+    fused_mixed_steps: bool = False
     seed: int = 0
     prefill_token_budget: int = 2048  # prompt tokens per step at most (chunked prefill)
     # A step carrying prompt tokens beside decode rows takes at most this many times a decode-only step (the
@@ -118,6 +122,8 @@ class EngineArgs:
         if isinstance(self.speculative_draft_vocab, bool) or not isinstance(self.speculative_draft_vocab, int) or \
                 self.speculative_draft_vocab < 0:
             raise ValueError(f"speculative_draft_vocab must be an integer >= 0, got {self.speculative_draft_vocab!r}")
+        if not isinstance(self.fused_mixed_steps, bool):
+            raise ValueError(f"fused_mixed_steps must be True or False, got {self.fused_mixed_steps!r}")
         if not isinstance(self.fp8_kernels, bool):
             raise ValueError(f"fp8_kernels must be True or False, got {self.fp8_kernels!r}")
         if not isinstance(self.speculative_fp8_draft_head, bool):

@@ -129,6 +129,10 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--prefill-graph-tokens", type=_int_in(0), metavar="N", default=defaults.prefill_graph_tokens,
                         help="prefill steps of up to N tokens replay CUDA graphs captured at 16, 32, 64, 128, every "
                              "64 tokens to 512, then every 128, instead of launching ~450 kernels from Python (0: none)")
+    parser.add_argument("--fused-mixed-steps", action=argparse.BooleanOptionalAction,
+                        default=defaults.fused_mixed_steps,
+                        help="a step carrying prompt chunks beside decode rows runs both in one eager forward, reading "
+                             "the weights once (default: off, the decode graph then the prefill)")
     parser.add_argument("--speculative-tokens", type=_int_in(0, MAX_SPECULATIVE_TOKENS), metavar="K", default=None,
                         help="speculative decoding: K tokens drafted a step by the checkpoint's MTP head and verified "
                              "in one forward (default 0: off)")
@@ -265,7 +269,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         speculative_tokens=speculative_tokens(ns), speculative_acceptance=ns.speculative_acceptance,
         speculative_max_batch=ns.speculative_max_batch, speculative_adaptive=ns.speculative_adaptive,
         speculative_draft_vocab=ns.speculative_draft_vocab, speculative_fp8_draft_head=ns.speculative_fp8_draft_head,
-        fp8_kernels=ns.fp8_kernels,
+        fp8_kernels=ns.fp8_kernels, fused_mixed_steps=ns.fused_mixed_steps,
     )
 
 

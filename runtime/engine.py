@@ -234,6 +234,8 @@ class AsyncEngine:
             log.info("speculative decoding: %d tokens drafted a step by the MTP head (%s); speculative steps run "
                      "without overlap scheduling", self.speculative,
                      "where it is measured to pay" if args.speculative_adaptive else "every step")
+            if args.fused_mixed_steps:
+                log.warning("fused_mixed_steps does nothing with speculative decoding: its mixed steps run apart")
         elif args.speculative_draft_vocab:
             log.warning("speculative_draft_vocab is set without speculative_tokens: it does nothing")
         spec = ReplicaSpec(
@@ -244,6 +246,7 @@ class AsyncEngine:
             speculative_acceptance=args.speculative_acceptance, speculative_max_batch=args.speculative_max_batch,
             speculative_draft_vocab=args.speculative_draft_vocab,
             speculative_fp8_draft_head=args.speculative_fp8_draft_head, fp8_kernels=args.fp8_kernels,
+            fused_mixed_steps=args.fused_mixed_steps,
             memory_fraction=args.memory_fraction, cpu_memory_bytes=args.cpu_memory_bytes,
             step_timeout_s=args.step_timeout_s, capture_timeout_s=args.capture_timeout_s, use_nccl=args.use_nccl,
             random_weights=args.load_format == "random", seed=args.seed, kernel_config=args.kernel_config,

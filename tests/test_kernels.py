@@ -279,6 +279,43 @@ def test_the_forward_on_triton_ops_matches_the_reference_forward(tiny_ckpt):
         positions = {s: p + 1 for s, p in positions.items()}
 
 
+@pytest.mark.parametrize("ops", ["reference", "triton"])
+def test_a_mixed_step_in_one_forward_equals_its_decode_then_its_prefill(tiny_ckpt, ops):
+    """The decode rows and the prompt chunks of a step share one pass over the weights (`MixedBatch`): the logits,
+    and every GDN, conv and KV state after it, are what the decode then the prefill give, on either ops."""
+    from helpers import CpuRunner
+
+    from deltaserve.model.batch import MixedBatch, PrefillBatch, PrefillChunk
+
+    if DEVICE != "cpu" and ops == "reference":
+        pytest.skip("the reference ops on the CPU are CI's")
+    apart, together = CpuRunner(tiny_ckpt, device=DEVICE), CpuRunner(tiny_ckpt, device=DEVICE)
+    for runner in (apart, together):
+        if ops == "triton":
+            runner.model.ops = triton_ops()
+        runner.prefill({0: list(range(3, 40)), 1: [7, 8, 9], 2: list(range(100, 120))})  # three decoding requests
+        runner.prefill({4: list(range(200, 230))})  # a prompt half done: its next chunk resumes at 30
+
+    def step(runner):
+        decode = runner.decode_batch({0: 5, 1: 6, 2: 11}, {0: 37, 1: 3, 2: 20})
+        chunks = [PrefillChunk(list(range(230, 251)), 30, 4, runner._ensure_pages(4, 51)),
+                  PrefillChunk([9, 10, 11, 12, 13], 0, 5, runner._ensure_pages(5, 5))]  # a fresh prompt
+        return decode, PrefillBatch.build(chunks, 16, runner.state.trash_page, DEVICE)
+
+    decode, prefill = step(apart)
+    want_decode = apart.model.decode(apart.state, decode)
+    want_prefill = apart.model.prefill(apart.state, prefill)
+    got_decode, got_prefill = together.model.mixed(together.state, MixedBatch.of(*step(together)))
+    tolerance = 1e-5 if ops == "reference" else REDUCTION
+    vocab = want_decode.shape[1]
+    assert got_decode.shape == (3, vocab) and got_prefill.shape == want_prefill.shape == (2, vocab)
+    assert rel(got_decode, want_decode) <= tolerance and rel(got_prefill, want_prefill) <= tolerance
+    for name in ("conv", "ssm", "k_cache", "v_cache"):
+        assert len(getattr(together.state, name)) > 0
+        for got, want in zip(getattr(together.state, name), getattr(apart.state, name)):
+            assert rel(got, want) <= tolerance, name
+
+
 def _packed_gdn_requests(hk, hv, dk, dv):
     lens = [1, 64, 150, 37]
     T_ = sum(lens)

@@ -154,3 +154,32 @@ def test_rank_memory_for_the_27b_geometry_at_tp2():
     # KV page: 16 tokens x kv_heads/tp x head_dim, K and V, bf16
     assert sizes.kv_bytes_per_page == n_attn * 2 * 16 * (4 // 2) * 256 * 2
     assert sizes.ssm_bytes_per_slot == 75_497_472  # 72 MiB of recurrent state per request per rank
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_mixed_steps_change_no_output(tiny_tp_ckpt, tp, monkeypatch):
+    """Decode rows and prompt chunks in one forward (`fused_mixed_steps`) give the tokens they give apart: prompts
+    arrive while others decode, chunked (a budget of 24 tokens a step), some resuming after a cached prefix."""
+    from deltaserve.model.forward import Qwen35Shard
+
+    fused_steps = []
+    mixed = Qwen35Shard.mixed
+    monkeypatch.setattr(Qwen35Shard, "mixed", lambda self, *a: fused_steps.append(1) or mixed(self, *a))
+    shared = [11 + j % 50 for j in range(40)]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    longer = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    async def generate(fused):
+        args = EngineArgs(model=tiny_tp_ckpt, tp=tp, max_model_len=256, max_batch=8, cpu_memory_bytes=16 << 20,
+                          prefill_token_budget=24, step_latency_ratio=0, fused_mixed_steps=fused)
+        async with AsyncEngine(args) as engine:
+            first = [engine.generate([7 + i, 40, 3 * i + 1], longer) for i in range(3)]
+            heads = [await stream.__anext__() for stream in first]  # decoding, while the rest prefill beside them
+            later = [_collect(engine.generate(shared + [60 + i] * (i + 1), greedy)) for i in range(4)]
+            outs = await asyncio.gather(*map(_collect, first), *later)
+            return [h.token_ids for h in heads] + [o.token_ids for o in outs]
+
+    apart = asyncio.run(generate(False))
+    assert not fused_steps
+    together = asyncio.run(generate(True))
+    assert len(fused_steps) >= 4 and together == apart

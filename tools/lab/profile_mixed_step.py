@@ -4,7 +4,7 @@ load). Per window: the steps' device time (`StepResult.device_seconds`), the GPU
 the kernels whose time a step grew most from the first window to the second.
 
     python -m deltaserve.tools.lab.profile_mixed_step --size 4b [--layers N] [--rows 60] [--prompt 256]
-        [--chunks 4] [--steps 40]
+        [--chunks 4] [--steps 40] [--fused-mixed-steps]
 
 A mixed step's device time far above its kernels' busy time is the device waiting for the host inside the step;
 kernels grown by more than the chunk's own prefill are the chunk's interference with the decode rows. Random bf16
@@ -107,7 +107,7 @@ async def run(ns) -> None:
         write_checkpoint(folder, ns.size, layers=ns.layers, weights=False)
         args = EngineArgs(model=folder, device="cuda", load_format="random", max_batch=ns.rows + ns.chunks,
                           max_model_len=8192, prefill_slots=ns.chunks, prefill_token_budget=ns.chunks * ns.prompt,
-                          step_latency_ratio=0, enable_prefix_caching=False)
+                          step_latency_ratio=0, enable_prefix_caching=False, fused_mixed_steps=ns.fused_mixed_steps)
         async with AsyncEngine(args) as engine:
             decode, mixed = await measure(engine, ns.rows, ns.prompt, ns.chunks, ns.steps)
     print(_report("decode only", decode))
@@ -134,6 +134,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=256, help="tokens a prompt")
     parser.add_argument("--chunks", type=int, default=4, help="prompts arriving together (prefill slots)")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--fused-mixed-steps", action="store_true",
+                        help="prompt steps run the decode rows and chunks as one forward (EngineArgs.fused_mixed_steps)")
     parser.add_argument("--top", type=int, default=20)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
