@@ -352,12 +352,11 @@ class RankRuntime:
             self.state.copy_page(src, dst)
         if cmd.prefill:
             chunks = [PrefillChunk(p.token_ids, p.start, p.slot, p.pages) for p in cmd.prefill]
-            bucket = 0 if fused else self._prefill_bucket(chunks)
             if fused:
                 prefill = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
                 decode_logits, prefill_logits = self.model.mixed(self.state, MixedBatch.of(decode_batch, prefill))
                 decode_draw = self._draw_decode(cmd, decode_logits)
-            elif bucket:
+            elif bucket := self._prefill_bucket(chunks):
                 for c in chunks:
                     if c.start == 0:
                         self.state.reset_slot(c.slot)
