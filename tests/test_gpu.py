@@ -298,15 +298,15 @@ def test_serving_after_the_warm_up_compiles_no_triton_kernel(real_geometry_ckpt)
     assert asyncio.run(main()) == {}
 
 
-@pytest.mark.parametrize("speculative", [0, 3])
-def test_launching_a_step_never_waits_for_the_device(real_geometry_ckpt, monkeypatch, speculative):
+@pytest.mark.parametrize("mode", ["plain", "speculative", "fused"])
+def test_launching_a_step_never_waits_for_the_device(real_geometry_ckpt, monkeypatch, mode):
     """Overlap scheduling holds only while launching a step queues work without waiting for the stream: one hidden
     synchronisation (a blocking copy, a host index list, `.item()`) makes the host wait for the step before, and
     the GPU then idles while the host launches. Every launch while serving runs under torch's sync debug mode, each
     synchronising call recorded with its stack: mixed decode and prompt steps (graphed and eager chunks, cache
     hits and snapshots), greedy and sampled rows with penalties, log-probs, `min_tokens` and stop ids; with
-    speculation, speculative and one-token steps. Only the sampler's settle may wait: it waits for the flagged
-    draws of the step before by design."""
+    speculation, speculative and one-token steps; fused, decode rows and chunks in one forward. Only the sampler's
+    settle may wait: it waits for the flagged draws of the step before by design."""
     import random
     import traceback
     import warnings
@@ -349,7 +349,7 @@ def test_launching_a_step_never_waits_for_the_device(real_geometry_ckpt, monkeyp
         args = EngineArgs(model=real_geometry_ckpt, device="cuda", max_batch=32, max_model_len=1024,
                           load_format="random", buckets=[1, 2, 4, 8, 16, 32], prefill_token_budget=512,
                           prefill_graph_tokens=256,  # chunks above 256 tokens run eagerly
-                          speculative_tokens=speculative)
+                          speculative_tokens=3 if mode == "speculative" else 0, fused_mixed_steps=mode == "fused")
         async with AsyncEngine(args) as engine:
             monkeypatch.setattr(RankRuntime, "launch", checked_launch)
             monkeypatch.setattr(SlotSampling, "settle", waiting_settle)
