@@ -5,7 +5,7 @@
 #
 #   [ROWS="c1 turns"] [MODES=on] bash tools/lab/prefix_cache_rows.sh [OUT] [extra serve flags, e.g. --log-steps]
 #
-# ROWS picks rows and their order (default: shared turns c64 c1; also long, burst: #30's 8k-token prompts one at a
+# ROWS picks rows and their order (default: shared turns c64 c1; also c16, long, burst: #30's 8k-token prompts one at a
 # time and eight together); MODES the servers (default: on off).
 set -uo pipefail
 OUT=${1:-prefix-cache-rows}; shift || true
@@ -51,11 +51,13 @@ rows() {  # the rows, each name suffixed
           --random-output-len 64 --seed 2 ;;
       c64) bench "c64$s" --num-prompts 256 --max-concurrency 64 --random-input-len 512 --random-output-len 256 \
           --seed 3 ;;
+      c16) bench "c16$s" --num-prompts 128 --max-concurrency 16 --random-input-len 512 --random-output-len 256 \
+          --seed 8 ;;  # #32: speculation at a middle batch
       c1) bench "c1$s" --num-prompts 16 --max-concurrency 1 --random-input-len 512 --random-output-len 256 --seed 4 ;;
       long) bench "long$s" --num-prompts 4 --max-concurrency 1 --random-input-len 8192 --random-output-len 2 \
           --seed 6 ;;  # #30's prefill rate: prompt tokens over TTFT
       burst) bench "burst$s" --num-prompts 8 --random-input-len 8192 --random-output-len 2 --seed 7 ;;  # together
-      *) echo "unknown row $row (shared, turns, c64, c1, long, burst)"; exit 2 ;;
+      *) echo "unknown row $row (shared, turns, c64, c16, c1, long, burst)"; exit 2 ;;
     esac
   done
 }
