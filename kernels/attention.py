@@ -326,6 +326,48 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, ga
 # which leaves room for its cdiv(len, BLOCK_M) blocks without a host-side block table.
 
 
+@triton.jit
+def _prefill_attn_keys(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_row_ptr, n_lo, n_hi, kv_end, q_pos, kvh, NKV, scale,
+                       d, dmask, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       PRECISION: tl.constexpr, MASKED: tl.constexpr, SPLITS: tl.constexpr):
+    """The online softmax over keys [n_lo, n_hi). MASKED = False: whole blocks every query of the block sees (the
+    cached context and the chunk's keys before the block), so no causal or bounds mask; True: the diagonal and a
+    ragged last block."""
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        k_pos = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            k_live = k_pos < kv_end
+            page = tl.load(table_row_ptr + k_pos // PAGE, mask=k_live, other=0).to(tl.int64)
+        else:
+            page = tl.load(table_row_ptr + k_pos // PAGE).to(tl.int64)
+        kv_at = ((page * PAGE + k_pos % PAGE) * NKV + kvh) * D
+        k_ptrs = kc_ptr + kv_at[:, None] + d[None, :]
+        v_ptrs = vc_ptr + kv_at[:, None] + d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=k_live[:, None] & dmask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=k_live[:, None] & dmask[None, :], other=0.0)
+        elif BLOCK_D == D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=dmask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=dmask[None, :], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # log2 units: scale has log2(e)
+        if MASKED:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_live[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_use = m_new
+        if MASKED and SPLITS > 1:  # a split's keys may all lie after a query (no split but the first sees key 0)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        probs = tl.exp2(scores - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(probs, 1)
+        acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["R", "table_width"])  # they change every step: one compiled variant for all
 def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, part_o_ptr, part_ml_ptr, R, NH,
                          NKV, table_width, q_row_stride, scale, GROUP: tl.constexpr, D: tl.constexpr,
@@ -357,26 +399,15 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_
         kv_start = split * share
         if SPLITS > 1:
             kv_end = tl.minimum(kv_end, kv_start + share)
-        for n0 in range(kv_start, kv_end, BLOCK_N):
-            k_pos = n0 + tl.arange(0, BLOCK_N)
-            k_live = k_pos < kv_end
-            page = tl.load(table_ptr + r.to(tl.int64) * table_width + k_pos // PAGE, mask=k_live, other=0).to(tl.int64)
-            kv_at = ((page * PAGE + k_pos % PAGE) * NKV + kvh) * D
-            kv_mask = k_live[:, None] & dmask[None, :]
-            k = tl.load(kc_ptr + kv_at[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(vc_ptr + kv_at[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # log2 units: scale has log2(e)
-            visible = (k_pos[None, :] <= q_pos[:, None]) & k_live[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_use = m_new
-            if SPLITS > 1:  # a split's keys may all lie after a query (no split but the first sees key 0)
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            probs = tl.exp2(scores - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(probs, 1)
-            acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        # Keys up to the block's first query are seen by all its queries: whole blocks of them need no mask.
+        seen_by_all = tl.minimum((ctx + q0 - start + 1) // BLOCK_N * BLOCK_N, kv_end)
+        table_row_ptr = table_ptr + r.to(tl.int64) * table_width
+        acc, m_i, l_i = _prefill_attn_keys(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_row_ptr, kv_start, seen_by_all,
+                                           kv_end, q_pos, kvh, NKV, scale, d, dmask, D, PAGE, BLOCK_N, BLOCK_D,
+                                           PRECISION, False, SPLITS)
+        acc, m_i, l_i = _prefill_attn_keys(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_row_ptr,
+                                           tl.maximum(kv_start, seen_by_all), kv_end, kv_end, q_pos, kvh, NKV, scale,
+                                           d, dmask, D, PAGE, BLOCK_N, BLOCK_D, PRECISION, True, SPLITS)
         if SPLITS > 1:
             base = (m_idx.to(tl.int64) * NH + head) * SPLITS + split
             tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=q_live[:, None] & dmask[None, :])

@@ -195,10 +195,11 @@ def test_chunked_gdn_reference_matches_the_recurrence():
     assert rel(o2, o1) <= REDUCTION and rel(s2, s1) <= REDUCTION
 
 
-@pytest.mark.parametrize("nh,nkv,D,splits", [(6, 2, 32, 1), (4, 4, 16, 1), (8, 1, 64, 1), (6, 2, 32, 3)])
+@pytest.mark.parametrize("nh,nkv,D,splits", [(6, 2, 32, 1), (4, 4, 16, 1), (8, 1, 64, 1), (6, 2, 32, 3),
+                                             (4, 2, 24, 2)])
 def test_prefill_attention_over_paged_context(nh, nkv, D, splits):
     """splits: each query block's keys over that many programs, merged after (some splits of a short block have
-    no keys at all)."""
+    no keys at all); a head dim below its power-of-two block masks the loads of the unmasked key blocks too."""
     pages = 60
     kc, vc = randn(pages + 1, 16, nkv, D), randn(pages + 1, 16, nkv, D)
     lens, contexts = [5, 130, 17, 1], [0, 33, 64, 200]  # several query and key blocks; chunks after cached pages
