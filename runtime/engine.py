@@ -506,10 +506,11 @@ class AsyncEngine:
     async def _run_steps(self) -> None:
         sched = self.scheduler
         outputs: list = []  # the last step's tokens whose outputs are made while the next step runs
+        last_done = None  # when the step before ended: the devices idle from then until the next is handed over
         while not self._closing:
             if not sched.has_work:
                 self._emit(outputs)
-                outputs = []
+                outputs, last_done = [], None
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -534,7 +535,9 @@ class AsyncEngine:
             except BaseException:
                 self._emit(outputs)  # the tokens drawn before the failure still reach their streams
                 raise
-            self._observe_step(plan, time.perf_counter() - started, result)
+            now = time.perf_counter()
+            self._observe_step(plan, now - started, result, idle=None if last_done is None else started - last_done)
+            last_done = now
             self._count(plan, result)
             outputs = self._apply(plan, result)
         self._emit(outputs)  # closing: the last step's outputs come before `close` ends the requests
@@ -608,8 +611,10 @@ class AsyncEngine:
                             plan.prompt_budget, device * 1e3, seconds * 1e3, launch * 1e3,
                             "" if idle is None else f", devices idle {idle * 1e3:.2f} ms before it")
         if self.speculative and plan.decode_ids and not plan.prefill and result is not None:
+            # What the step cost the devices' timeline: its own time and the host's wait before it, which only a
+            # speculative step (never overlapped) exposes; the host's view of an overlapped step is bursty.
             rows = len(plan.decode_ids)
-            self.speculation.observe(plan.bucket, plan.speculate, seconds,
+            self.speculation.observe(plan.bucket, plan.speculate, device + (idle or 0.0),
                                      (rows + sum(map(len, result.decode_more))) / rows)
 
     def _command(self, plan) -> StepCommand:

@@ -8,6 +8,8 @@
 """
 
 import asyncio
+import statistics
+import time
 
 import pytest
 import torch
@@ -400,6 +402,28 @@ def test_adaptive_speculation_runs_both_kinds_of_step_and_changes_no_output(tiny
     for (_, lps), (_, ref_lps, _) in zip(outs, plain_greedy):
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
     assert len(times[True]) > 0 and len(times[False]) > 0
+
+
+def test_the_policy_charges_a_speculative_step_the_host_time_it_exposes(tiny_tp_ckpt, plain_greedy, monkeypatch):
+    """A speculative step runs without overlap scheduling: the host's routing and outputs between steps are its
+    cost too, hidden behind the step before for a one-token step. With slow outputs (0.1 s a step) and every
+    draft kept, one-token steps are the faster per token, and the policy settles on them."""
+    prompts = _prompts()
+    emit = AsyncEngine._emit
+    monkeypatch.setattr(AsyncEngine, "_emit", lambda self, outputs: (time.sleep(0.1) if outputs else None,
+                                                                 emit(self, outputs))[1])
+
+    async def main():
+        args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20,
+                          speculative_tokens=3, speculative_drafter=_continuation_drafter(plain_greedy, prompts))
+        async with AsyncEngine(args) as engine:
+            await _collect(engine, prompts[5], _greedy(5))
+            return engine.speculation.buckets[1]
+
+    bucket = asyncio.run(main())
+    assert len(bucket.times[True]) >= 3 and len(bucket.times[False]) >= 3
+    assert min(bucket.times[True]) >= 0.1 > statistics.median(bucket.times[False])
+    assert bucket.choice is False
 
 
 def test_one_token_steps_keep_the_heads_kv_as_speculative_steps_do(tiny_ckpt):
