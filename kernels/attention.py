@@ -261,26 +261,34 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, part_o_ptr, p
 
 
 @triton.jit
-def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, gate_ptr, NH, gate_row_stride, gate_head_stride,
-                         D: tl.constexpr, SPLITS: tl.constexpr, HAS_GATE: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, gate_ptr, counts_ptr, NH, gate_row_stride,
+                         gate_head_stride, D: tl.constexpr, SPLITS: tl.constexpr, HAS_GATE: tl.constexpr,
+                         HAS_COUNTS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """HAS_COUNTS: row i has counts[i] parts (the first of them); a row of one part was written whole already."""
     wait_for_previous_kernel(PDL)
     rh = tl.program_id(0).to(tl.int64)  # row * NH + head
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    smask, dmask = s < SPLITS, d < D
-    m = tl.load(part_ml_ptr + (rh * SPLITS + s) * 2, mask=smask, other=float("-inf"))
-    l = tl.load(part_ml_ptr + (rh * SPLITS + s) * 2 + 1, mask=smask, other=0.0)
-    m_all = tl.max(m, axis=0)
-    w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)
-    o = tl.load(part_o_ptr + (rh * SPLITS + s[:, None]) * D + d[None, :], mask=smask[:, None] & dmask[None, :],
-                other=0.0)
-    total = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    if HAS_GATE:  # gated attention: o * sigmoid(gate)
-        gate = tl.load(gate_ptr + (rh // NH) * gate_row_stride + (rh % NH) * gate_head_stride + d, mask=dmask,
-                       other=0.0).to(tl.float32)
-        total = total / (1.0 + tl.exp(-gate))
-    tl.store(out_ptr + rh * D + d, total.to(out_ptr.dtype.element_ty), mask=dmask)
+    parts = SPLITS
+    todo = True
+    if HAS_COUNTS:
+        parts = tl.load(counts_ptr + rh // NH)
+        todo = parts > 1
+    if todo:
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        smask, dmask = s < parts, d < D
+        m = tl.load(part_ml_ptr + (rh * SPLITS + s) * 2, mask=smask, other=float("-inf"))
+        l = tl.load(part_ml_ptr + (rh * SPLITS + s) * 2 + 1, mask=smask, other=0.0)
+        m_all = tl.max(m, axis=0)
+        w = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)
+        o = tl.load(part_o_ptr + (rh * SPLITS + s[:, None]) * D + d[None, :], mask=smask[:, None] & dmask[None, :],
+                    other=0.0)
+        total = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        if HAS_GATE:  # gated attention: o * sigmoid(gate)
+            gate = tl.load(gate_ptr + (rh // NH) * gate_row_stride + (rh % NH) * gate_head_stride + d, mask=dmask,
+                           other=0.0).to(tl.float32)
+            total = total / (1.0 + tl.exp(-gate))
+        tl.store(out_ptr + rh * D + d, total.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 DECODE_ATTN_BLOCK_N = 64  # cached tokens per iteration
@@ -314,8 +322,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, ga
     if gate is not None and gate.stride(2) != 1:
         gate = gate.contiguous()
     _merge_splits_kernel[(N * NH,)](
-        part_o, part_ml, out, gate if gate is not None else out, NH, gate.stride(0) if gate is not None else 0,
-        gate.stride(1) if gate is not None else 0, D=D, SPLITS=splits, HAS_GATE=gate is not None,
+        part_o, part_ml, out, gate if gate is not None else out, out, NH, gate.stride(0) if gate is not None else 0,
+        gate.stride(1) if gate is not None else 0, D=D, SPLITS=splits, HAS_GATE=gate is not None, HAS_COUNTS=False,
         BLOCK_S=_pow2(splits), BLOCK_D=_pow2(D), **pdl_options(q.device, cfg.pdl))
     return out
 
@@ -368,21 +376,34 @@ def _prefill_attn_keys(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_row_ptr, n_lo, n_
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["R", "table_width"])  # they change every step: one compiled variant for all
-def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, part_o_ptr, part_ml_ptr, R, NH,
-                         NKV, table_width, q_row_stride, scale, GROUP: tl.constexpr, D: tl.constexpr,
-                         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr):
-    """SPLITS > 1: program (block, head, split) covers the split's share of the block's keys and stores its
-    unnormalised output and (max, sum) in natural-log units into the parts, which `_merge_splits_kernel` adds."""
+@triton.jit
+def _store_attn_out(out_ptr, acc, l_i, m_idx, q_live, head, NH, d, dmask, D: tl.constexpr):
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (m_idx.to(tl.int64)[:, None] * NH + head) * D + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_live[:, None] & dmask[None, :])
+
+
+@triton.jit(do_not_specialize=["R", "table_width", "split_keys"])  # they change every step: one variant for all
+def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, part_o_ptr, part_ml_ptr,
+                         row_splits_ptr, R, NH, NKV, table_width, q_row_stride, scale, split_keys,
+                         GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                         PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+    """SPLITS > 1: a request with a cached context shares each block's keys out over cdiv(context, split_keys)
+    programs, at most SPLITS (a fresh prompt's blocks are short and many: it keeps one); each stores its
+    unnormalised output and (max, sum) in natural-log units into the parts, which `_merge_splits_kernel` adds, and
+    the first the request's count for its rows (a row of one program is stored whole, and the merge passes it)."""
     p, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rs = tl.arange(0, BLOCK_R)
     first_block = tl.load(cu_ptr + rs, mask=rs < R, other=0) // BLOCK_M + rs
     r = tl.sum(((first_block <= p) & (rs < R)).to(tl.int32), 0) - 1
     start, stop = tl.load(cu_ptr + r), tl.load(cu_ptr + r + 1)
     q0 = start + (p - (start // BLOCK_M + r)) * BLOCK_M  # this program's block within request r
-    if q0 < stop:
-        ctx = tl.load(ctx_ptr + r)
+    ctx = tl.load(ctx_ptr + r)
+    parts = 1
+    if SPLITS > 1:
+        parts = tl.minimum(tl.maximum(tl.cdiv(ctx, split_keys), 1), SPLITS)
+    if (q0 < stop) & (split < parts):
         kvh = head // GROUP
         m_idx = q0 + tl.arange(0, BLOCK_M)
         q_live = m_idx < stop
@@ -395,10 +416,9 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         kv_end = ctx + tl.minimum(q0 + BLOCK_M, stop) - start  # keys past the block's last query are masked anyway
-        share = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_N) * BLOCK_N
+        share = tl.cdiv(tl.cdiv(kv_end, parts), BLOCK_N) * BLOCK_N
         kv_start = split * share
-        if SPLITS > 1:
-            kv_end = tl.minimum(kv_end, kv_start + share)
+        kv_end = tl.minimum(kv_end, kv_start + share)
         # Keys up to the block's first query are seen by all its queries: whole blocks of them need no mask.
         seen_by_all = tl.minimum((ctx + q0 - start + 1) // BLOCK_N * BLOCK_N, kv_end)
         table_row_ptr = table_ptr + r.to(tl.int64) * table_width
@@ -409,41 +429,56 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_
                                            tl.maximum(kv_start, seen_by_all), kv_end, kv_end, q_pos, kvh, NKV, scale,
                                            d, dmask, D, PAGE, BLOCK_N, BLOCK_D, PRECISION, True, SPLITS)
         if SPLITS > 1:
-            base = (m_idx.to(tl.int64) * NH + head) * SPLITS + split
-            tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=q_live[:, None] & dmask[None, :])
-            tl.store(part_ml_ptr + base * 2, m_i * 0.6931471805599453, mask=q_live)  # log2 units to natural
-            tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=q_live)
+            if split == 0:
+                tl.store(row_splits_ptr + m_idx, tl.full([BLOCK_M], 0, tl.int32) + parts, mask=q_live)
+            if parts > 1:
+                base = (m_idx.to(tl.int64) * NH + head) * SPLITS + split
+                tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=q_live[:, None] & dmask[None, :])
+                tl.store(part_ml_ptr + base * 2, m_i * 0.6931471805599453, mask=q_live)  # log2 units to natural
+                tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=q_live)
+            else:
+                _store_attn_out(out_ptr, acc, l_i, m_idx, q_live, head, NH, d, dmask, D)
         else:
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(out_ptr + (m_idx.to(tl.int64)[:, None] * NH + head) * D + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=q_live[:, None] & dmask[None, :])
+            _store_attn_out(out_ptr, acc, l_i, m_idx, q_live, head, NH, d, dmask, D)
+
+
+# A request's keys are shared out over one more program for every PREFILL_SPLIT_KEYS cached keys (up to
+# KernelConfig.prefill_attention_splits): a chat's later turn, a 1025-token chunk after 7.6k cached keys, ran its
+# attention 1.50x faster over four programs than over one, while a fresh 1024-token prompt ran 1.46x slower over
+# two (H100, `log/gpu-2026-12-06.md`).
+PREFILL_SPLIT_KEYS = 2048
 
 
 def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale: float,
-                      cfg: KernelConfig = DEFAULT, config=None, splits: int | None = None):
+                      cfg: KernelConfig = DEFAULT, config=None, splits: int | None = None,
+                      split_keys: int = PREFILL_SPLIT_KEYS):
     """Same contract as prefill_attention_reference; no host synchronisation, no score matrix in memory.
-    `config` overrides cfg.prefill_attention_tile (the benchmark sweeps it), `splits` cfg.prefill_attention_splits:
-    each query block's keys shared out over that many programs (a chunk after a long cached context has too few
-    query blocks to fill the GPU), whose parts a second kernel merges."""
+    `config` overrides cfg.prefill_attention_tile (the benchmark sweeps it). A chunk after a long cached context
+    has too few query blocks to fill the GPU, each over the whole context: its blocks' keys are shared out over up
+    to `splits` programs (cfg.prefill_attention_splits, then one wherever the grid fills the GPU twice anyway), one
+    for every `split_keys` cached keys of its request, whose parts a second kernel merges."""
     T_, NH, D = q.shape
     NKV, PAGE = k_cache.shape[2], k_cache.shape[1]
     R = context_lens.shape[0]
-    splits = splits or cfg.prefill_attention_splits
+    block_m, block_n, warps, stages = config or (
+        cfg.prefill_attention_tile_fp32 if q.dtype == torch.float32 else cfg.prefill_attention_tile)
+    if splits is None:
+        full_grid = (T_ // block_m + R) * NH >= 2 * multiprocessors(q.device)
+        splits = 1 if full_grid else cfg.prefill_attention_splits
     out = torch.empty(T_, NH, D, dtype=q.dtype, device=q.device)
-    part_o = part_ml = out  # unread with one split
+    part_o = part_ml = row_splits = out  # unread with one split
     if splits > 1:
         part_o = torch.empty(T_, NH, splits, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(T_, NH, splits, 2, dtype=torch.float32, device=q.device)
+        row_splits = torch.ones(T_, dtype=torch.int32, device=q.device)  # padding rows: nothing to merge
     if q.stride(2) != 1 or q.stride(1) != D:
         q = q.contiguous()
-    block_m, block_n, warps, stages = config or (
-        cfg.prefill_attention_tile_fp32 if q.dtype == torch.float32 else cfg.prefill_attention_tile)
     _prefill_attn_kernel[(T_ // block_m + R, NH, splits)](
-        q, k_cache, v_cache, page_table, cu_seqlens, context_lens, out, part_o, part_ml, R, NH, NKV,
-        page_table.shape[1], q.stride(0), scale * 1.4426950408889634, GROUP=NH // NKV, D=D, PAGE=PAGE,
+        q, k_cache, v_cache, page_table, cu_seqlens, context_lens, out, part_o, part_ml, row_splits, R, NH, NKV,
+        page_table.shape[1], q.stride(0), scale * 1.4426950408889634, split_keys, GROUP=NH // NKV, D=D, PAGE=PAGE,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(D), BLOCK_R=max(16, _pow2(R + 1)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, num_warps=warps, num_stages=stages)
     if splits > 1:
-        _merge_splits_kernel[(T_ * NH,)](part_o, part_ml, out, out, NH, 0, 0, D=D, SPLITS=splits, HAS_GATE=False,
-                                         BLOCK_S=_pow2(splits), BLOCK_D=_pow2(D))
+        _merge_splits_kernel[(T_ * NH,)](part_o, part_ml, out, out, row_splits, NH, 0, 0, D=D, SPLITS=splits,
+                                         HAS_GATE=False, HAS_COUNTS=True, BLOCK_S=_pow2(splits), BLOCK_D=_pow2(D))
     return out

@@ -85,9 +85,11 @@ class KernelConfig:
     # model's tiles are twice the bytes: (128, 64, 8, 3) asked for 289 KB of shared memory (an H100 has 227 KB).
     prefill_attention_tile: tuple[int, int, int, int] = (128, 64, 8, 3)
     prefill_attention_tile_fp32: tuple[int, int, int, int] = (32, 32, 4, 2)
-    # Programs each query block's keys are shared out over (a second kernel merges them). A chunk after a long
+    # Most programs each query block's keys are shared out over (a second kernel merges them). A chunk after a long
     # cached context (a chat's later turn) has few query blocks, each over the whole context: 160 programs, two
-    # waves on 132 SMs for a 1025-token chunk at 4B. 1 until measured (`bench_kernels --only prefill`).
+    # waves on 132 SMs for a 1025-token chunk at 4B. A request splits one way more for every
+    # `attention.PREFILL_SPLIT_KEYS` cached keys; 4 ran that chunk's attention 1.50x faster on an H100. 1 (off)
+    # until the engine's prefill with it is measured (`profile_prefill --prefill-attention-splits 4`).
     prefill_attention_splits: int = 1
 
     # Chunked GDN prefill, prep kernel (warps, stages, column block, register cap). Uncapped it takes 255 registers

@@ -198,8 +198,9 @@ def test_chunked_gdn_reference_matches_the_recurrence():
 @pytest.mark.parametrize("nh,nkv,D,splits", [(6, 2, 32, 1), (4, 4, 16, 1), (8, 1, 64, 1), (6, 2, 32, 3),
                                              (4, 2, 24, 2)])
 def test_prefill_attention_over_paged_context(nh, nkv, D, splits):
-    """splits: each query block's keys over that many programs, merged after (some splits of a short block have
-    no keys at all); a head dim below its power-of-two block masks the loads of the unmasked key blocks too."""
+    """splits: each query block's keys over up to that many programs, one for every 32 cached keys of its request
+    (here 1, 2, 2 and 7, at most `splits`), merged after (some splits of a short block have no keys at all); a head dim below
+    its power-of-two block masks the loads of the unmasked key blocks too."""
     pages = 60
     kc, vc = randn(pages + 1, 16, nkv, D), randn(pages + 1, 16, nkv, D)
     lens, contexts = [5, 130, 17, 1], [0, 33, 64, 200]  # several query and key blocks; chunks after cached pages
@@ -209,7 +210,7 @@ def test_prefill_attention_over_paged_context(nh, nkv, D, splits):
     table[0, 1:] = pages  # unused entries point at the trash page
     ctx = torch.tensor(contexts, device=DEVICE)
     with poisoned_outputs():
-        got = attention.prefill_attention(q, kc, vc, table, cu, ctx, D**-0.5, splits=splits)
+        got = attention.prefill_attention(q, kc, vc, table, cu, ctx, D**-0.5, splits=splits, split_keys=32)
     assert rel(got, attention.prefill_attention_reference(q, kc, vc, table, cu, ctx, D**-0.5)) <= REDUCTION
 
 

@@ -16,7 +16,8 @@
 # fewrows #30: the few-row kernel's tile sweep, then the batch-8 decode step with it and without it
 # mixed   #30: what a prompt chunk adds to a step of 60 decode rows (tools/lab/profile_mixed_step.py)
 # turn    #31: a chat turn's prefill (1024 tokens) after cached prefixes of 0 and 7.6k tokens, with the kernels
-#         that take the GPU time (what grows with the prefix); prefill attention with the keys split 1, 2, 4 ways
+#         that take the GPU time (what grows with the prefix), its attention's keys shared out up to 1 and 4 ways
+#         (graphs and all); then the kernel alone with up to 1, 2, 4
 # fp8     #33: the FP8 kernels' tests and the accuracy gate at the 9B and 27B widths, the FP8 projections per
 #         shape, then the 27B decode step with FP8 projections (batch 1 and 64) against bf16 (batch 1; the FP8
 #         floor counts the FP8 bytes), the 9B's at batch 1, and an 8k-token 27B prefill with FP8 and bf16 weights
@@ -61,9 +62,12 @@ for stage in ${STAGES//,/ }; do
       grep -A12 "^decode only" "$DIR/mixed-step.txt" ;;
     turn)
       for prefix in 0 7680; do
-        timeout 100 python3 -m deltaserve.tools.lab.profile_prefill --size 4b --tokens 1024 --prefix $prefix \
-            --repeats 3 > "$DIR/turn-prefix-$prefix.txt" 2>&1
-        grep -E "^\| [0-9]|most GPU time" "$DIR/turn-prefix-$prefix.txt" | sed "s/^/prefix $prefix: /"
+        for splits in 1 4; do  # the engine's prefill with the keys after a cached prefix shared out, and without
+          timeout 100 python3 -m deltaserve.tools.lab.profile_prefill --size 4b --tokens 1024 --prefix $prefix \
+              --repeats 3 --prefill-attention-splits $splits > "$DIR/turn-prefix-$prefix-splits-$splits.txt" 2>&1
+          grep -E "^\| [0-9]|most GPU time" "$DIR/turn-prefix-$prefix-splits-$splits.txt" \
+              | sed "s/^/prefix $prefix, splits $splits: /"
+        done
       done
       timeout 150 python3 -m deltaserve.tools.bench_kernels --size 4b --only prefill > "$DIR/prefill-kernels.md" 2>&1
       grep "keys over" "$DIR/prefill-kernels.md" ;;  # the split-context attention against one program a block

@@ -1,7 +1,7 @@
 """What a prefill step costs beyond its math: kernels launched, GPU busy time and wall time per prompt length.
 
     python -m deltaserve.tools.lab.profile_prefill --size 4b [--layers N] [--tokens 16,512,2048,8192] [--prefix N]
-        [--fp8]
+        [--fp8] [--prefill-attention-splits N]
 
 Random bf16 weights on a CUDA device, tp = 1, one request at a time through `engine.generate` (max_tokens 1), so
 its time to first token is one prefill step plus the sampler. Per prompt length: the median TTFT (no profiler),
@@ -28,6 +28,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from deltaserve.kernels.config import DEFAULT, KernelConfig
 from deltaserve.model.synthetic import write_checkpoint
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 
@@ -60,7 +61,8 @@ async def run(ns) -> list[dict]:
                           max_model_len=ns.prefix + max(lengths) + 8, prefill_slots=1,
                           prefill_token_budget=max([*lengths, ns.prefix]), warmup=False, stats_interval_s=0,
                           enable_prefix_caching=ns.enable_prefix_caching or ns.prefix > 0,
-                          prefill_graph_tokens=ns.prefill_graph_tokens, fp8_kernels=ns.fp8)
+                          prefill_graph_tokens=ns.prefill_graph_tokens, fp8_kernels=ns.fp8,
+                          kernel_config=KernelConfig(prefill_attention_splits=ns.prefill_attention_splits))
         async with AsyncEngine(args) as engine:
             for n in lengths:
                 for i in range(2):  # compiles
@@ -123,6 +125,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefix", type=int, default=0, metavar="N",
                         help="time each prompt after a cached prefix of N tokens (a chat's later turn); the "
                              "profile's kernels include the prefix's own prefill")
+    parser.add_argument("--prefill-attention-splits", type=int, default=DEFAULT.prefill_attention_splits,
+                        metavar="N", help="most programs a query block's keys are shared over after a cached "
+                                          "prefix (KernelConfig.prefill_attention_splits)")
     parser.add_argument("--fp8", action="store_true",
                         help="an FP8 checkpoint's projections in FP8 (random, block-scaled) on the FP8 kernels")
     parser.add_argument("--enable-prefix-caching", action="store_true",
