@@ -597,7 +597,7 @@ class AsyncEngine:
                     step[1].close()
 
     def _observe_step(self, plan, seconds: float, result: StepResult | None = None, idle: float | None = None) -> None:
-        """idle: with overlap, how long the devices had nothing to run before this step was handed over."""
+        """idle: how long the devices had nothing to run before this step was handed over (None: no step before)."""
         prompt_tokens = sum(w.length for w in plan.prefill)
         # The budget learns from the device's time: with overlap, the host sees the steps' ends in bursts.
         device = result.device_seconds if result is not None and result.device_seconds > 0 else seconds
