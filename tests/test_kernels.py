@@ -510,10 +510,17 @@ def test_input_norm_fused_into_the_one_row_projection(k, rows, with_residual, fo
 
 def test_no_barrier_holds_back_the_fused_norm_gemvs_weight_loads():
     """Compiled offline for sm90, no loop of the add-and-norm GEMV holds a barrier: its weight loads issue with the
-    input's instead of after a layout change through shared memory. The tool
-    runs apart: it compiles, so it imports the kernels without the interpreter this process has."""
+    input's instead of after a layout change through shared memory. Every kernel of the tool compiles for sm90,
+    the prefill attention (its unmasked and masked key loops, with and without split keys) and the merges among
+    them: what the interpreter cannot check. The tool runs apart: it compiles, so it imports the kernels without
+    the interpreter this process has."""
     table = subprocess.run([sys.executable, "-m", "deltaserve.tools.lab.inspect_kernels"], capture_output=True, text=True,
                            check=True, timeout=300).stderr
+    names = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]
+    for name in ("prefill_attention, splits 1", "prefill_attention, splits 4", "merge_splits", "merge_splits, counts"):
+        assert name in names, table
+    attention_loops = [line.split("|")[4] for line in table.splitlines() if line.startswith("| prefill_attention")]
+    assert all(len(loops.split(";")) == 2 for loops in attention_loops), table  # the unmasked keys, then the diagonal
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| norm_gemv")]
     assert len(rows) == 2, table
     for row in rows:

@@ -1,4 +1,5 @@
-"""Compile the decode step's GEMVs and GDN decode for sm90 without a GPU and report what their machine code does.
+"""Compile the decode step's GEMVs and GDN decode and the prefill attention for sm90 without a GPU and report what
+their machine code does.
 
     python -m deltaserve.tools.lab.inspect_kernels [--arch 90]
 
@@ -28,7 +29,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from deltaserve.kernels import gdn, gemv  # noqa: E402
+from deltaserve.kernels import attention, gdn, gemv  # noqa: E402
 from deltaserve.kernels.config import DEFAULT  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,19 @@ GDN_DECODE_SIGNATURE = {"mixed_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"
                         "ab_row_stride": "i32", "trash": "i32", "HV": "i32", "GROUP": "i32", "scale": "fp32",
                         "DK": "constexpr", "DV": "constexpr", "KEY_DIM": "constexpr", "BLOCK_K": "constexpr",
                         "BLOCK_V": "constexpr", "PDL": "constexpr"}
-SIXTEEN_DIVISIBLE = {"N", "K", "up_rows", "C", "ab_row_stride", "HV"}
+PREFILL_ATTENTION_SIGNATURE = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "table_ptr": "*i32",
+                               "cu_ptr": "*i32", "ctx_ptr": "*i64", "out_ptr": "*bf16", "part_o_ptr": "*fp32",
+                               "part_ml_ptr": "*fp32", "row_splits_ptr": "*i32", "R": "i32", "NH": "i32",
+                               "NKV": "i32", "table_width": "i32", "q_row_stride": "i32", "scale": "fp32",
+                               "split_keys": "i32", "GROUP": "constexpr", "D": "constexpr", "PAGE": "constexpr",
+                               "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr",
+                               "BLOCK_R": "constexpr", "PRECISION": "constexpr", "SPLITS": "constexpr"}
+MERGE_SPLITS_SIGNATURE = {"part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "gate_ptr": "*bf16",
+                          "counts_ptr": "*i32", "NH": "i32", "gate_row_stride": "i32", "gate_head_stride": "i32",
+                          "D": "constexpr", "SPLITS": "constexpr", "HAS_GATE": "constexpr",
+                          "HAS_COUNTS": "constexpr", "BLOCK_S": "constexpr", "BLOCK_D": "constexpr",
+                          "PDL": "constexpr"}
+SIXTEEN_DIVISIBLE = {"N", "K", "up_rows", "C", "ab_row_stride", "HV", "q_row_stride"}
 
 # What one sm90 SM holds: registers (granted 8 a thread at a time), threads, programs, shared memory (a program
 # also takes 1 KB the runtime reserves).
@@ -59,8 +72,9 @@ SM90_REGISTERS, SM90_THREADS, SM90_PROGRAMS, SM90_SHARED, SHARED_RESERVED = 6553
 
 
 def cases():
-    """(name, kernel, signature, constexprs, warps, stages, tile) of the decode step's GEMVs and GDN decode (4B
-    sizes); tile names the launch configuration. The whole-rows GEMVs have no loop."""
+    """(name, kernel, signature, constexprs, warps, stages, tile) of the decode step's GEMVs and GDN decode, and
+    the prefill attention with and without its keys split and the merge of split parts (4B sizes); tile names the
+    launch configuration. The whole-rows GEMVs have no loop."""
     for config in (DEFAULT.gemv_tile, DEFAULT.gemv_narrow_widening_tile):
         block_n, block_k, warps, stages = config
         yield ("gemv", gemv._gemv_kernel, GEMV_SIGNATURE, dict(EVEN_K=True, PDL=True, BLOCK_N=block_n, BLOCK_K=block_k),
@@ -86,6 +100,16 @@ def cases():
     yield ("gdn_decode", gdn._gdn_decode_kernel, GDN_DECODE_SIGNATURE,
            dict(DK=128, DV=128, KEY_DIM=2048, BLOCK_K=128, BLOCK_V=block_v, PDL=True), warps, 1,
            f"(BLOCK_V, warps) {(block_v, warps)}")
+    block_m, block_n, warps, stages = DEFAULT.prefill_attention_tile
+    for splits in (1, 4):
+        yield (f"prefill_attention, splits {splits}", attention._prefill_attn_kernel, PREFILL_ATTENTION_SIGNATURE,
+               dict(GROUP=4, D=256, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=256, BLOCK_R=16,
+                    PRECISION="tf32", SPLITS=splits), warps, stages, f"(BLOCK_M, BLOCK_N, warps, stages) "
+               f"{DEFAULT.prefill_attention_tile}")
+    for counts in (False, True):  # decode attention's merge (gated), the prefill's (split counts a row)
+        yield (f"merge_splits{', counts' if counts else ''}", attention._merge_splits_kernel, MERGE_SPLITS_SIGNATURE,
+               dict(D=256, SPLITS=4, HAS_GATE=not counts, HAS_COUNTS=counts, BLOCK_S=4, BLOCK_D=256, PDL=False), 4,
+               1, "4 warps")
 
 
 def programs_per_sm(registers: int, shared: int, warps: int) -> int:
