@@ -41,7 +41,7 @@ def run_steps(budget, device, steps, bucket=32, prompt_every=3, outlier_at=None)
         budget.observe(bucket, tokens, seconds)
 
 
-@pytest.mark.parametrize("fixed_ms", [0.0, 1.0, 2.0])
+@pytest.mark.parametrize("fixed_ms", [0.0, 1.0, 1.5])
 def test_the_chunk_converges_to_where_a_mixed_step_takes_ratio_times_a_decode_step(fixed_ms):
     device, budget = Device(fixed=fixed_ms * 1e-3), StepBudget(max_tokens=2048, ratio=2.0)
     run_steps(budget, device, 90)
@@ -95,6 +95,16 @@ def test_a_fixed_cost_above_the_ratio_keeps_whole_chunks():
     device, budget = Device(fixed=4e-3, per_token=10e-6), StepBudget(max_tokens=2048, ratio=2.0)
     run_steps(budget, device, 60)
     assert budget.tokens(32) == 2048
+
+
+def test_a_chunk_carries_at_least_its_fixed_costs_worth_of_tokens():
+    """The ratio leaves a chunk 1.1 ms (110 tokens) beside a fixed cost of 2.5 ms: most of such a step would be
+    the fixed part, so the chunk takes the fixed cost's worth, 250 tokens (a step of decode + twice the fixed)."""
+    device, budget = Device(fixed=2.5e-3, per_token=10e-6), StepBudget(max_tokens=2048, ratio=2.0)
+    run_steps(budget, device, 90)
+    worth = device.fixed / device.per_token
+    assert (2.0 - 1.0) * device.decode(32) - device.fixed < worth * device.per_token  # the floor binds
+    assert abs(budget.tokens(32) - worth) < 0.12 * worth, budget.tokens(32)
 
 
 def test_one_stalled_step_moves_the_chunk_a_bounded_factor_and_it_recovers():
