@@ -48,8 +48,8 @@ class StepBudget:
         allowed = (self.ratio - 1.0) * decode - fixed
         if allowed <= per_token * self.min_tokens:
             return self.max_tokens
-        # Never below the fixed cost's worth of tokens: a smaller chunk spends most of its step on the fixed part
-        # (a 64-token budget beside 64 rows once cut an H100's c64 row from ~4.9k to 3.8k tok/s).
+        # Never below the fixed cost's worth of tokens: a smaller chunk spends most of its step on the fixed part,
+        # and the prompts then wait through many such steps.
         return max(self.min_tokens, min(self.max_tokens, int(max(allowed, fixed) / per_token)))
 
     def observe(self, bucket: int, prefill_tokens: int, seconds: float) -> None:
