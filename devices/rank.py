@@ -325,7 +325,7 @@ class RankRuntime:
             self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
             if self.speculation:
                 self.speculation.fill(cmd, self.state.verify_steps + 1)
-        fused = self.fuse_mixed_steps and bool(n and cmd.prefill) and not cmd.speculate and self.speculation is None
+        fused = self.fuse_mixed_steps and self.speculation is None and bool(n and cmd.prefill)  # never speculative
         if cmd.speculate:
             decode_draw, speculation = self._speculative_decode(cmd, replay)
         elif n:

@@ -25,7 +25,8 @@ class EngineArgs:
     prefill_graph_tokens: int = 2048
     # A step carrying prompt chunks beside decode rows runs them as one forward (each projection reads the weights
     # once, not once for the decode graph and again for the prefill), eagerly; off: the decode graph, then the
-    # prefill. Without speculation only. Off until measured on a GPU (`gpu_session.sh` stage fused).
+    # prefill. Without speculation only. Off: its kernels take less, but its eager launches made a mixed step
+    # host-bound on an H100 (22 ms against 12.9 apart, `gpu_session.sh` stage fused) until it is graphed.
     fused_mixed_steps: bool = False
     seed: int = 0
     prefill_token_budget: int = 2048  # prompt tokens per step at most (chunked prefill)
