@@ -6,7 +6,8 @@ the kernels whose time a step grew most from the first window to the second.
     python -m deltaserve.tools.lab.profile_mixed_step --size 4b [--layers N] [--rows 60] [--prompt 256]
         [--chunks 4] [--steps 40] [--fused-mixed-steps]
 
-A mixed step's device time far above its kernels' busy time is the device waiting for the host inside the step;
+A window's busy time is over all its steps (the mixed window's include decode-only ones); the kernels of a prompt
+step are printed apart: its device time far above them is the device waiting for the host inside the step;
 kernels grown by more than the chunk's own prefill are the chunk's interference with the decode rows. Random bf16
 weights on a CUDA device, tp = 1, the step budget off (each prompt step carries the whole chunks), no prefix cache.
 """
@@ -74,7 +75,8 @@ def _report(name: str, window: dict) -> str:
     busy = sum(window["kernels_us"].values()) / window["all_steps"]
     return (f"{name}: {len(device_ms)} steps ({window['all_steps']} in the window), prompt tokens a step "
             f"{tokens:.0f}, device time median {statistics.median(device_ms):.2f} ms, p90 "
-            f"{device_ms[int(0.9 * (len(device_ms) - 1))]:.2f} ms; kernels busy {busy / 1e3:.2f} ms a step")
+            f"{device_ms[int(0.9 * (len(device_ms) - 1))]:.2f} ms; kernels busy {busy / 1e3:.2f} ms a step of the "
+            f"window")
 
 
 async def measure(engine, rows: int, prompt: int, chunks: int, steps: int) -> tuple[dict, dict]:
@@ -116,6 +118,9 @@ async def run(ns) -> None:
     per_decode_step = {k: v / decode["all_steps"] for k, v in decode["kernels_us"].items()}
     grown = sorted((((mixed["kernels_us"].get(k, 0.0) - per_decode_step.get(k, 0.0) * mixed["all_steps"])
                      / len(mixed["kind"])), k) for k in set(mixed["kernels_us"]) | set(per_decode_step))
+    decode_busy, added = sum(per_decode_step.values()), sum(us for us, _ in grown)
+    print(f"kernels a prompt step: {(decode_busy + added) / 1e3:.2f} ms (a decode-only step's {decode_busy / 1e3:.2f} "
+          f"plus {added / 1e3:.2f} ms its prompt tokens added)")
     print(f"{'us/step':>9}  kernel (what a prompt step added, most first)")
     for us, name in reversed(grown[-ns.top:]):
         print(f"{us:>9.1f}  {name[:110]}")
