@@ -28,6 +28,8 @@ def kernel_cache_dir() -> str:
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 GraphProgram = Callable[[], torch.Tensor]  # one step over a bucket's fixed inputs (decode or prefill); its logits
+# A graph's bucket: decode rows or prefill tokens, or (decode rows, prompt tokens) for a mixed step.
+Bucket = int | tuple[int, int]
 
 
 class Collective(Protocol):
@@ -40,14 +42,14 @@ class Collective(Protocol):
 
 
 class StepGraphs(Protocol):
-    """Captured steps of one kind (decode rows, or prefill tokens), one per bucket."""
+    """Captured steps of one kind (decode rows, prefill tokens, or both in mixed steps), one per bucket."""
 
-    stats: dict[int, dict]  # bucket -> {"nodes", "capture_s", "pool_bytes"}
-    buckets: list[int]  # the captured ones, ascending
+    stats: dict[Bucket, dict]  # bucket -> {"nodes", "capture_s", "pool_bytes"}
+    buckets: list[Bucket]  # the captured ones, ascending
 
-    def captured(self, bucket: int) -> bool: ...
+    def captured(self, bucket: Bucket) -> bool: ...
 
-    def __call__(self, bucket: int) -> torch.Tensor:
+    def __call__(self, bucket: Bucket) -> torch.Tensor:
         """Replay the bucket's graph; its logits (a fixed tensor the next replay overwrites)."""
 
     def destroy(self) -> None: ...
@@ -61,6 +63,7 @@ class RankBackend(Protocol):
     graphs: StepGraphs | None
     speculative_graphs: StepGraphs | None
     prefill_graphs: StepGraphs | None
+    mixed_graphs: StepGraphs | None
 
     def context(self) -> contextlib.AbstractContextManager: ...
 
@@ -83,6 +86,11 @@ class RankBackend(Protocol):
                         prepare: Callable[[int], None]) -> StepGraphs | None:
         """Capture each bucket's padded prefill program, `prepare(bucket)` first (None: this device has
         no graphs)."""
+
+    def capture_mixed(self, programs: dict[tuple[int, int], GraphProgram], progress: bool,
+                      prepare: Callable[[tuple[int, int]], None]) -> StepGraphs | None:
+        """Capture each (decode rows, prompt tokens) bucket's mixed-step program, `prepare(bucket)` first, in the
+        prefill graphs' memory pool (None: this device has no graphs)."""
 
     def close(self) -> None: ...
 

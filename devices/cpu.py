@@ -60,7 +60,7 @@ class CpuRankBackend:
         self.rank, self.device, self.ops = rank, torch.device("cpu"), reference_ops()
         self.all_reduce = collective.for_rank(rank)
         self.memory_bytes = memory_bytes
-        self.graphs = self.speculative_graphs = self.prefill_graphs = None
+        self.graphs = self.speculative_graphs = self.prefill_graphs = self.mixed_graphs = None
 
     def context(self):
         return contextlib.nullcontext()
@@ -81,6 +81,9 @@ class CpuRankBackend:
         return None
 
     def capture_prefill(self, programs, progress: bool, prepare) -> None:
+        return None
+
+    def capture_mixed(self, programs, progress: bool, prepare) -> None:
         return None
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ from cuda.bindings import runtime as cudart
 
 from deltaserve.kernels.config import KernelConfig
 
-from .backend import GraphProgram, kernel_cache_dir
+from .backend import Bucket, GraphProgram, kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ class CudaRankBackend:
         self.graphs: CudaGraphs | None = None
         self.speculative_graphs: CudaGraphs | None = None
         self.prefill_graphs: CudaGraphs | None = None
+        self.mixed_graphs: CudaGraphs | None = None
 
     @contextlib.contextmanager
     def context(self):
@@ -172,11 +173,19 @@ class CudaRankBackend:
         self.prefill_graphs = CudaGraphs(self, programs, progress, "prefill", prepare)
         return self.prefill_graphs
 
+    def capture_mixed(self, programs: dict[tuple[int, int], GraphProgram], progress: bool,
+                      prepare: Callable[[tuple[int, int]], None]) -> "CudaGraphs":
+        # The prefill graphs' pool: a mixed step replaces a prefill step, never runs beside one, and its
+        # activations are the prefill's plus a decode bucket's rows.
+        pool = self.prefill_graphs.pool if self.prefill_graphs is not None else None
+        self.mixed_graphs = CudaGraphs(self, programs, progress, "mixed", prepare, pool=pool)
+        return self.mixed_graphs
+
     def close(self) -> None:
-        for graphs in (self.graphs, self.speculative_graphs, self.prefill_graphs):
+        for graphs in (self.graphs, self.speculative_graphs, self.mixed_graphs, self.prefill_graphs):
             if graphs is not None:
                 graphs.destroy()  # graphs before the stream, the pool and the communicator
-        self.graphs = self.speculative_graphs = self.prefill_graphs = None
+        self.graphs = self.speculative_graphs = self.prefill_graphs = self.mixed_graphs = None
         self.stream.synchronize()
         check(cudart.cudaStreamDestroy(self._raw_stream), "cudaStreamDestroy")
 
@@ -187,22 +196,24 @@ class CudaRankBackend:
 
 
 class CudaGraphs:
-    """A captured step per bucket, of one kind (decode rows or prefill tokens). Each is captured from a program (a
-    function of the bucket's fixed inputs and the state) and keeps only its executable graph and its logits;
-    `graphs(bucket)` replays one. Each kind has its own memory pool."""
+    """A captured step per bucket, of one kind (decode rows, prefill tokens or mixed steps). Each is captured from
+    a program (a function of the bucket's fixed inputs and the state) and keeps only its executable graph and its
+    logits; `graphs(bucket)` replays one. A kind has its own memory pool unless given one: graphs of one pool may
+    replay in any order, never at once (each keeps its logits; what else they allocate is scratch)."""
 
-    def __init__(self, backend: CudaRankBackend, programs: dict[int, GraphProgram], progress: bool,
-                 kind: str, prepare: Callable[[int], None] | None = None) -> None:
+    def __init__(self, backend: CudaRankBackend, programs: dict[Bucket, GraphProgram], progress: bool,
+                 kind: str, prepare: Callable[[Bucket], None] | None = None, pool=None) -> None:
         """`prepare(bucket)`, when given, sets the fixed inputs up for that bucket before its program first runs
         (outside the capture)."""
         from tqdm import tqdm
 
         self.rank, self.device, self.kind = backend.rank, backend.device, kind
         self.torch_stream, self.stream = backend.stream, backend._raw_stream
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, exec, logits)
-        self.eager: set[int] = set()
-        self.stats: dict[int, dict] = {}
+        self.owns_pool = pool is None
+        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        self.graphs: dict[Bucket, tuple] = {}  # bucket -> (graph, exec, logits)
+        self.eager: set[Bucket] = set()
+        self.stats: dict[Bucket, dict] = {}
         for bucket in tqdm(sorted(programs, reverse=True), desc=f"capturing {kind} graphs (rank {self.rank})",
                            disable=not progress, leave=False):
             if prepare is not None:
@@ -216,7 +227,7 @@ class CudaGraphs:
     def buckets(self) -> list[int]:
         return sorted(self.graphs)
 
-    def _capture(self, bucket: int, program: GraphProgram) -> None:
+    def _capture(self, bucket: Bucket, program: GraphProgram) -> None:
         # Two eager runs first compile every Triton kernel and initialise cuBLAS for these shapes on this thread
         # and stream.
         for _ in range(2):
@@ -235,7 +246,7 @@ class CudaGraphs:
             finally:
                 graph = check(cudart.cudaStreamEndCapture(self.stream), "cudaStreamEndCapture")
         except Exception as exc:
-            log.error("rank %d: capture of %s bucket %d failed (%s); it will run eagerly", self.rank, self.kind,
+            log.error("rank %d: capture of %s bucket %s failed (%s); it will run eagerly", self.rank, self.kind,
                       bucket, exc)
             self.eager.add(bucket)
             if graph is not None:
@@ -253,15 +264,15 @@ class CudaGraphs:
             "pool_bytes": torch.cuda.memory_reserved(self.device) - before,
         }
 
-    def captured(self, bucket: int) -> bool:
+    def captured(self, bucket: Bucket) -> bool:
         return bucket in self.graphs
 
-    def __call__(self, bucket: int) -> torch.Tensor:
+    def __call__(self, bucket: Bucket) -> torch.Tensor:
         _, graph_exec, logits = self.graphs[bucket]
         check(cudart.cudaGraphLaunch(graph_exec, self.stream), "cudaGraphLaunch")
         return logits
 
-    def dot(self, bucket: int, path: str) -> None:
+    def dot(self, bucket: Bucket, path: str) -> None:
         check(cudart.cudaGraphDebugDotPrint(self.graphs[bucket][0], path.encode(), 0), "cudaGraphDebugDotPrint")
 
     def destroy(self) -> None:
@@ -270,4 +281,5 @@ class CudaGraphs:
             check(cudart.cudaGraphExecDestroy(graph_exec), "cudaGraphExecDestroy")
             check(cudart.cudaGraphDestroy(graph), "cudaGraphDestroy")
         self.graphs.clear()
-        torch._C._cuda_releasePool(self.device.index, self.pool)
+        if self.owns_pool:  # a shared pool goes with its owner, destroyed after the graphs that share it
+            torch._C._cuda_releasePool(self.device.index, self.pool)

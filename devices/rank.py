@@ -168,6 +168,8 @@ class RankRuntime:
         # hundred tokens costs its ~450 launches on the host otherwise, more than its time on the GPU.
         self.prefill_inputs: PrefillInputs | None = None
         self.prefill_graphs: StepGraphs | None = None
+        # Fused mixed steps replayed per (decode bucket, prompt-token bucket), over both fixed inputs.
+        self.mixed_graphs: StepGraphs | None = None
         # Rank 0 only: what each state slot's request samples with.
         self.vocab = model.cfg.vocab_size
         kernels = model.ops.config
@@ -199,6 +201,25 @@ class RankRuntime:
         if self.prefill_graphs is None:
             return 0
         return next((b for b in self.prefill_graphs.buckets if self.prefill_inputs.fits(chunks, b)), 0)
+
+    def mixed_programs(self, decode_buckets: list[int], token_buckets: list[int]) -> dict[tuple[int, int], GraphProgram]:
+        """For each decode bucket and bucket of prompt tokens, a fused mixed step over the decode inputs and the
+        prefill inputs (`prefill_programs` made those, for at least the largest token bucket): what a mixed graph
+        captures. `prepare_mixed(bucket)` sets both up inert before a capture."""
+        model, state, inputs, prefill = self.model, self.state, self.inputs, self.prefill_inputs
+        return {(d, t): (lambda d=d, t=t: model.mixed(state, MixedBatch.of(inputs.batch(d), prefill.batch(t))))
+                for d in decode_buckets for t in token_buckets}
+
+    def prepare_mixed(self, bucket: tuple[int, int]) -> None:
+        self.inputs.fill([], [], bucket[0])
+        self.prefill_inputs.fill_inert(bucket[1])
+
+    def _mixed_bucket(self, rows: int, chunks: list[PrefillChunk]) -> tuple[int, int] | None:
+        """The smallest captured mixed bucket beside `rows` decode rows that the chunks fit, or None."""
+        if self.mixed_graphs is None:
+            return None
+        return next((b for b in self.mixed_graphs.buckets if b[0] == rows and self.prefill_inputs.fits(chunks, b[1])),
+                    None)
 
     def decode_programs(self, buckets: list[int]) -> dict[int, GraphProgram]:
         """For each bucket, its one-token decode step over the fixed inputs and the state: what a graph captures.
@@ -325,7 +346,13 @@ class RankRuntime:
             self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
             if self.speculation:
                 self.speculation.fill(cmd, self.state.verify_steps + 1)
-        fused = self.fuse_mixed_steps and self.speculation is None and bool(n and cmd.prefill)  # never speculative
+        chunks = [PrefillChunk(p.token_ids, p.start, p.slot, p.pages) for p in cmd.prefill]
+        # Fused: one forward for the decode rows and the chunks (never speculative), replayed from a mixed graph;
+        # eager only on a device without graphs (eager, its launches would cost more than the second weight pass
+        # they save). A step no mixed graph fits runs apart.
+        fused = self.fuse_mixed_steps and self.speculation is None and bool(n and chunks)
+        mixed_bucket = self._mixed_bucket(cmd.bucket, chunks) if fused else None
+        fused = fused and (mixed_bucket is not None or self.graphs is None)
         if cmd.speculate:
             decode_draw, speculation = self._speculative_decode(cmd, replay)
         elif n:
@@ -351,15 +378,17 @@ class RankRuntime:
                 raise SlotProtocolError(f"rank {self.rank}: page copy {src} -> {dst} is outside the pages")
             self.state.copy_page(src, dst)
         if cmd.prefill:
-            chunks = [PrefillChunk(p.token_ids, p.start, p.slot, p.pages) for p in cmd.prefill]
-            if fused:
+            if mixed_bucket is not None:
+                self._reset_fresh_slots(chunks)
+                self.prefill_inputs.fill(chunks, mixed_bucket[1])
+                decode_logits, prefill_logits = self.mixed_graphs(mixed_bucket)  # as a prefill graph's rows
+                decode_draw = self._draw_decode(cmd, decode_logits)
+            elif fused:
                 prefill = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
                 decode_logits, prefill_logits = self.model.mixed(self.state, MixedBatch.of(decode_batch, prefill))
                 decode_draw = self._draw_decode(cmd, decode_logits)
             elif bucket := self._prefill_bucket(chunks):
-                for c in chunks:
-                    if c.start == 0:
-                        self.state.reset_slot(c.slot)
+                self._reset_fresh_slots(chunks)
                 self.prefill_inputs.fill(chunks, bucket, *self._head_inputs(cmd))
                 prefill_logits = self.prefill_graphs(bucket)  # row i is chunk i's, the rest the padding's
             else:
@@ -383,6 +412,12 @@ class RankRuntime:
         if queued:
             on_launched()
         return LaunchedStep(self, cmd, decode_draw, prefill_draw, speculation, clock) if self.sampling else None
+
+    def _reset_fresh_slots(self, chunks: list[PrefillChunk]) -> None:
+        """A graph's prefill starts each fresh prompt from a zeroed state; the eager one resets them itself."""
+        for c in chunks:
+            if c.start == 0:
+                self.state.reset_slot(c.slot)
 
     def _draw_decode(self, cmd: StepCommand, logits: torch.Tensor):
         """Rank 0 queues the decode rows' draw behind the forward (None elsewhere)."""

@@ -87,6 +87,25 @@ def prefill_graph_buckets(most_tokens: int) -> list[int]:
     return buckets
 
 
+def mixed_graph_buckets(prefill_buckets: list[int]) -> list[int]:
+    """Prompt-token buckets of fused mixed steps: 64, then each about 1.5x the last (128, 192, 256, 384, ...),
+    those among the prefill buckets. Every decode bucket is captured with each, so the list is coarser than the
+    prefill graphs'; a step's budget is rounded down to one of them, so only a prompt's last chunk pads."""
+    buckets, b = [], 64
+    while b <= max(prefill_buckets, default=0):
+        if b in prefill_buckets:
+            buckets.append(b)
+        b = b * 2 if b < 128 else b + b // 2 if (b & (b - 1)) == 0 else b // 3 * 4
+    return buckets
+
+
+def _describe(buckets: list) -> str:
+    """Buckets for the log: a mixed kind's as its decode rows by its prompt tokens."""
+    if buckets and isinstance(buckets[0], tuple):
+        return f"{sorted({d for d, _ in buckets})} decode rows x {sorted({t for _, t in buckets})} prompt tokens"
+    return str(buckets)
+
+
 class _Rank:
     """Objects one rank's thread owns (touched only from that thread)."""
 
@@ -148,11 +167,13 @@ class Replica:
             prefill_scratch_bytes=prefill_activation_bytes(spec.cfg, self.local, self.dtype, spec.prefill_token_budget)
             if spec.device == "cuda" else 0,
             buckets=spec.buckets,
-            # A pool each: one-token decode steps, speculative ones, prefill steps.
+            # A pool each: one-token decode steps, speculative ones, prefill steps (mixed steps in the prefill
+            # pool, with a decode bucket's rows more).
             graph_reserve=lambda b: decode_activation_bytes(spec.cfg, self.local, self.dtype, b) + (
                 decode_activation_bytes(spec.cfg, self.local, self.dtype, self._speculative_rows(b))
                 if self._speculative_rows(b) else 0) + (
-                prefill_activation_bytes(spec.cfg, self.local, self.dtype, max(self.prefill_buckets))
+                prefill_activation_bytes(spec.cfg, self.local, self.dtype,
+                                         max(self.prefill_buckets) + (b if self.mixed_token_buckets else 0))
                 if self.prefill_buckets else 0) if self._graphs else 0,
             snapshot_bytes=snapshot_bytes,
         )
@@ -183,20 +204,23 @@ class Replica:
                 raise RuntimeError(
                     f"CUDA graph capture did not complete (watchdog {spec.capture_timeout_s:.0f} s): {exc}; "
                     "start with --no-cuda-graph to serve eagerly") from exc
-            captured = {tuple(r.runtime.prefill_graphs.buckets) for r in self.ranks if r.runtime.prefill_graphs}
-            if len(captured) > 1:  # a bucket eager on one rank only would all-reduce other sizes than the rest
-                log.warning("prefill graphs captured for different buckets on different ranks (%s): prefill eagerly",
-                            sorted(captured))
-                for r in self.ranks:
-                    r.runtime.prefill_graphs = None
+            for kind in ("prefill_graphs", "mixed_graphs"):
+                captured = {tuple(getattr(r.runtime, kind).buckets) for r in self.ranks if getattr(r.runtime, kind)}
+                if len(captured) > 1:  # a bucket eager on one rank only would all-reduce other sizes than the rest
+                    log.warning("%s captured for different buckets on different ranks (%s): those steps run "
+                                "without them", kind.replace("_", " "), sorted(captured))
+                    for r in self.ranks:
+                        setattr(r.runtime, kind, None)
             backend = self.ranks[0].backend
             kinds = [("decode", backend.graphs), ("prefill", backend.prefill_graphs)]
             if spec.speculative_tokens:
                 kinds.insert(1, ("speculative", backend.speculative_graphs))
+            if self.mixed_token_buckets:
+                kinds.append(("mixed", backend.mixed_graphs))
             for kind, graphs in kinds:
                 stats = graphs.stats if graphs is not None else {}
                 log.info("%d %s graphs per rank (buckets %s; %d nodes in the largest, %.0f MiB of pool)", len(stats),
-                         kind, sorted(stats), stats[max(stats)]["nodes"] if stats else 0,
+                         kind, _describe(sorted(stats)), stats[max(stats)]["nodes"] if stats else 0,
                          sum(st["pool_bytes"] for st in stats.values()) / 2**20)
             log.info("graphs captured in %.1f s", time.perf_counter() - started)
 
@@ -222,6 +246,13 @@ class Replica:
         if not self._graphs:
             return []
         return prefill_graph_buckets(min(self.spec.prefill_graph_tokens, self.spec.prefill_token_budget))
+
+    @property
+    def mixed_token_buckets(self) -> list[int]:
+        """Prompt-token buckets of the captured fused mixed steps (none unless fused, graphed and not speculative)."""
+        if not (self.spec.fused_mixed_steps and not self.spec.speculative_tokens):
+            return []
+        return mixed_graph_buckets(self.prefill_buckets)
 
     def _abort_collective(self) -> None:
         if self.collective is not None:
@@ -283,6 +314,10 @@ class Replica:
                 programs = r.runtime.prefill_programs(self.prefill_buckets, self.plan.prefill_slots)
                 r.runtime.prefill_graphs = r.backend.capture_prefill(programs, progress=rank == 0,
                                                                      prepare=r.runtime.prefill_inputs.fill_inert)
+            if self.mixed_token_buckets:
+                r.runtime.mixed_graphs = r.backend.capture_mixed(
+                    r.runtime.mixed_programs(self.buckets, self.mixed_token_buckets), progress=rank == 0,
+                    prepare=r.runtime.prepare_mixed)
 
     # Steps ----------------------------------------------------------------------------------------------------------
     def start_step(self, cmd: StepCommand, overlapped: bool = False) -> Awaitable[StepResult]:

@@ -267,6 +267,7 @@ class AsyncEngine:
             step_budget=self._step_budget(),
             prefix_cache=PrefixCache(plan.num_pages, plan.page_size, plan.snapshots, args.enable_prefix_caching),
             lookahead=self.speculative, prefill_graph_sizes=self.replica.prefill_buckets,
+            mixed_graph_sizes=self.replica.mixed_token_buckets,
         )
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="deltaserve-step-loop")
         if args.warmup if args.warmup is not None else args.device == "cuda":

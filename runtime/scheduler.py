@@ -146,10 +146,11 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         lookahead: int = 0,
         prefill_graph_sizes: list[int] | None = None,
+        mixed_graph_sizes: list[int] | None = None,
     ) -> None:
         """lookahead: KV positions a request writes past its last token (a speculative step's k drafts);
         prefill_graph_sizes: the prompt-token counts that prefill steps replay captured graphs at (a step pads its
-        tokens up to the next one)."""
+        tokens up to the next one); mixed_graph_sizes: the same for steps with decode rows (fused mixed steps)."""
         if min(num_pages, page_size, max_batch, max_prefill_slots, prefill_token_budget, max_model_len) < 1:
             raise ValueError("scheduler sizes must all be positive")
         self.page_size, self.max_batch, self.max_model_len = page_size, max_batch, max_model_len
@@ -157,6 +158,7 @@ class Scheduler:
         # The prompt tokens of a step beside decode rows; without one, every step carries up to the most.
         self.step_budget = step_budget
         self.prefill_graph_sizes = sorted(prefill_graph_sizes or [])
+        self.mixed_graph_sizes = sorted(mixed_graph_sizes or [])
         self.num_pages = num_pages
         self.lookahead = lookahead
         self.cache = prefix_cache or PrefixCache(num_pages, page_size, 0, enabled=False)
@@ -390,11 +392,12 @@ class Scheduler:
         return False
 
     def prompt_budget(self, bucket: int) -> int:
-        """The prompt tokens a step beside `bucket` decode rows may carry: rounded down to a captured prefill size
-        where one is at most the budget (a step between two computes the padding up to the next)."""
+        """The prompt tokens a step beside `bucket` decode rows may carry: rounded down to a captured size (of
+        mixed steps with decode rows, else of prefill steps) where one is at most the budget (a step between two
+        computes the padding up to the next)."""
         budget = self.step_budget.tokens(bucket) if self.step_budget else self.prefill_token_budget
         budget = min(budget, self.prefill_token_budget)
-        sizes = self.prefill_graph_sizes
+        sizes = self.mixed_graph_sizes if bucket and self.mixed_graph_sizes else self.prefill_graph_sizes
         if sizes and sizes[0] <= budget <= sizes[-1]:
             budget = sizes[bisect.bisect_right(sizes, budget) - 1]
         return budget

@@ -432,6 +432,20 @@ def first_token_gaps(ours, reference) -> torch.Tensor:
     return torch.tensor(gaps)
 
 
+class _Counting:
+    """Step graphs that record the buckets they replay."""
+
+    def __init__(self, graphs):
+        self.graphs, self.replays, self.buckets = graphs, [], graphs.buckets
+
+    def captured(self, bucket):
+        return self.graphs.captured(bucket)
+
+    def __call__(self, bucket):
+        self.replays.append(bucket)
+        return self.graphs(bucket)
+
+
 def test_prefill_graphs_compute_what_the_eager_prefill_does(real_geometry_ckpt):
     """One-chunk prefills replay a graph padded to a bucket of tokens. In fp32 at the 4B width, each prompt's
     first-token top-8 log-probs agree with an all-eager engine's within 2e-3: prompts of 1 to 1500 tokens, fresh,
@@ -445,17 +459,6 @@ def test_prefill_graphs_compute_what_the_eager_prefill_does(real_geometry_ckpt):
     prompts += [prompts[6] + [rng.randrange(3000) for _ in range(33)]]  # resumes after 700 cached tokens
     params = SamplingParams(max_tokens=1, logprobs=8, temperature=0)
 
-    class Counting:
-        def __init__(self, graphs):
-            self.graphs, self.replays, self.buckets = graphs, [], graphs.buckets
-
-        def captured(self, bucket):
-            return self.graphs.captured(bucket)
-
-        def __call__(self, bucket):
-            self.replays.append(bucket)
-            return self.graphs(bucket)
-
     async def run(prefill_graphs: bool):
         args = EngineArgs(model=real_geometry_ckpt, device="cuda", max_batch=8, max_model_len=2048, dtype="float32",
                           load_format="random", prefill_token_budget=1024,
@@ -465,7 +468,7 @@ def test_prefill_graphs_compute_what_the_eager_prefill_does(real_geometry_ckpt):
             if prefill_graphs:
                 assert runtime.prefill_graphs.buckets == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896,
                                                           1024]
-                runtime.prefill_graphs = Counting(runtime.prefill_graphs)
+                runtime.prefill_graphs = _Counting(runtime.prefill_graphs)
             outs = [(await _last(engine.generate(p, params))) for p in prompts]
             outs += await asyncio.gather(*[_last(engine.generate(p, params)) for p in prompts[:4]])
         return outs, runtime.prefill_graphs
@@ -478,6 +481,63 @@ def test_prefill_graphs_compute_what_the_eager_prefill_does(real_geometry_ckpt):
     assert len(gaps) >= 8 * len(graphed) * 3 // 4 and gaps.max() <= 2e-3
     assert {16, 32, 128, 512, 1024} <= set(counting.replays)
     assert graphed[8].num_cached_tokens == 700  # the 700-token prompt's end
+
+
+def test_fused_mixed_graphs_compute_what_steps_apart_do(real_geometry_ckpt):
+    """With `fused_mixed_steps`, a step's decode rows and prompt chunk replay one graph per (decode bucket, prompt
+    bucket). In fp32 at the 4B width, requests arriving while others decode (prompts of 1 to 900 tokens, some
+    chunked) give the tokens, and the top-8 log-probs within 2e-3 at every position, of steps run apart; and mixed
+    graphs of several buckets did replay."""
+    import random
+
+    from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3000) for _ in range(n)] for n in (40, 1, 63, 64, 65, 200, 513, 900, 7, 300)]
+    params = SamplingParams(max_tokens=10, logprobs=8, temperature=0, ignore_eos=True)
+
+    async def run(fused: bool):
+        args = EngineArgs(model=real_geometry_ckpt, device="cuda", max_batch=16, max_model_len=2048, dtype="float32",
+                          load_format="random", buckets=[1, 2, 4, 8, 16], prefill_token_budget=512,
+                          prefill_graph_tokens=512, step_latency_ratio=0, fused_mixed_steps=fused)
+        async with AsyncEngine(args) as engine:
+            runtime = engine.replica.ranks[0].runtime
+            if fused:
+                assert runtime.mixed_graphs.buckets == [(d, t) for d in (1, 2, 4, 8, 16)
+                                                        for t in (64, 128, 192, 256, 384, 512)]
+                runtime.mixed_graphs = _Counting(runtime.mixed_graphs)
+            started, tasks = asyncio.Event(), []
+
+            async def one(prompt):
+                out = None
+                async for out in engine.generate(prompt, params):
+                    if len(out.token_ids) >= 2:
+                        started.set()
+                return out
+
+            for prompt in prompts:  # each arrives while the ones before it decode
+                started.clear()
+                tasks.append(asyncio.create_task(one(prompt)))
+                await started.wait()
+            outs = await asyncio.gather(*tasks)
+        return outs, runtime.mixed_graphs
+
+    fused, counting = asyncio.run(run(True))
+    apart, _ = asyncio.run(run(False))
+    gaps, same = [], 0
+    for a, b in zip(fused, apart):
+        for got, ref, token_a, token_b in zip(a.logprobs, b.logprobs, a.token_ids, b.token_ids):
+            expected = dict(ref.top)
+            gaps += [abs(lp - expected[t]) for t, lp in got.top if t in expected]
+            if token_a != token_b:
+                break
+            same += 1
+    gaps = torch.tensor(gaps)
+    logging.getLogger(__name__).info("fused mixed graphs / apart: |Δ log-prob| max %.2e over %d, %d of %d tokens "
+                                     "the same; replays %s", gaps.max(), len(gaps), same, 10 * len(prompts),
+                                     sorted(set(counting.replays)))
+    assert same == 10 * len(prompts) and gaps.max() <= 2e-3
+    assert len(set(counting.replays)) >= 4 and any(d > 1 for d, _ in counting.replays)
 
 
 def test_pdl_launches_change_no_token(real_geometry_ckpt):

@@ -175,3 +175,10 @@ def test_a_step_budget_rounds_down_to_a_captured_prefill_size():
     plan = s.schedule()
     assert [w.length for w in plan.prefill] == [256] and plan.prompt_budget == 256
     assert make(step_budget=budget).prompt_budget(1) == 10  # no graphs: the budget as it is (capped at 10)
+    # Fused mixed graphs: a step with decode rows rounds to their sizes, one without to the prefill graphs'.
+    fused = make(num_pages=400, max_model_len=1200, prefill_token_budget=600, step_budget=budget,
+                 prefill_graph_sizes=[64, 128, 192, 256, 320], mixed_graph_sizes=[64, 128, 256, 384])
+    budget.tokens_now = 300
+    assert (fused.prompt_budget(4), fused.prompt_budget(0)) == (256, 256)
+    budget.tokens_now = 200
+    assert (fused.prompt_budget(4), fused.prompt_budget(0)) == (128, 192)
