@@ -72,6 +72,12 @@ class KernelConfig:
     # stages) of the W8A16 kernel: the fastest of the 27B sweep (`tools/lab/fp8_sweep.py`) on every projection
     # but the widest, whose tiles `fp8.decode_tiles` doubles.
     fp8_decode_tile: tuple[int, int, int, int] = (32, 4, 4, 3)
+    # Above `fp8_few_rows` rows (batch-32 and batch-64 steps) every column tile rereads all rows' activations, which
+    # wider tiles share out: BLOCK_N 128 was the fastest at 64 rows on every 27B projection (H100, `fp8_sweep
+    # --decode-rows 64`), and cuBLAS's block-scaled FP8 GEMM (W8A8, as `fp8_prefill` "cublas") faster still where
+    # it takes the weight (1.2-1.8x our tile at 64 rows: 81 against 142 us on gate_up).
+    fp8_few_rows: int = 16
+    fp8_decode_many_rows_tile: tuple[int, int, int, int] = (128, 4, 4, 3)
     # Above 64 rows (prefill): "cublas" quantises the activations per token and 128 columns and runs cuBLAS's
     # block-scaled FP8 GEMM (sm90, CUDA 12.9+; the rank checks at start-up and falls back to "w8a8"); "w8a8" the
     # same arithmetic on our Triton kernel (twice the W8A16 kernel's rate at 2048 rows, but near bf16's, as it

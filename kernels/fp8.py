@@ -160,7 +160,8 @@ def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT
     common = dict(BLOCK_K=block_k, QBLOCK=weight.block, FP32=x.dtype == torch.float32)
     if M <= DECODE_ROWS:
         block_m = max(16, triton.next_power_of_2(M))
-        block_n, per_sm, warps, stages = cfg.fp8_decode_tile
+        block_n, per_sm, warps, stages = cfg.fp8_decode_tile if M <= cfg.fp8_few_rows else \
+            cfg.fp8_decode_many_rows_tile
         block_n, splits, per_split = decode_tiles(M, N, K, weight.block, per_sm * multiprocessors(x.device), block_n)
         target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
         _w8a16_kernel[(1, triton.cdiv(N, block_n), splits)](
@@ -294,10 +295,11 @@ def cublas_block_scaled_works(device: torch.device) -> bool:
 
 def linear(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
     """The FP8 projection: W8A16 up to DECODE_ROWS rows, above by `KernelConfig.fp8_prefill` ("cublas", "w8a8"
-    or "w8a16"; "cublas" falls back to "w8a8" for a weight `cublas_takes` refuses); an fp32 model (tests) stays
-    W8A16."""
+    or "w8a16"; "cublas" falls back to "w8a8" for a weight `cublas_takes` refuses); "cublas" takes every weight it
+    can above `KernelConfig.fp8_few_rows` rows; an fp32 model (tests) stays W8A16."""
+    if x.dtype != torch.float32 and x.shape[0] > cfg.fp8_few_rows and cfg.fp8_prefill == "cublas" \
+            and cublas_takes(weight):
+        return linear_cublas(x, weight)
     if x.shape[0] > DECODE_ROWS and cfg.fp8_prefill != "w8a16" and x.dtype != torch.float32:
-        if cfg.fp8_prefill == "cublas" and cublas_takes(weight):
-            return linear_cublas(x, weight)
         return linear_w8a8(x, weight, cfg)
     return linear_w8a16(x, weight, cfg)

@@ -717,10 +717,10 @@ def test_activation_quantisation_pads_rows_and_stores_scales_group_major():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="cuBLAS's block-scaled FP8 GEMM is a CUDA op")
-@pytest.mark.parametrize("rows", [65, 130, 2048])
+@pytest.mark.parametrize("rows", [20, 65, 130, 2048])
 def test_the_cublas_fp8_projection_equals_its_reference(rows):
-    """The prefill's default FP8 projection (cuBLAS's 1 x 128 by 128 x 128 block-scaled GEMM) against the torch
-    arithmetic of W8A8, at row counts that are and are not multiples of four."""
+    """The default FP8 projection above `fp8_few_rows` rows (cuBLAS's 1 x 128 by 128 x 128 block-scaled GEMM)
+    against the torch arithmetic of W8A8, at row counts that are and are not multiples of four."""
     from deltaserve.kernels import fp8
 
     if not fp8.cublas_block_scaled_works(torch.device(DEVICE)):
@@ -731,4 +731,4 @@ def test_the_cublas_fp8_projection_equals_its_reference(rows):
     got = fp8.linear_cublas(x, weight)
     assert got.shape == (rows, 384) and got.dtype == torch.bfloat16
     assert rel(got.float(), fp8.linear_w8a8_reference(x, weight).float()) <= 1e-2
-    assert torch.equal(fp8.linear(x, weight), got)  # the default above DECODE_ROWS rows
+    assert torch.equal(fp8.linear(x, weight), got)  # the default above fp8_few_rows rows
