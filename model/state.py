@@ -138,14 +138,16 @@ class ModelState:
     def commit_verified(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
         """After a verify step of verify_steps + 1 tokens a row: each slot keeps the state after its first
         `accepted` tokens (1 .. verify_steps + 1; the last needs no copy). Device tensors, no host sync. It reads and
-        writes every row's whole state (a select, so that a graph can hold it): at the 4B width 50 MB a row."""
+        writes every row's whole state (a select, so that a graph can hold it): at the 4B width 50 MB a row. Layer by
+        layer: all layers at once made temporaries of three times that a row (9 GiB at 64 rows), which starved the
+        graph captures after it of memory."""
         rows, step_rows = self._rows(slots)
         rolled = accepted <= self.verify_steps
         step = (accepted - 1).clamp(0, self.verify_steps - 1)
         for pool, steps in ((self.conv, self.conv_steps), (self.ssm, self.ssm_steps)):
-            kept = steps[:, step_rows, step]  # [layers, R, ...]
-            mask = rolled.view((1, -1) + (1,) * (kept.dim() - 2))
-            pool[:, rows] = torch.where(mask, kept, pool[:, rows])
+            mask = rolled.view((-1,) + (1,) * (pool.dim() - 2))
+            for layer, layer_steps in zip(pool, steps):
+                layer[rows] = torch.where(mask, layer_steps[step_rows, step], layer[rows])
 
     def move_verify_slot(self, src: int, dst: int) -> None:
         """A request slot's last verify step (its states, to roll back to before the next one, hidden states and
