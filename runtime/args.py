@@ -24,10 +24,12 @@ class EngineArgs:
     # tokens to 512, then every 128): a 512-token prefill's TTFT fell from 29.8 to 12.4 ms (H100, run S2); 0: none.
     prefill_graph_tokens: int = 2048
     # A step carrying prompt chunks beside decode rows runs them as one forward (each projection reads the weights
-    # once, not once for the decode graph and again for the prefill), eagerly; off: the decode graph, then the
-    # prefill. Without speculation only. Off: its kernels take less, but its eager launches made a mixed step
-    # host-bound on an H100 (22 ms against 12.9 apart, `gpu_session.sh` stage fused) until it is graphed.
-    fused_mixed_steps: bool = False
+    # once, not once for the decode graph and again for the prefill), replayed from a graph per decode bucket and
+    # bucket of prompt tokens; off: the decode graph, then the prefill. Without speculation only. None: on where
+    # those graphs are captured (CUDA with prefill graphs): at c64 on an H100 6374 against 5802 tok/s apart, ITL
+    # p99 2.0x against 2.1x p50, for ~13 s more capture at start-up. Eager (forced on without graphs) its launches
+    # made a mixed step host-bound (22 ms against 12.9 apart).
+    fused_mixed_steps: bool | None = None
     seed: int = 0
     prefill_token_budget: int = 2048  # prompt tokens per step at most (chunked prefill)
     # A step carrying prompt tokens beside decode rows takes at most this many times a decode-only step (the
@@ -123,8 +125,8 @@ class EngineArgs:
         if isinstance(self.speculative_draft_vocab, bool) or not isinstance(self.speculative_draft_vocab, int) or \
                 self.speculative_draft_vocab < 0:
             raise ValueError(f"speculative_draft_vocab must be an integer >= 0, got {self.speculative_draft_vocab!r}")
-        if not isinstance(self.fused_mixed_steps, bool):
-            raise ValueError(f"fused_mixed_steps must be True or False, got {self.fused_mixed_steps!r}")
+        if self.fused_mixed_steps is not None and not isinstance(self.fused_mixed_steps, bool):
+            raise ValueError(f"fused_mixed_steps must be True, False or None, got {self.fused_mixed_steps!r}")
         if not isinstance(self.fp8_kernels, bool):
             raise ValueError(f"fp8_kernels must be True or False, got {self.fp8_kernels!r}")
         if not isinstance(self.speculative_fp8_draft_head, bool):

@@ -238,6 +238,9 @@ class AsyncEngine:
                 log.warning("fused_mixed_steps does nothing with speculative decoding: its mixed steps run apart")
         elif args.speculative_draft_vocab:
             log.warning("speculative_draft_vocab is set without speculative_tokens: it does nothing")
+        fused = args.fused_mixed_steps
+        if fused is None:  # where its steps are graphed
+            fused = args.device == "cuda" and args.cuda_graph and args.prefill_graph_tokens > 0 and not self.speculative
         spec = ReplicaSpec(
             checkpoint=args.model, cfg=self.cfg, device=args.device, tp=args.tp, dtype=args.dtype,
             max_batch=args.max_batch, max_model_len=self.max_model_len, prefill_slots=args.prefill_slots,
@@ -246,7 +249,7 @@ class AsyncEngine:
             speculative_acceptance=args.speculative_acceptance, speculative_max_batch=args.speculative_max_batch,
             speculative_draft_vocab=args.speculative_draft_vocab,
             speculative_fp8_draft_head=args.speculative_fp8_draft_head, fp8_kernels=args.fp8_kernels,
-            fused_mixed_steps=args.fused_mixed_steps,
+            fused_mixed_steps=fused,
             memory_fraction=args.memory_fraction, cpu_memory_bytes=args.cpu_memory_bytes,
             step_timeout_s=args.step_timeout_s, capture_timeout_s=args.capture_timeout_s, use_nccl=args.use_nccl,
             random_weights=args.load_format == "random", seed=args.seed, kernel_config=args.kernel_config,

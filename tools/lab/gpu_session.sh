@@ -24,8 +24,9 @@
 # serve4  #30: the 4B start-up (cold and warm compile cache: ready time, first request against steady TTFT), an
 #         8k-token prompt's prefill rate and eight of them arriving together
 # serve27 #30, #33: the 27B serving rows of the issues (8192 in, 1024 out; c1 and c16), FP8 then bf16 checkpoints
-# fused   #30: a step's decode rows and prompt chunk as one forward (--fused-mixed-steps) against the decode graph
-#         then the prefill: what a 256-token chunk adds beside 60 rows, then the c64 row and its step log, each way
+# fused   #30: the decode graph then the prefill (--no-fused-mixed-steps) against a step's decode rows and prompt
+#         chunk as one graphed forward (the default): what a 256-token chunk adds beside 60 rows, then the c64 row
+#         and its step log, each way
 set -uo pipefail
 STAGES=${1:-tests,spec,prefix}
 DIR=${OUT:-gpu-session}
@@ -117,13 +118,13 @@ for stage in ${STAGES//,/ }; do
       ROWS="long burst" MODES=on timeout 200 bash tools/lab/prefix_cache_rows.sh /tmp/serve4
       cp /tmp/serve4/*.json /tmp/serve4/server-on.log "$DIR/" ;;
     fused)
-      for flag in "" --fused-mixed-steps; do
+      for flag in --no-fused-mixed-steps --fused-mixed-steps; do  # apart, then fused (graphed: the default)
         timeout 150 python3 -m deltaserve.tools.lab.profile_mixed_step --size 4b --rows 60 --prompt 256 --chunks 1 \
-            $flag > "$DIR/mixed-step${flag:-"-apart"}.txt" 2>&1
-        grep -A3 "^with prompts" "$DIR/mixed-step${flag:-"-apart"}.txt" | sed "s/^/${flag:-apart} /"
-        ROWS=c64 MODES=on timeout 150 bash tools/lab/prefix_cache_rows.sh /tmp/fused${flag} --log-steps $flag
-        mkdir -p "$DIR/c64${flag:-"-apart"}"
-        cp /tmp/fused${flag}/*.json /tmp/fused${flag}/server-on.log "$DIR/c64${flag:-"-apart"}/" 2>/dev/null
+            $flag > "$DIR/mixed-step$flag.txt" 2>&1
+        grep -A3 "^with prompts" "$DIR/mixed-step$flag.txt" | sed "s/^/$flag /"
+        ROWS=c64 MODES=on timeout 150 bash tools/lab/prefix_cache_rows.sh /tmp/fused$flag --log-steps $flag
+        mkdir -p "$DIR/c64$flag"
+        cp /tmp/fused$flag/*.json /tmp/fused$flag/server-on.log "$DIR/c64$flag/" 2>/dev/null
       done ;;
     *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, turn, fp8, serve27, serve4, fused)"; exit 2 ;;
   esac

@@ -139,8 +139,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=256, help="tokens a prompt")
     parser.add_argument("--chunks", type=int, default=4, help="prompts arriving together (prefill slots)")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--fused-mixed-steps", action="store_true",
-                        help="prompt steps run the decode rows and chunks as one forward (EngineArgs.fused_mixed_steps)")
+    parser.add_argument("--fused-mixed-steps", action=argparse.BooleanOptionalAction, default=None,
+                        help="prompt steps run the decode rows and chunks as one forward (EngineArgs.fused_mixed_steps; "
+                             "default: the engine's)")
     parser.add_argument("--top", type=int, default=20)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
