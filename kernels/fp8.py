@@ -10,7 +10,9 @@ reference. A decode step reads half the bytes of a bf16 weight.
   DeepSeek's and vLLM's block FP8), then FP8 tensor-core dots, both scales applied per K block. Scaling each
   block's dot apart from the accumulator holds it near the bf16 GEMM's rate (H100: 0.7-1.0x cuBLAS bf16), twice
   the W8A16 kernel's.
-`linear` picks by the row count and `KernelConfig.fp8_prefill`.
+`linear` picks by the row count and `KernelConfig.fp8_prefill`: above `KernelConfig.fp8_few_rows` rows cuBLAS's
+block-scaled FP8 GEMM takes every weight it can (at 64 rows each of our 32-column tiles rereads all rows'
+activations; cuBLAS was 1.2-1.8x faster there).
 
 The format (Qwen's FP8 checkpoints, vLLM's "fp8" loader): values [N, K] float8_e4m3fn and scale [ceil(N / B),
 ceil(K / B)] float32 (`weight_scale_inv`), the real weight being each B x B tile of values times its entry.
