@@ -224,7 +224,7 @@ class CudaGraphs:
                         self.rank, kind, sorted(self.eager))
 
     @property
-    def buckets(self) -> list[int]:
+    def buckets(self) -> list[Bucket]:
         return sorted(self.graphs)
 
     def _capture(self, bucket: Bucket, program: GraphProgram) -> None:

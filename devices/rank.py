@@ -202,7 +202,8 @@ class RankRuntime:
             return 0
         return next((b for b in self.prefill_graphs.buckets if self.prefill_inputs.fits(chunks, b)), 0)
 
-    def mixed_programs(self, decode_buckets: list[int], token_buckets: list[int]) -> dict[tuple[int, int], GraphProgram]:
+    def mixed_programs(self, decode_buckets: list[int],
+                       token_buckets: list[int]) -> dict[tuple[int, int], GraphProgram]:
         """For each decode bucket and bucket of prompt tokens, a fused mixed step over the decode inputs and the
         prefill inputs (`prefill_programs` made those, for at least the largest token bucket): what a mixed graph
         captures. `prepare_mixed(bucket)` sets both up inert before a capture."""

@@ -139,8 +139,7 @@ class ModelState:
         """After a verify step of verify_steps + 1 tokens a row: each slot keeps the state after its first
         `accepted` tokens (1 .. verify_steps + 1; the last needs no copy). Device tensors, no host sync. It reads and
         writes every row's whole state (a select, so that a graph can hold it): at the 4B width 50 MB a row. Layer by
-        layer: all layers at once made temporaries of three times that a row (9 GiB at 64 rows), which starved the
-        graph captures after it of memory."""
+        layer: all layers at once, its temporaries were three times that a row (9 GiB at 64 rows)."""
         rows, step_rows = self._rows(slots)
         rolled = accepted <= self.verify_steps
         step = (accepted - 1).clamp(0, self.verify_steps - 1)
