@@ -9,7 +9,8 @@
 # `pip install --no-deps --no-build-isolation -e .`).
 #
 # tests   the GPU tests of what changed last (speculation with both graphs a bucket, capture_check, prefill
-#         graphs of packed chunks, no launch waiting for the device; TESTS=EXPR picks others); the FP8 ones are fp8's
+#         graphs of packed chunks, no launch waiting for the device, fused mixed graphs, overlap on/off; TESTS=EXPR
+#         picks others); the FP8 ones are fp8's
 # spec    #32: the speculative step against a plain one, with the 27B head's published acceptance emulated, the
 #         drafts reading an FP8 copy of lm_head (the default) and the bf16 one
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
@@ -24,6 +25,8 @@
 # serve4  #30: the 4B start-up (cold and warm compile cache: ready time, first request against steady TTFT), an
 #         8k-token prompt's prefill rate and eight of them arriving together
 # serve27 #30, #33: the 27B serving rows of the issues (8192 in, 1024 out; c1 and c16), FP8 then bf16 checkpoints
+# specrows #32: the c16 and c64 serving rows with speculation (the 27B head's acceptance emulated) and without,
+#         each server's graph captures listed (a bucket that ran out of memory runs eagerly)
 # fused   #30: the decode graph then the prefill (--no-fused-mixed-steps) against a step's decode rows and prompt
 #         chunk as one graphed forward (the default): what a 256-token chunk adds beside 60 rows, then the c64 row
 #         and its step log, each way
@@ -38,7 +41,8 @@ for stage in ${STAGES//,/ }; do
   case $stage in
     tests)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -o log_cli=true --log-cli-level=INFO \
-          -k "${TESTS:-speculative or capture_check or prefill_graphs or never_waits}" > "$DIR/tests.log" 2>&1
+          -k "${TESTS:-speculative or capture_check or prefill_graphs or never_waits or fused_mixed or overlap}" \
+          > "$DIR/tests.log" 2>&1
       grep -E "passed|failed|speculation k=|on/off|launches waited" "$DIR/tests.log" | tail -12 ;;
     spec)
       for head in --fp8-draft-head --no-fp8-draft-head; do
@@ -126,7 +130,18 @@ for stage in ${STAGES//,/ }; do
         mkdir -p "$DIR/c64$flag"
         cp /tmp/fused$flag/*.json /tmp/fused$flag/server-on.log "$DIR/c64$flag/" 2>/dev/null
       done ;;
-    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, turn, fp8, serve27, serve4, fused)"; exit 2 ;;
+    specrows)
+      for mode in spec plain; do
+        flags=$([ $mode = spec ] && echo "--speculative-tokens 4 --speculative-acceptance 0.92,0.84,0.65,0.54")
+        ROWS="c16 c64" MODES=on timeout 250 bash tools/lab/prefix_cache_rows.sh /tmp/specrows-$mode $flags \
+            | sed "s/^/$mode /"
+        grep -E "graphs per rank|capture of .* failed|runtime.speculation" /tmp/specrows-$mode/server-on.log \
+            | cut -c1-200 | tail -8
+        mkdir -p "$DIR/specrows-$mode"
+        cp /tmp/specrows-$mode/*.json /tmp/specrows-$mode/server-on.log "$DIR/specrows-$mode/" 2>/dev/null
+      done ;;
+    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, turn, fp8, serve27, serve4, fused, specrows)"
+       exit 2 ;;
   esac
   stamp "$stage done"
 done
