@@ -153,8 +153,11 @@ class RankRuntime:
         """With speculation (state.verify_steps > 0): decode steps of at most `speculate_up_to` rows (None: any)
         may draft and verify (`StepCommand.speculate`); acceptance: benchmarks' emulated draft acceptance
         (`EngineArgs.speculative_acceptance`); draft_head: what the drafts read in place of lm_head
-        (`draft_head()`; None: lm_head). fuse_mixed_steps: a step's decode rows and prompt chunks run as one eager
-        forward (`MixedBatch`), not the decode graph then the prefill (without speculation)."""
+        (`draft_head()`; None: lm_head). fuse_mixed_steps: a step's decode rows and prompt chunks run as one
+        forward (`MixedBatch`; a mixed graph's replay where one is captured), not the decode graph then the prefill
+        (without speculation only)."""
+        if fuse_mixed_steps and state.verify_steps:
+            raise ValueError("fuse_mixed_steps needs an engine without speculation")
         self.model, self.state, self.rank, self.max_batch, self.tp = model, state, rank, max_batch, tp
         self.fuse_mixed_steps = fuse_mixed_steps
         self.acceptance = acceptance
@@ -351,7 +354,7 @@ class RankRuntime:
         # Fused: one forward for the decode rows and the chunks (never speculative), replayed from a mixed graph;
         # eager only on a device without graphs (eager, its launches would cost more than the second weight pass
         # they save). A step no mixed graph fits runs apart.
-        fused = self.fuse_mixed_steps and self.speculation is None and bool(n and chunks)
+        fused = self.fuse_mixed_steps and bool(n and chunks)
         mixed_bucket = self._mixed_bucket(cmd.bucket, chunks) if fused else None
         fused = fused and (mixed_bucket is not None or self.graphs is None)
         if cmd.speculate:

@@ -68,7 +68,8 @@ class ReplicaSpec:
     speculative_draft_vocab: int = 0  # drafts among the first N token ids (0: all)
     speculative_fp8_draft_head: bool = False  # the drafts read an FP8 copy of lm_head (EngineArgs)
     fp8_kernels: bool = False  # FP8 checkpoints: weights kept in FP8 (EngineArgs.fp8_kernels)
-    fused_mixed_steps: bool = False  # decode rows and prompt chunks in one forward (EngineArgs.fused_mixed_steps)
+    # Decode rows and prompt chunks in one forward (EngineArgs.fused_mixed_steps, resolved; never with speculation).
+    fused_mixed_steps: bool = False
     speculative_max_batch: int | None = None  # larger decode steps decode one token a row (None: none larger)
 
 
@@ -255,10 +256,8 @@ class Replica:
 
     @property
     def mixed_token_buckets(self) -> list[int]:
-        """Prompt-token buckets of the captured fused mixed steps (none unless fused, graphed and not speculative)."""
-        if not (self.spec.fused_mixed_steps and not self.spec.speculative_tokens):
-            return []
-        return mixed_graph_buckets(self.prefill_buckets)
+        """Prompt-token buckets of the captured fused mixed steps (none unless fused and graphed)."""
+        return mixed_graph_buckets(self.prefill_buckets) if self.spec.fused_mixed_steps else []
 
     def _abort_collective(self) -> None:
         if self.collective is not None:

@@ -240,7 +240,8 @@ class AsyncEngine:
             log.warning("speculative_draft_vocab is set without speculative_tokens: it does nothing")
         fused = args.fused_mixed_steps
         if fused is None:  # where its steps are graphed
-            fused = args.device == "cuda" and args.cuda_graph and args.prefill_graph_tokens > 0 and not self.speculative
+            fused = args.device == "cuda" and args.cuda_graph and args.prefill_graph_tokens > 0
+        fused = fused and not self.speculative  # a speculative engine's mixed steps run apart
         spec = ReplicaSpec(
             checkpoint=args.model, cfg=self.cfg, device=args.device, tp=args.tp, dtype=args.dtype,
             max_batch=args.max_batch, max_model_len=self.max_model_len, prefill_slots=args.prefill_slots,
