@@ -250,7 +250,7 @@ class RankRuntime:
         if self.speculation is None:
             return self.model.decode(self.state, batch)
         state = self.state
-        state.commit_verified(batch.slots, self.speculation.keep[:bucket])
+        state.commit_verified(batch.slots, self.speculation.keep[:bucket], self.model.ops.roll_back_pool)
         self._head_over_last_step(bucket)
         hidden = self.model.decode_hidden(state, batch)
         state.verify_hidden[state.verify_rows(batch.slots), 0] = hidden
@@ -337,7 +337,7 @@ class RankRuntime:
                     raise SlotProtocolError(f"rank {self.rank}: kept must be in [1, {self.state.verify_steps + 1}], "
                                             f"got {kept}")
                 self.state.commit_verified(torch.full((1,), slot, device=self.device),
-                                           torch.full((1,), kept, device=self.device))
+                                           torch.full((1,), kept, device=self.device), self.model.ops.roll_back_pool)
             self.state.copy_slot(slot, self.state.snapshot_slot(snapshot))
         self._apply_slot_changes(cmd)
         if self.sampling:

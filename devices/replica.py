@@ -172,7 +172,7 @@ class Replica:
             # pool, with a decode bucket's rows more).
             graph_reserve=lambda b: decode_activation_bytes(spec.cfg, self.local, self.dtype, b) + (
                 decode_activation_bytes(spec.cfg, self.local, self.dtype, self._speculative_rows(b))
-                + self._rollback_scratch_bytes(b) if self._speculative_rows(b) else 0) + (
+                if self._speculative_rows(b) else 0) + (
                 prefill_activation_bytes(spec.cfg, self.local, self.dtype,
                                          max(self.prefill_buckets) + (b if self.mixed_token_buckets else 0))
                 if self.prefill_buckets else 0) if self._graphs else 0,
@@ -229,12 +229,6 @@ class Replica:
         """Token rows of the largest speculative step up to `bucket` rows (k + 1 a row; 0 without speculation)."""
         k, most = self.spec.speculative_tokens, self.spec.speculative_max_batch
         return min(bucket, bucket if most is None else most) * (k + 1) if k else 0
-
-    def _rollback_scratch_bytes(self, rows: int) -> int:
-        """What `ModelState.commit_verified` (a speculative engine's one-token steps) allocates over `rows` rows: three
-        copies of a GDN layer's state a row."""
-        layers = len(self.spec.cfg.gdn_layers)
-        return 3 * rows * (self.sizes.ssm_bytes_per_slot // layers) if layers else 0
 
     @property
     def _graphs(self) -> bool:

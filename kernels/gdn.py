@@ -190,10 +190,18 @@ def gdn_decode_reference(
 def roll_back(state: torch.Tensor, steps: torch.Tensor, slots: torch.Tensor, kept: torch.Tensor,
               tokens: int) -> None:
     """Each slot's state becomes the one after the first `kept` tokens (1 .. T) of the last verify step: its
-    steps entry kept - 1, or, for T, the slot's own."""
+    steps entry kept - 1, or, for T, the slot's own. One layer's pool [E, ...] and steps [S+1, T-1, ...]."""
     rows, step_rows = slot_rows(slots, state.shape[0] - 1), slot_rows(slots, steps.shape[0] - 1)
     rolled = (kept < tokens).view((-1,) + (1,) * (state.dim() - 1))
     state[rows] = torch.where(rolled, steps[step_rows, (kept - 1).clamp(max=tokens - 2)], state[rows])
+
+
+def roll_back_pool_reference(pool: torch.Tensor, steps: torch.Tensor, slots: torch.Tensor, kept: torch.Tensor,
+                             tokens: int) -> None:
+    """`roll_back` over every layer of a pool [L, E, ...] with its steps [L, S+1, T-1, ...], a layer at a time (all
+    at once, the temporaries are three pools' worth of the rows)."""
+    for layer, layer_steps in zip(pool, steps):
+        roll_back(layer, layer_steps, slots, kept, tokens)
 
 
 def gdn_verify_reference(mixed, a, b, A_log, dt_bias, ssm_state, ssm_steps, slots, kept, tokens: int,
@@ -605,3 +613,41 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
         HV=HV, GROUP=HV // num_k_heads, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BVB=BVB,
         PRECISION=precision, BF16_FACTORS=factors == "bf16", num_warps=warps, num_stages=stages)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A one-token step after a verify step: each row's GDN state (conv or recurrent pool) back to what that step kept.
+# A row that kept every token (a promoted row, or one after a one-token step: most of them) costs nothing; the
+# reference reads and writes every row's state whole.
+
+
+@triton.jit
+def _roll_back_pool_kernel(pool_ptr, steps_ptr, slot_ptr, kept_ptr, numel, entries, step_entries,
+                           T: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    row = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    wait_for_previous_kernel(PDL)
+    kept = tl.load(kept_ptr + row)
+    if kept < T:
+        slot = tl.load(slot_ptr + row)
+        step_slot = tl.where(slot < 0, step_entries - 1, slot).to(tl.int64)
+        slot = tl.where(slot < 0, entries - 1, slot).to(tl.int64)
+        src = steps_ptr + ((layer * step_entries + step_slot) * (T - 1) + tl.minimum(kept - 1, T - 2)) * numel
+        dst = pool_ptr + (layer * entries + slot) * numel
+        offs = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def roll_back_pool(pool: torch.Tensor, steps: torch.Tensor, slots: torch.Tensor, kept: torch.Tensor, tokens: int,
+                   cfg: KernelConfig = DEFAULT) -> None:
+    """`roll_back_pool_reference` in one launch, copying only the rows that roll back."""
+    if not (pool.is_contiguous() and steps.is_contiguous()):
+        raise ValueError("roll_back_pool needs contiguous pools")
+    layers, entries = pool.shape[:2]
+    numel = pool[0, 0].numel()
+    BLOCK = 4096
+    grid = (slots.shape[0], layers, triton.cdiv(numel, BLOCK))
+    if grid[0] and layers:
+        _roll_back_pool_kernel[grid](pool, steps, slots, kept, numel, entries, steps.shape[1], T=tokens, BLOCK=BLOCK,
+                                     **pdl_options(pool.device, cfg.pdl))

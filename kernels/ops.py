@@ -35,6 +35,7 @@ class ForwardOps:
     gdn_decode: Callable
     conv1d_verify: Callable  # a speculative verify step's T tokens a row, keeping the state after each
     gdn_verify: Callable
+    roll_back_pool: Callable  # a one-token step's rows back to the GDN state their last verify step kept
     qk_norm_rope_cache: Callable  # q/k norms, RoPE and the paged K/V write, from the fused projection
     prefill_attention: Callable
     decode_attention: Callable  # with the sigmoid output gate applied inside
@@ -58,6 +59,7 @@ def reference_ops() -> ForwardOps:
         gdn_decode=gdn.gdn_decode_reference,
         conv1d_verify=conv1d.conv1d_verify_reference,
         gdn_verify=gdn.gdn_verify_reference,
+        roll_back_pool=gdn.roll_back_pool_reference,
         qk_norm_rope_cache=attention.qk_norm_rope_cache_reference,
         prefill_attention=attention.prefill_attention_reference,
         decode_attention=attention.decode_attention_reference,
@@ -84,6 +86,7 @@ def triton_ops(config: KernelConfig = DEFAULT) -> ForwardOps:
         gdn_decode=bound(gdn, "gdn_decode"),
         conv1d_verify=bound(conv1d, "conv1d_verify"),
         gdn_verify=bound(gdn, "gdn_verify"),
+        roll_back_pool=bound(gdn, "roll_back_pool"),
         qk_norm_rope_cache=bound(attention, "qk_norm_rope_cache"),
         prefill_attention=bound(attention, "prefill_attention"),
         decode_attention=bound(attention, "decode_attention"),

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.gdn import roll_back_pool_reference
 from .config import ModelConfig
 from .sharding import LocalSizes
 
@@ -135,18 +136,14 @@ class ModelState:
         return (torch.where(pad, torch.full_like(slots, self.trash_slot), slots),
                 torch.where(pad, torch.full_like(slots, self.num_slots), slots))
 
-    def commit_verified(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+    def commit_verified(self, slots: torch.Tensor, accepted: torch.Tensor, roll_back_pool=None) -> None:
         """After a verify step of verify_steps + 1 tokens a row: each slot keeps the state after its first
-        `accepted` tokens (1 .. verify_steps + 1; the last needs no copy). Device tensors, no host sync. It reads and
-        writes every row's whole state (a select, so that a graph can hold it): at the 4B width 50 MB a row. Layer by
-        layer: all layers at once, its temporaries were three times that a row (9 GiB at 64 rows)."""
-        rows, step_rows = self._rows(slots)
-        rolled = accepted <= self.verify_steps
-        step = (accepted - 1).clamp(0, self.verify_steps - 1)
+        `accepted` tokens (1 .. verify_steps + 1; the last needs no copy). Device tensors, no host sync (a select,
+        so that a graph can hold it). `roll_back_pool`: the op (`ForwardOps.roll_back_pool`; the reference, which
+        reads and writes every row's whole state, by default)."""
+        roll_back_pool = roll_back_pool or roll_back_pool_reference
         for pool, steps in ((self.conv, self.conv_steps), (self.ssm, self.ssm_steps)):
-            mask = rolled.view((-1,) + (1,) * (pool.dim() - 2))
-            for layer, layer_steps in zip(pool, steps):
-                layer[rows] = torch.where(mask, layer_steps[step_rows, step], layer[rows])
+            roll_back_pool(pool, steps, slots, accepted, self.verify_steps + 1)
 
     def move_verify_slot(self, src: int, dst: int) -> None:
         """A request slot's last verify step (its states, to roll back to before the next one, hidden states and

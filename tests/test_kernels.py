@@ -159,6 +159,22 @@ def test_gdn_verify_keeps_the_state_after_each_token(T, hk, hv, dk, dv):
     assert torch.equal(state[[0, 1, 3]], ref_state[[0, 1, 3]])  # slots no row names are untouched
 
 
+@pytest.mark.parametrize("T", [2, 5])
+def test_roll_back_pool_copies_only_the_rows_that_roll_back(T):
+    """A one-token step after a verify step: every layer of a pool (snapshot entries and the trash after the
+    slots) takes each row's state after the tokens it kept; rows that kept all T, and slots no row names, stay."""
+    L, S, snapshots, shape = 3, 5, 2, (3, 1500)  # a row's state over two blocks of the kernel
+    pool, steps = randn(L, S + snapshots + 1, *shape), randn(L, S + 1, T - 1, *shape)
+    slots = torch.tensor([4, -1, 1, 2], device=DEVICE)
+    kept = torch.tensor([1, T - 1, T, T - 1], device=DEVICE)  # rows 0 and 3 roll back, row 2 keeps its own
+    ref = pool.clone()
+    gdn.roll_back_pool(pool, steps, slots, kept, T)
+    gdn.roll_back_pool_reference(ref, steps, slots, kept, T)
+    assert torch.equal(pool, ref)
+    assert torch.equal(pool[:, 4], steps[:, 4, 0]) and torch.equal(pool[:, 2], steps[:, 2, T - 2])
+    assert not torch.equal(pool[:, 1], steps[:, 1, T - 2])
+
+
 @pytest.mark.parametrize("nh,nkv", [(4, 4), (4, 2), (6, 2), (8, 2), (6, 1), (3, 1)])
 def test_decode_attention_any_group(nh, nkv):
     D, pages = 32, 24
