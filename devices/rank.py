@@ -154,10 +154,8 @@ class RankRuntime:
         may draft and verify (`StepCommand.speculate`); acceptance: benchmarks' emulated draft acceptance
         (`EngineArgs.speculative_acceptance`); draft_head: what the drafts read in place of lm_head
         (`draft_head()`; None: lm_head). fuse_mixed_steps: a step's decode rows and prompt chunks run as one
-        forward (`MixedBatch`; a mixed graph's replay where one is captured), not the decode graph then the prefill
-        (without speculation only)."""
-        if fuse_mixed_steps and state.verify_steps:
-            raise ValueError("fuse_mixed_steps needs an engine without speculation")
+        forward (`MixedBatch`; a mixed graph's replay where one is captured), not the decode graph then the prefill;
+        with speculation, only steps whose decode rows do not speculate."""
         self.model, self.state, self.rank, self.max_batch, self.tp = model, state, rank, max_batch, tp
         self.fuse_mixed_steps = fuse_mixed_steps
         self.acceptance = acceptance
@@ -211,12 +209,36 @@ class RankRuntime:
         prefill inputs (`prefill_programs` made those, for at least the largest token bucket): what a mixed graph
         captures. `prepare_mixed(bucket)` sets both up inert before a capture."""
         model, state, inputs, prefill = self.model, self.state, self.inputs, self.prefill_inputs
+        if self.speculation:
+            return {(d, t): (lambda d=d, t=t: self._mixed_with_head(MixedBatch.of(inputs.batch(d), prefill.batch(t)),
+                                                                    *prefill.head_inputs(t)))
+                    for d in decode_buckets for t in token_buckets}
         return {(d, t): (lambda d=d, t=t: model.mixed(state, MixedBatch.of(inputs.batch(d), prefill.batch(t))))
                 for d in decode_buckets for t in token_buckets}
 
     def prepare_mixed(self, bucket: tuple[int, int]) -> None:
         self.inputs.fill([], [], bucket[0])
+        if self.speculation:
+            self.speculation.fill_inert()
         self.prefill_inputs.fill_inert(bucket[1])
+
+    def _mixed_with_head(self, batch: MixedBatch, following: torch.Tensor,
+                         head_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A speculative engine's fused mixed step: its decode rows as `_plain_decode`'s (rolled back, the head
+        over their last step, their hidden states kept), its chunks as `_prefill_with_head`'s. (Decode logits,
+        logits at each chunk's last token.)"""
+        model, state = self.model, self.state
+        n, slots = batch.decode_rows, batch.decode.slots
+        state.commit_verified(slots, self.speculation.keep[:n], model.ops.roll_back_pool)
+        self._head_over_last_step(n)
+        hidden = model.mixed_hidden(state, batch)
+        state.verify_hidden[state.verify_rows(slots), 0] = hidden[:n]
+        prompt = hidden[n:]
+        model.mtp(following, prompt, state, batch.prefill)
+        last = prompt[batch.prefill.last_token]
+        state.verify_hidden[head_rows, 0] = last
+        logits = model.logits(torch.cat([hidden[:n], last]))
+        return logits[:n], logits[n:]
 
     def _mixed_bucket(self, rows: int, chunks: list[PrefillChunk]) -> tuple[int, int] | None:
         """The smallest captured mixed bucket beside `rows` decode rows that the chunks fit, or None."""
@@ -354,7 +376,7 @@ class RankRuntime:
         # Fused: one forward for the decode rows and the chunks (never speculative), replayed from a mixed graph;
         # eager only on a device without graphs (eager, its launches would cost more than the second weight pass
         # they save). A step no mixed graph fits runs apart.
-        fused = self.fuse_mixed_steps and bool(n and chunks)
+        fused = self.fuse_mixed_steps and bool(n and chunks) and not cmd.speculate
         mixed_bucket = self._mixed_bucket(cmd.bucket, chunks) if fused else None
         fused = fused and (mixed_bucket is not None or self.graphs is None)
         if cmd.speculate:
@@ -384,12 +406,18 @@ class RankRuntime:
         if cmd.prefill:
             if mixed_bucket is not None:
                 self._reset_fresh_slots(chunks)
-                self.prefill_inputs.fill(chunks, mixed_bucket[1])
+                self.prefill_inputs.fill(chunks, mixed_bucket[1], *self._head_inputs(cmd))
                 decode_logits, prefill_logits = self.mixed_graphs(mixed_bucket)  # as a prefill graph's rows
                 decode_draw = self._draw_decode(cmd, decode_logits)
             elif fused:
                 prefill = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
-                decode_logits, prefill_logits = self.model.mixed(self.state, MixedBatch.of(decode_batch, prefill))
+                batch = MixedBatch.of(decode_batch, prefill)
+                if self.state.verify_steps:
+                    following, rows = self._head_inputs(cmd)
+                    longs = upload({"following": following, "rows": rows}, torch.long, self.device)
+                    decode_logits, prefill_logits = self._mixed_with_head(batch, longs["following"], longs["rows"])
+                else:
+                    decode_logits, prefill_logits = self.model.mixed(self.state, batch)
                 decode_draw = self._draw_decode(cmd, decode_logits)
             elif bucket := self._prefill_bucket(chunks):
                 self._reset_fresh_slots(chunks)

@@ -68,7 +68,7 @@ class ReplicaSpec:
     speculative_draft_vocab: int = 0  # drafts among the first N token ids (0: all)
     speculative_fp8_draft_head: bool = False  # the drafts read an FP8 copy of lm_head (EngineArgs)
     fp8_kernels: bool = False  # FP8 checkpoints: weights kept in FP8 (EngineArgs.fp8_kernels)
-    # Decode rows and prompt chunks in one forward (EngineArgs.fused_mixed_steps, resolved; never with speculation).
+    # Decode rows and prompt chunks in one forward (EngineArgs.fused_mixed_steps, resolved; not speculative steps).
     fused_mixed_steps: bool = False
     speculative_max_batch: int | None = None  # larger decode steps decode one token a row (None: none larger)
 

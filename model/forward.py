@@ -308,12 +308,18 @@ class Qwen35Shard:
         return self.logits(hidden if all_logits else hidden[batch.last_token])
 
     @torch.inference_mode()
-    def mixed(self, state: ModelState, batch: MixedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step's decode rows and prompt chunks in one forward: (logits [N, V] of the decode rows, logits [R, V]
-        at each request's last token), as `decode` and `prefill` would give them run one after the other."""
+    def mixed_hidden(self, state: ModelState, batch: MixedBatch) -> torch.Tensor:
+        """A step's decode rows and prompt chunks in one forward: the final-normed hidden state of every decode
+        row, then of every chunk token, [N + T, H]."""
         if batch.prefill.fresh_slots.numel():
             state.reset_slots(batch.prefill.fresh_slots)
-        logits = self.logits(self._run(batch.input_ids, state, batch)[batch.logit_rows])
+        return self._run(batch.input_ids, state, batch)
+
+    @torch.inference_mode()
+    def mixed(self, state: ModelState, batch: MixedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [N, V] of the decode rows, logits [R, V] at each request's last token), as `decode` and
+        `prefill` would give them run one after the other."""
+        logits = self.logits(self.mixed_hidden(state, batch)[batch.logit_rows])
         n = batch.decode_rows
         return logits[:n], logits[n:]
 

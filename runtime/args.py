@@ -25,7 +25,8 @@ class EngineArgs:
     prefill_graph_tokens: int = 2048
     # A step carrying prompt chunks beside decode rows runs them as one forward (each projection reads the weights
     # once, not once for the decode graph and again for the prefill), replayed from a graph per decode bucket and
-    # bucket of prompt tokens; off: the decode graph, then the prefill. Without speculation only. None: on where
+    # bucket of prompt tokens; off: the decode graph, then the prefill. With speculation such a step does not
+    # speculate (its decode rows take one token, as in the one-token steps). None: on where
     # those graphs are captured (CUDA with prefill graphs): at c64 on an H100 6374 against 5802 tok/s apart, ITL
     # p99 2.0x against 2.1x p50, for ~13 s more capture at start-up. Eager (forced on without graphs) its launches
     # made a mixed step host-bound (22 ms against 12.9 apart).

@@ -132,8 +132,8 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--fused-mixed-steps", action=argparse.BooleanOptionalAction,
                         default=defaults.fused_mixed_steps,
                         help="a step carrying prompt chunks beside decode rows runs both in one forward, reading the "
-                             "weights once, replayed from CUDA graphs (default: on with CUDA and prefill graphs, "
-                             "without speculation; off: the decode graph then the prefill)")
+                             "weights once, replayed from CUDA graphs; such a step does not speculate (default: on "
+                             "with CUDA and prefill graphs; off: the decode graph then the prefill)")
     parser.add_argument("--speculative-tokens", type=_int_in(0, MAX_SPECULATIVE_TOKENS), metavar="K", default=None,
                         help="speculative decoding: K tokens drafted a step by the checkpoint's MTP head and verified "
                              "in one forward (default 0: off)")

@@ -234,14 +234,11 @@ class AsyncEngine:
             log.info("speculative decoding: %d tokens drafted a step by the MTP head (%s); speculative steps run "
                      "without overlap scheduling", self.speculative,
                      "where it is measured to pay" if args.speculative_adaptive else "every step")
-            if args.fused_mixed_steps:
-                log.warning("fused_mixed_steps does nothing with speculative decoding: its mixed steps run apart")
         elif args.speculative_draft_vocab:
             log.warning("speculative_draft_vocab is set without speculative_tokens: it does nothing")
         fused = args.fused_mixed_steps
         if fused is None:  # where its steps are graphed
             fused = args.device == "cuda" and args.cuda_graph and args.prefill_graph_tokens > 0
-        fused = fused and not self.speculative  # a speculative engine's mixed steps run apart
         spec = ReplicaSpec(
             checkpoint=args.model, cfg=self.cfg, device=args.device, tp=args.tp, dtype=args.dtype,
             max_batch=args.max_batch, max_model_len=self.max_model_len, prefill_slots=args.prefill_slots,
@@ -667,8 +664,11 @@ class AsyncEngine:
         return cmd
 
     def _decide(self, plan) -> None:
-        """Whether the plan's decode rows speculate (`runtime.speculation`), before its command is made."""
-        plan.speculate = bool(self.speculative and plan.decode_ids) and self.speculation.decide(plan.bucket)
+        """Whether the plan's decode rows speculate (`runtime.speculation`), before its command is made. A step
+        carrying prompt chunks does not where it fuses them with its decode rows: one forward that reads the
+        weights once, overlapped with the step before (a speculative step is neither)."""
+        plan.speculate = bool(self.speculative and plan.decode_ids) and not (
+            plan.prefill and self.replica.spec.fused_mixed_steps) and self.speculation.decide(plan.bucket)
 
     def _count(self, plan, result: StepResult | None = None) -> None:
         """The scheduler's bookkeeping of a step: what the next plan depends on. Without speculation none of it

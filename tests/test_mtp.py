@@ -275,8 +275,56 @@ def test_the_speculative_programs_on_inert_inputs_touch_only_the_trash(tiny_ckpt
     for b, program in runtime.speculative_programs([1, 2, 4]).items():
         first, extra, drafted = program()
         assert first.shape[0] == b and extra.shape[:2] == (b, 3) and drafted.shape == (b, 3)
+    runtime.prefill_programs([16, 32], 2)
+    for b, program in runtime.mixed_programs([1, 4], [16, 32]).items():
+        runtime.prepare_mixed(b)
+        decode, prompt = program()
+        assert decode.shape[0] == b[0] and prompt.shape[0] == 3  # two chunks and the padding request
     assert all(torch.equal(x, y) for x, y in zip(before, request_state()))
     assert torch.equal(pages[0], state.k_cache[:, :40]) and torch.equal(pages[1], state.v_cache[:, :40])
+
+
+def test_a_fused_mixed_step_leaves_the_head_what_its_steps_apart_do(tiny_ckpt):
+    """A speculative engine's fused mixed step (`RankRuntime._mixed_with_head`) against its one-token decode step
+    then its prefill with the head: the same logits, and the same state after it, the MTP head's KV and the
+    hidden states its next drafts start from included; one decode row rolls back first, the other keeps all."""
+    from deltaserve.devices.rank import RankRuntime
+    from deltaserve.model.batch import MixedBatch, PrefillBatch, PrefillChunk
+
+    runner = CpuRunner(tiny_ckpt, mtp=True, verify_steps=3, num_slots=6, num_pages=40)
+    state = runner.state
+    pools = [state.conv, state.ssm, state.k_cache, state.v_cache, state.verify_hidden, state.drafts,
+             state.conv_steps, state.ssm_steps]
+    for pool in pools:
+        pool.copy_(torch.randint_like(pool, 1, 50) if pool.dtype == torch.long else torch.randn_like(pool) * 0.1)
+    start = [t.clone() for t in pools]
+    runtime = RankRuntime(runner.model, state, rank=1, max_batch=4, max_pages_per_seq=8, device="cpu")
+    runtime.inputs.table_host[0], runtime.inputs.table_host[1] = range(8), range(8, 16)
+    runtime.speculation.accepted[:2] = torch.tensor([2, 4])
+    runtime.speculation.keep[:2] = torch.tensor([2, 4])
+    chunk = PrefillChunk([3, 14, 15, 9, 26, 5, 35, 8, 9, 7], 0, 4, [16])
+    following = torch.tensor(chunk.token_ids[1:] + [11])
+    head_rows = torch.tensor([4])
+
+    def step(fused: bool):
+        for pool, values in zip(pools, start):
+            pool.copy_(values)
+        runtime.inputs.fill([21, 17], [37, 70], 2)
+        prefill = PrefillBatch.build([chunk], state.page_size, state.trash_page, "cpu")
+        if fused:
+            logits = runtime._mixed_with_head(MixedBatch.of(runtime.inputs.batch(2), prefill), following, head_rows)
+        else:
+            logits = (runtime._plain_decode(runtime.inputs.batch(2), 2),
+                      runtime._prefill_with_head(prefill, following, head_rows))
+        return logits, [t.clone() for t in pools]
+
+    (apart, apart_state), (fused, fused_state) = step(False), step(True)
+    for ours, ref in zip(fused, apart):
+        assert rel_err(ours, ref) <= 1e-5
+    for ours, ref in zip(fused_state, apart_state):
+        assert torch.allclose(ours.float(), ref.float(), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(apart_state[4][:2], start[4][:2])  # the decode rows' hidden states were written
+    assert not torch.equal(apart_state[1][:, 0], start[1][:, 0])  # and row 0 rolled back before stepping
 
 
 def test_an_emulated_acceptance_keeps_the_drafts_it_says(tiny_tp_ckpt):

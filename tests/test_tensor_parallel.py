@@ -156,27 +156,30 @@ def test_rank_memory_for_the_27b_geometry_at_tp2():
     assert sizes.ssm_bytes_per_slot == 75_497_472  # 72 MiB of recurrent state per request per rank
 
 
+@pytest.mark.parametrize("speculative", [0, 3], ids=["plain", "speculative"])
 @pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_fused_mixed_steps_change_no_output(tiny_tp_ckpt, tp, padded, monkeypatch):
+def test_fused_mixed_steps_change_no_output(tiny_tp_ckpt, tp, padded, speculative, monkeypatch):
     """Decode rows and prompt chunks in one forward (`fused_mixed_steps`) give the tokens they give apart: prompts
     arrive while others decode, chunked (a budget of 24 tokens a step), some resuming after a cached prefix.
     Padded: the steps run what a mixed graph replays (`RankRuntime.mixed_programs`: the decode rows padded to a
-    bucket and the chunks to a bucket of tokens, in the fixed inputs), on every rank."""
+    bucket and the chunks to a bucket of tokens, in the fixed inputs), on every rank. Speculative: the decode-only
+    steps draft 3 tokens with the head and verify them; a fused step rolls back what the one before it left."""
     from helpers import EagerPrograms
 
     from deltaserve.model.forward import Qwen35Shard
 
     fused_steps = []
-    mixed = Qwen35Shard.mixed
-    monkeypatch.setattr(Qwen35Shard, "mixed", lambda self, *a: fused_steps.append(1) or mixed(self, *a))
+    mixed = Qwen35Shard.mixed_hidden
+    monkeypatch.setattr(Qwen35Shard, "mixed_hidden", lambda self, *a: fused_steps.append(1) or mixed(self, *a))
     shared = [11 + j % 50 for j in range(40)]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     longer = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
     async def generate(fused):
-        args = EngineArgs(model=tiny_tp_ckpt, tp=tp, max_model_len=256, max_batch=8, cpu_memory_bytes=16 << 20,
-                          prefill_token_budget=24, step_latency_ratio=0, fused_mixed_steps=fused)
+        args = EngineArgs(model=tiny_tp_ckpt, tp=tp, max_model_len=256, max_batch=8, cpu_memory_bytes=32 << 20,
+                          prefill_token_budget=24, step_latency_ratio=0, fused_mixed_steps=fused,
+                          speculative_tokens=speculative if fused else 0, speculative_adaptive=False)
         async with AsyncEngine(args) as engine:
             if fused and padded:
                 for r in engine.replica.ranks:
@@ -187,13 +190,15 @@ def test_fused_mixed_steps_change_no_output(tiny_tp_ckpt, tp, padded, monkeypatc
             heads = [await stream.__anext__() for stream in first]  # decoding, while the rest prefill beside them
             later = [_collect(engine.generate(shared + [60 + i] * (i + 1), greedy)) for i in range(4)]
             outs = await asyncio.gather(*map(_collect, first), *later)
-            return [h.token_ids for h in heads] + [o.token_ids for o in outs]
+            drafted = engine.metrics.spec_drafts._value.get()
+            return [h.token_ids for h in heads] + [o.token_ids for o in outs], drafted
 
     replays = []  # per rank, the padded mixed steps it ran by bucket
-    apart = asyncio.run(generate(False))
+    apart, _ = asyncio.run(generate(False))
     assert not fused_steps
-    together = asyncio.run(generate(True))
+    together, drafted = asyncio.run(generate(True))
     assert len(fused_steps) >= 4 and together == apart
+    assert (drafted > 0) == bool(speculative)
     if padded:
         assert len(replays) == tp and all(r == replays[0] for r in replays)
         assert sum(replays[0].values()) == len(fused_steps) // tp and len(replays[0]) >= 2
