@@ -3,7 +3,8 @@ is below a one-token step's time. Both depend on the batch (a verify step's k + 
 batch grows) and the yield on the text and the head, so the engine measures them as it serves, per decode bucket:
 
 - each bucket first runs `TRIES` steps of each kind, then the faster per token, and the other again every `RETRY`
-  steps, so a change (the text, the batch's make-up) is seen;
+  steps, so a change (the text, the batch's make-up) is seen; once chosen, a kind gives way only to one measured
+  `MARGIN` faster (near a tie, the medians' noise would switch it back and forth);
 - a kind's time is the median of its last `WINDOW` decode-only steps on the devices' timeline: the step's device
   time plus the devices' wait for the host before it. A speculative step runs without overlap scheduling, so the
   host's routing, outputs and planning between steps are its cost too (at 16 streams through the server, more
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 TRIES = 4
 RETRY = 64
 WINDOW = 8
+MARGIN = 0.03
 
 
 @dataclass
@@ -59,7 +61,7 @@ class SpeculationPolicy:
         for kind in (True, False):
             if len(b.times[kind]) < TRIES:
                 return kind
-        faster = self.speculation_pays(bucket)
+        faster = self.speculation_pays(bucket, b.choice)
         if faster != b.choice:
             log.info("decode bucket %d: %s (speculative %.2f ms a token at %.2f tokens a row, one-token %.2f ms)",
                      bucket, "speculating" if faster else "one token a step", self._per_token(b), self.yield_,
@@ -80,6 +82,9 @@ class SpeculationPolicy:
     def _per_token(self, b: _Bucket) -> float:
         return 1e3 * statistics.median(b.times[True]) / self.yield_
 
-    def speculation_pays(self, bucket: int) -> bool:
+    def speculation_pays(self, bucket: int, speculating: bool | None = None) -> bool:
+        """Whether speculating costs less a token; `speculating`: the kind chosen now (None: none), kept unless
+        the other is `MARGIN` faster."""
         b = self.buckets[bucket]
-        return statistics.median(b.times[True]) / self.yield_ < statistics.median(b.times[False])
+        ratio = statistics.median(b.times[True]) / self.yield_ / statistics.median(b.times[False])
+        return ratio < (1.0 if speculating is None else 1.0 + MARGIN if speculating else 1.0 - MARGIN)

@@ -408,9 +408,10 @@ def test_speculation_over_cached_prefixes_keeps_the_tokens(tiny_tp_ckpt):
 
 
 def test_the_policy_speculates_where_it_is_measured_to_pay():
-    """Each bucket tries both kinds, then takes the one with fewer seconds a token, and tries the other again
-    every RETRY steps; buckets above the limit never speculate; not adaptive: every step does."""
-    from deltaserve.runtime.speculation import RETRY, TRIES, SpeculationPolicy
+    """Each bucket tries both kinds, then takes the one with fewer seconds a token (keeping it near a tie), and
+    tries the other again every RETRY steps; buckets above the limit never speculate; not adaptive: every step
+    does."""
+    from deltaserve.runtime.speculation import RETRY, TRIES, WINDOW, SpeculationPolicy
 
     def serve(policy, bucket, spec_s, plain_s, tokens, steps):
         kinds = []
@@ -427,6 +428,11 @@ def test_the_policy_speculates_where_it_is_measured_to_pay():
     kinds = serve(SpeculationPolicy(3), 8, spec_s=0.010, plain_s=0.004, tokens=1.2, steps=RETRY)  # 8.3 > 4
     assert kinds[2 * TRIES:].count(True) == 1
     assert serve(policy, 32, 0.001, 0.004, 4.0, 5) == [False] * 5  # above max_batch
+    # Near a tie the chosen kind stays: 2% slower a token still speculates, 5% slower switches.
+    tie = SpeculationPolicy(3)
+    serve(tie, 2, spec_s=0.0108, plain_s=0.004, tokens=3.0, steps=2 * TRIES + 1)  # 3.6 ms a token: speculates
+    assert serve(tie, 2, spec_s=0.01224, plain_s=0.004, tokens=3.0, steps=RETRY - 2 * TRIES - 2).count(False) == 0
+    assert serve(tie, 2, spec_s=0.0126, plain_s=0.004, tokens=3.0, steps=2 * WINDOW)[-1] is False
     assert serve(SpeculationPolicy(3, adaptive=False), 8, 0.010, 0.004, 1.0, 5) == [True] * 5
     policy.reset()
     assert not policy.buckets and policy.yield_ == 1.0
