@@ -209,8 +209,9 @@ class CudaGraphs:
 
         self.rank, self.device, self.kind = backend.rank, backend.device, kind
         self.torch_stream, self.stream = backend.stream, backend._raw_stream
-        self.owns_pool = pool is None
         self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        # Each capture takes a use of the pool (torch counts them); its memory goes back once every use is released.
+        self.pool_uses = 0
         self.graphs: dict[Bucket, tuple] = {}  # bucket -> (graph, exec, logits)
         self.eager: set[Bucket] = set()
         self.stats: dict[Bucket, dict] = {}
@@ -237,6 +238,7 @@ class CudaGraphs:
         started = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
         torch._C._cuda_beginAllocateCurrentThreadToPool(device, self.pool)
+        self.pool_uses += 1
         graph = None
         try:
             check(cudart.cudaStreamBeginCapture(
@@ -281,5 +283,6 @@ class CudaGraphs:
             check(cudart.cudaGraphExecDestroy(graph_exec), "cudaGraphExecDestroy")
             check(cudart.cudaGraphDestroy(graph), "cudaGraphDestroy")
         self.graphs.clear()
-        if self.owns_pool:  # a shared pool goes with its owner, destroyed after the graphs that share it
+        for _ in range(self.pool_uses):  # a shared pool's memory goes back with the last of its graphs' releases
             torch._C._cuda_releasePool(self.device.index, self.pool)
+        self.pool_uses = 0

@@ -540,6 +540,29 @@ def test_fused_mixed_graphs_compute_what_steps_apart_do(real_geometry_ckpt):
     assert len(set(counting.replays)) >= 4 and any(d > 1 for d, _ in counting.replays)
 
 
+def test_an_engine_closed_in_process_gives_its_graph_pools_back(real_geometry_ckpt):
+    """Embedded users start and close engines in one process: every graph's use of its memory pool is released
+    (the mixed graphs share the prefill graphs' pool), so a second engine's lifetime leaves no more reserved than
+    the first's (a kept pool would add its few hundred MiB each time)."""
+    import gc
+
+    from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+
+    async def lifetime() -> int:
+        args = EngineArgs(model=real_geometry_ckpt, device="cuda", max_batch=4, max_model_len=1024,
+                          load_format="random", buckets=[1, 2, 4], prefill_graph_tokens=256, warmup=False)
+        async with AsyncEngine(args) as engine:
+            assert engine.replica.ranks[0].runtime.mixed_graphs is not None
+            await _last(engine.generate(list(range(1, 300)), SamplingParams(max_tokens=4, ignore_eos=True)))
+        gc.collect()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved()
+
+    first = asyncio.run(lifetime())
+    second = asyncio.run(lifetime())
+    assert second - first <= 64 << 20, f"{(second - first) / 2**20:.0f} MiB more reserved after a second engine"
+
+
 def test_pdl_launches_change_no_token(real_geometry_ckpt):
     """The decode kernels overlap under programmatic dependent launch; a kernel that read its input before the
     previous kernel finished writing it would change tokens."""
