@@ -14,6 +14,7 @@ import dataclasses
 import gc
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -116,6 +117,11 @@ class CudaBackend:
 
 
 class CudaRankBackend:
+    # Open backends in this process: torch keeps a cuBLAS workspace per (handle, stream) until told to drop them
+    # all, and a rank's stream is new each engine, so the last backend to close drops them.
+    _open = 0
+    _open_lock = threading.Lock()
+
     def __init__(self, rank: int, collective: NcclCollective | None, kernel_config: KernelConfig) -> None:
         from deltaserve.kernels.ops import triton_ops
 
@@ -125,6 +131,9 @@ class CudaRankBackend:
         self._raw_stream = check(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking),
                                  "cudaStreamCreateWithFlags")
         self.stream = torch.cuda.ExternalStream(int(self._raw_stream), device=self.device)
+        self._last_to_close = False
+        with CudaRankBackend._open_lock:
+            CudaRankBackend._open += 1
         self.all_reduce = collective.for_rank(rank) if collective is not None else None
         self.graphs: CudaGraphs | None = None
         self.speculative_graphs: CudaGraphs | None = None
@@ -188,10 +197,16 @@ class CudaRankBackend:
         self.graphs = self.speculative_graphs = self.prefill_graphs = self.mixed_graphs = None
         self.stream.synchronize()
         check(cudart.cudaStreamDestroy(self._raw_stream), "cudaStreamDestroy")
+        with CudaRankBackend._open_lock:
+            CudaRankBackend._open -= 1
+            self._last_to_close = CudaRankBackend._open == 0
 
     def release_memory(self) -> None:
-        """Hand cached blocks back to the driver once the rank's tensors are dropped."""
+        """Hand cached blocks back to the driver once the rank's tensors are dropped. A workspace kept alive pins
+        the whole segment it was cut from (a freed weight's, say), so the last backend to close drops them first."""
         gc.collect()
+        if self._last_to_close and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+            torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
 
 
