@@ -391,11 +391,13 @@ class Scheduler:
                 return True
         return False
 
-    def prompt_budget(self, bucket: int) -> int:
-        """The prompt tokens a step beside `bucket` decode rows may carry: rounded down to a captured size (of
-        mixed steps with decode rows, else of prefill steps) where one is at most the budget (a step between two
-        computes the padding up to the next)."""
-        budget = self.step_budget.tokens(bucket) if self.step_budget else self.prefill_token_budget
+    def prompt_budget(self, bucket: int, rows: int = 0) -> int:
+        """The prompt tokens a step beside `bucket` decode rows (`rows` live) may carry: rounded down to a captured
+        size (of mixed steps with decode rows, else of prefill steps) where one is at most the budget (a step
+        between two computes the padding up to the next)."""
+        # Requests yet to decode that the batch has room for: their first tokens weigh against the rows' stall.
+        waiting = min(len(self.prefilling) + len(self.waiting), max(self.max_batch - rows, 0))
+        budget = self.step_budget.tokens(bucket, rows, waiting) if self.step_budget else self.prefill_token_budget
         budget = min(budget, self.prefill_token_budget)
         sizes = self.mixed_graph_sizes if bucket and self.mixed_graph_sizes else self.prefill_graph_sizes
         if sizes and sizes[0] <= budget <= sizes[-1]:
@@ -441,7 +443,7 @@ class Scheduler:
         self._admit()
         decode_ids = list(self.decode_slots)
         bucket = self.bucket_for(len(decode_ids))
-        budget = self.prompt_budget(bucket) if self.prefilling else 0
+        budget = self.prompt_budget(bucket, len(decode_ids)) if self.prefilling else 0
         prefill, snapshots = self._prefill_chunks(budget)
         plan = StepPlan(compactions, released, promotions, decode_ids, bucket, prefill, self._restores,
                         self._page_copies, snapshots, finished, prompt_budget=budget)

@@ -12,6 +12,13 @@ then only add fixed costs, lowering throughput without meeting the ratio. For th
 fewer tokens than its fixed cost is worth (fixed / per-token cost), which bounds a mixed step by decode + twice
 the fixed cost where that exceeds the ratio.
 
+The stall a chunk adds is weighed against who it serves: `waiting` requests (prefilling or queued, that the
+decode batch has room for) count as much as the `rows` decoding, so the chunk's share grows by waiting / rows. A
+burst (16 prompts of 8k tokens arriving together) then prefills nearly at the full budget while few rows decode,
+filling the batch sooner: on a modelled 27B FP8 H100 (`tools/lab/fake_device_server.py`) its TTFT median fell
+from 11.3 to 6.5 s, TPOT 18.4 to 18.7 ms; at 64 streams of steady arrivals (4B) the few waiting move little:
+7.0k against 6.8k tok/s, ITL p99 2.3x against 2.1x p50.
+
 Plain Python, no torch: the scheduler asks `tokens(bucket)` when it plans, the engine `observe`s each step.
 """
 
@@ -37,15 +44,16 @@ class StepBudget:
         # bucket -> decayed sums over its steps with prompt tokens: weight, p, p^2, added seconds e, p * e.
         self._sums: dict[int, list[float]] = {}
 
-    def tokens(self, bucket: int) -> int:
-        """Prompt tokens the next step may carry beside `bucket` decode rows."""
+    def tokens(self, bucket: int, rows: int = 0, waiting: int = 0) -> int:
+        """Prompt tokens the next step may carry beside `bucket` decode rows (`rows` of them live, default the
+        bucket), with `waiting` requests yet to reach the decode batch."""
         if bucket == 0 or self.ratio == 0:
             return self.max_tokens
         decode, fit = self._decode_time(bucket), self.chunk_cost(bucket)
         if decode is None or fit is None:
             return self.max_tokens
         fixed, per_token = fit
-        allowed = (self.ratio - 1.0) * decode - fixed
+        allowed = (self.ratio - 1.0) * decode * (1.0 + waiting / (rows or bucket)) - fixed
         if allowed <= per_token * self.min_tokens:
             return self.max_tokens
         # Never below the fixed cost's worth of tokens: a smaller chunk spends most of its step on the fixed part,

@@ -160,7 +160,7 @@ def test_a_step_budget_rounds_down_to_a_captured_prefill_size():
         def __init__(self):
             self.tokens_now = 0
 
-        def tokens(self, bucket):
+        def tokens(self, bucket, rows=0, waiting=0):
             return self.tokens_now
 
     budget = Fixed()

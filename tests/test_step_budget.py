@@ -149,7 +149,24 @@ def test_the_scheduler_sizes_chunks_beside_decode_rows_by_the_budget():
     budget.max_tokens = s.prefill_token_budget = 1000
     s.add("c", 450, 5)
     plan = s.schedule()
-    assert [w.length for w in plan.prefill] == [budget.tokens(1)] and 150 < budget.tokens(1) < 250
+    # Beside "a" and "b" decoding, "c" waits for its first token: it weighs as a decoding row does, so the chunk
+    # may stall the step by half as much again (300 tokens, where 200 keep the ratio).
+    assert plan.decode_ids == ["a", "b"] and 150 < budget.tokens(2) < 250
+    assert [w.length for w in plan.prefill] == [budget.tokens(2, rows=2, waiting=1)]
+    assert budget.tokens(2, rows=2, waiting=1) == pytest.approx(1.5 * budget.tokens(2), abs=2)
+
+
+def test_waiting_requests_widen_the_chunk_in_proportion():
+    """A burst: many prompts waiting beside few decoding rows carry (nearly) the whole budget; a full batch with
+    one waiting, about the ratio's chunk."""
+    budget = StepBudget(max_tokens=2048, ratio=2.0)
+    budget.observe(16, 0, 14e-3)
+    budget.observe(0, 256, 1e-3 + 256 * 72e-6)
+    budget.observe(0, 2048, 1e-3 + 2048 * 72e-6)
+    alone = budget.tokens(16)
+    assert 150 < alone < 200  # 14 ms of chunk at 72 us a token, less its fixed 1 ms
+    assert budget.tokens(16, rows=16, waiting=1) < 1.1 * alone
+    assert budget.tokens(16, rows=2, waiting=14) > 7 * alone
 
 
 def test_the_engine_learns_its_step_times_and_serves_exactly_with_adaptive_chunks(tiny_ckpt):
@@ -164,15 +181,15 @@ def test_the_engine_learns_its_step_times_and_serves_exactly_with_adaptive_chunk
         args = EngineArgs(model=tiny_ckpt, max_model_len=512, max_batch=8, cpu_memory_bytes=64 << 20,
                           prefill_token_budget=96, step_latency_ratio=ratio)
         async with AsyncEngine(args) as engine:
-            seen = []
-            forward = engine.replica.start_step
+            seen = []  # per step: decode bucket, prompt tokens, the budget it was planned with
+            schedule = engine.scheduler.schedule
 
-            def record(cmd, **kw):
-                seen.append((cmd.bucket, sum(len(p.token_ids) for p in cmd.prefill),
-                             engine.scheduler.step_budget.tokens(cmd.bucket)))
-                return forward(cmd, **kw)
+            def record():
+                plan = schedule()
+                seen.append((plan.bucket, sum(w.length for w in plan.prefill), plan.prompt_budget))
+                return plan
 
-            engine.replica.start_step = record
+            engine.scheduler.schedule = record
 
             async def late(i):
                 await asyncio.sleep(0.02 * i)
@@ -196,4 +213,4 @@ def test_the_engine_learns_its_step_times_and_serves_exactly_with_adaptive_chunk
     assert budget.decode_s and budget.chunk_cost() is not None
     mixed = [(bucket, tokens) for bucket, tokens, _ in seen if bucket and tokens]
     assert mixed, "no prompt was prefilled beside decode rows"
-    assert all(tokens <= allowed for bucket, tokens, allowed in seen if bucket)
+    assert all(tokens <= allowed for bucket, tokens, allowed in seen if bucket and tokens)

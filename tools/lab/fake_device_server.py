@@ -4,7 +4,7 @@ the same machine) adds to a step: TPOT above `--step-ms` at a concurrency, or TT
 
     python -m deltaserve.tools.lab.fake_device_server [--step-ms 7] [--port 8011] [--max-num-seqs 64]
         [--max-model-len 4096] [--step-ms-full BATCH_MS] [--prefill-us-per-token US] [--prefill-ms-fixed MS]
-        [--step-latency-ratio R]
+        [--step-latency-ratio R] [--graph-tokens N]
 
 A step takes `--step-ms`; with `--step-ms-full`, a decode step's time grows linearly from `--step-ms` at one row to
 that at `--max-num-seqs` rows, and with `--prefill-us-per-token` a step's prompt tokens add `--prefill-ms-fixed`
@@ -12,7 +12,9 @@ plus that much a token (a chunk costs what it costs alone beside decode rows, it
 included, as `profile_mixed_step` measures on a GPU). Feed it a GPU's measured step
 times to see what the scheduler and the benchmark's ramp and tail make of them: the throughput a concurrency can
 reach with that device and this host path. Each step reports its modelled time as the device's, so the step
-budget learns it as it would on the GPU.
+budget learns it as it would on the GPU. With `--graph-tokens N` the scheduler rounds a step's prompt tokens down
+to the sizes a CUDA engine with prefill graphs up to N tokens and fused mixed steps captures (the CPU engine has
+none).
 
 The engine is the tiny CPU checkpoint's (its 512-token vocabulary), with overlap scheduling as served; a step
 starts when it is handed over and after the one before it, as on a GPU stream. Steps with nothing to compute
@@ -98,8 +100,12 @@ class FakeDevice:
 
 async def fake_engine(step_ms: float, max_batch: int, max_model_len: int = 4096, step_ms_full: float | None = None,
                       prefill_us_per_token: float = 0.0, prefill_ms_fixed: float = 0.0,
-                      step_latency_ratio: float | None = None) -> AsyncEngine:
-    """A started engine on the tiny checkpoint whose replica is a `FakeDevice` (times as `StepCost`'s)."""
+                      step_latency_ratio: float | None = None, graph_tokens: int = 0) -> AsyncEngine:
+    """A started engine on the tiny checkpoint whose replica is a `FakeDevice` (times as `StepCost`'s), its step
+    budget taught the modelled times as a GPU engine's warm-up teaches it; with `graph_tokens`, its scheduler keeps
+    to a CUDA engine's prefill and mixed graph sizes."""
+    from deltaserve.devices.replica import mixed_graph_buckets, prefill_graph_buckets
+
     folder = write_checkpoint(tempfile.mkdtemp(prefix="fake_device_"), "tiny")
     path = os.path.join(folder, "config.json")
     with open(path) as f:
@@ -115,6 +121,15 @@ async def fake_engine(step_ms: float, max_batch: int, max_model_len: int = 4096,
     cost = StepCost(step_ms / 1e3, None if step_ms_full is None else step_ms_full / 1e3, max_batch,
                     prefill_us_per_token / 1e6, prefill_ms_fixed / 1e3)
     engine.replica = FakeDevice(engine.replica, cost)
+    # What a GPU engine's warm-up teaches the step budget before the first request: each bucket's decode step and
+    # prefill chunks of two sizes (without it a burst's first mixed steps would carry whole chunks).
+    for bucket in engine.scheduler.buckets:
+        engine.scheduler.step_budget.observe(bucket, 0, cost.seconds(bucket, 0))
+    for tokens in (256, 2048):
+        engine.scheduler.step_budget.observe(0, tokens, cost.seconds(0, tokens))
+    if graph_tokens:
+        engine.scheduler.prefill_graph_sizes = prefill_graph_buckets(graph_tokens)
+        engine.scheduler.mixed_graph_sizes = mixed_graph_buckets(engine.scheduler.prefill_graph_sizes)
     return engine
 
 
@@ -122,7 +137,7 @@ async def serve_forever(ns) -> None:
     from deltaserve.runtime.server import serve
 
     engine = await fake_engine(ns.step_ms, ns.max_num_seqs, ns.max_model_len, ns.step_ms_full,
-                               ns.prefill_us_per_token, ns.prefill_ms_fixed, ns.step_latency_ratio)
+                               ns.prefill_us_per_token, ns.prefill_ms_fixed, ns.step_latency_ratio, ns.graph_tokens)
     await serve(engine, "127.0.0.1", ns.port)
     logging.getLogger(__name__).info("fake device (%.1f ms a step) serving on http://127.0.0.1:%d", ns.step_ms,
                                      ns.port)
@@ -142,6 +157,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-ms-fixed", type=float, default=0.0,
                         help="what a step's prompt tokens add besides theirs (a pass over the weights)")
     parser.add_argument("--step-latency-ratio", type=float, default=None, help="the engine's (none: its default)")
+    parser.add_argument("--graph-tokens", type=int, default=0,
+                        help="round steps' prompt tokens to the graph sizes of a CUDA engine with prefill graphs up "
+                             "to N tokens and fused mixed steps (0: none, as the CPU engine)")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
