@@ -253,9 +253,9 @@ def test_capture_check_cpu_mode_checks_the_eager_path(tiny_ckpt, capsys):
                                "--prefill-tokens", "64"]) == 0
     out = capsys.readouterr().out
     assert "CUDA graphs need a CUDA device" in out and out.strip().endswith("OK")
-    rows = [line.split()[:2] for line in out.splitlines() if line.split()[:1] in (["decode"], ["prefill"])]
+    rows = [line.split()[:2] for line in out.splitlines() if line.split()[:1] in (["decode"], ["prefill"], ["mixed"])]
     assert rows == [["decode", "1"], ["decode", "2"], ["decode", "4"], ["prefill", "16"], ["prefill", "32"],
-                    ["prefill", "64"]]
+                    ["prefill", "64"], ["mixed", "1x64"]]
 
 
 def test_live_decode_batch_leaves_the_state_as_it_found_it(tiny_ckpt):

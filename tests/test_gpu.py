@@ -594,16 +594,17 @@ def test_capture_check_exits_zero(tmp_path, size, layers):
                                "--prefill-tokens", "1024", "--context", "600", "--dot", str(tmp_path / "dot")]) == 0
     assert (tmp_path / "dot" / "decode_bucket8.dot").is_file()
     assert (tmp_path / "dot" / "prefill_bucket512.dot").is_file()
+    assert (tmp_path / "dot" / "mixed_bucket1x64.dot").is_file()
 
 
 def test_capture_check_replays_the_speculative_steps(tmp_path):
     """Each bucket's speculative step (roll-back, three drafts, verify) replayed from its graph against its program
-    run eagerly: logits within the tolerance, drafts equal."""
+    run eagerly: logits within the tolerance, drafts equal; and the speculative engine's mixed steps."""
     from deltaserve.tools import capture_check
 
     ckpt = write_checkpoint(str(tmp_path), "4b", layers=8, weights=False)
     assert capture_check.main(["--model", ckpt, "--load-format", "random", "--buckets", "1,4,16",
-                               "--prefill-tokens", "0", "--context", "600", "--speculative-tokens", "3"]) == 0
+                               "--prefill-tokens", "256", "--context", "600", "--speculative-tokens", "3"]) == 0
 
 
 def test_server_starts_with_graphs_and_logs_the_capture_sweep(real_geometry_ckpt, caplog):

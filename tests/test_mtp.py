@@ -374,10 +374,11 @@ def test_capture_check_runs_the_speculative_programs(tiny_ckpt, capsys):
     from deltaserve.tools import capture_check
 
     assert capture_check.main(["--model", tiny_ckpt, "--device", "cpu", "--buckets", "1,2,4", "--prefill-tokens",
-                               "0", "--speculative-tokens", "2"]) == 0
+                               "128", "--speculative-tokens", "2"]) == 0
     out = capsys.readouterr().out
-    rows = [line.split()[:2] for line in out.splitlines() if line.split()[:1] == ["verify"]]
-    assert rows == [["verify", "1"], ["verify", "2"], ["verify", "4"]] and out.strip().endswith("OK")
+    rows = [line.split()[:2] for line in out.splitlines() if line.split()[:1] in (["verify"], ["mixed"])]
+    assert rows == [["verify", "1"], ["verify", "2"], ["verify", "4"], ["mixed", "1x64"], ["mixed", "2x128"]]
+    assert out.strip().endswith("OK")  # the mixed steps' roll-back and head as the steps apart
 
 
 def test_speculation_over_cached_prefixes_keeps_the_tokens(tiny_tp_ckpt):

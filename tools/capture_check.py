@@ -11,7 +11,11 @@ chunk prefilled eagerly unpadded, as without the graph. Exit status 1 on any cap
 the CPU there are no graphs: it says so and checks that each decode bucket's batched eager step equals running its
 rows one at a time, and each prefill bucket's padded inputs, run eagerly, the chunk alone. With
 --speculative-tokens K each decode bucket's speculative step ("verify" rows, beside its one-token step) is checked
-the same way against its program run eagerly (on the CPU: against itself, run again from the same state).
+the same way against its program run eagerly (on the CPU: against itself, run again from the same state). Where
+fused mixed steps are on (CUDA's default; on the CPU with prefill buckets), each prompt-token bucket's mixed step
+(beside the decode buckets in turn: live rows, with a speculative engine's roll-back, and a chunk of 7/8 of the
+bucket) is checked against the same padded inputs run eagerly; on the CPU, against its decode rows and its chunk
+run apart.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from dataclasses import fields
 
 import torch
 
-from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk
-from deltaserve.devices.replica import prefill_graph_buckets
+from deltaserve.model.batch import DecodeBatch, MixedBatch, PrefillBatch, PrefillChunk
+from deltaserve.devices.replica import mixed_graph_buckets, prefill_graph_buckets
 from deltaserve.runtime import AsyncEngine, EngineArgs
 from deltaserve.tools.live_rows import fill_live_rows, restore, snapshot
 
@@ -164,7 +168,8 @@ def check_prefill_bucket(rank_objs, bucket: int, dot_dir: str | None, rank: int)
 
     def padded(replay: bool):
         state.reset_slot(slot)
-        runtime.prefill_inputs.fill([chunk], bucket)
+        head = (ids[1:] + [0], [slot]) if runtime.speculation else ()  # a speculative engine's head inputs
+        runtime.prefill_inputs.fill([chunk], bucket, *head)
         if replay:
             return graphs(bucket)
         return programs[bucket]() if programs else model.prefill(state, runtime.prefill_inputs.batch(bucket))
@@ -191,7 +196,84 @@ def check_prefill_bucket(rank_objs, bucket: int, dot_dir: str | None, rank: int)
     return result
 
 
-def report(kind: str, bucket: int, r: dict, tolerance: float) -> bool:
+def check_mixed_bucket(rank_objs, bucket: tuple[int, int], context: int, dot_dir: str | None, rank: int) -> dict:
+    """A fused mixed step of `bucket` = (decode rows, prompt tokens): live decode rows (with speculation, having
+    kept a random number of their last verify step's tokens) beside a fresh chunk of 7/8 of the token bucket, on
+    pages no row holds. With graphs: the replay against the same padded inputs run eagerly. On the CPU: the padded
+    inputs run eagerly against the decode rows' one-token step and the chunk's prefill, apart."""
+    backend, model, runtime = rank_objs.backend, rank_objs.model, rank_objs.runtime
+    state, spec, (rows, tokens) = runtime.state, runtime.speculation, bucket
+    k = state.verify_steps
+    fill_live_rows(runtime, rows, rows, context, seed=rows * 1000 + tokens, lookahead=k)
+    pools = [state.conv[:, :rows], state.ssm[:, :rows]]
+    if spec:
+        kept = torch.randint(1, k + 2, (rows,), generator=torch.Generator().manual_seed(tokens))
+        kept[0] = 1  # one row at least rolls back
+        spec.accepted[:rows].copy_(kept)
+        spec.keep[:rows].copy_(kept)
+        pools += [state.conv_steps[:, :rows], state.ssm_steps[:, :rows], state.verify_hidden[:rows],
+                  state.drafts[:rows]]
+        for pool in pools[2:]:
+            pool.copy_(torch.randint_like(pool, 0, runtime.vocab) if pool.dtype == torch.long
+                       else torch.randn_like(pool) * 0.1)
+    saved = [pool.clone() for pool in pools]
+    slot, n = runtime.max_batch, max(1, tokens * 7 // 8)  # the first prefill slot
+    held = set(runtime.inputs.table_host[:rows].flatten().tolist())
+    free = [p for p in range(state.num_pages) if p not in held]
+    ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(tokens)).tolist()
+    chunk = PrefillChunk(ids, 0, slot, free[: -(-n // state.page_size)])
+    following = ids[1:] + [0]
+    graphs = getattr(backend, "mixed_graphs", None)
+    if graphs is None:  # the CPU: padded inputs of this bucket, run eagerly
+        runtime.prefill_programs([tokens], 1)
+        program = runtime.mixed_programs([rows], [tokens])[bucket]
+
+    def put_back():
+        for pool, copy in zip(pools, saved):
+            pool.copy_(copy)
+        state.reset_slot(slot)
+
+    def padded(replay: bool):
+        put_back()
+        runtime.prefill_inputs.fill([chunk], tokens, *((following, [slot]) if spec else ()))
+        if replay:
+            return graphs(bucket)
+        if graphs is None:
+            return program()
+        batch = MixedBatch.of(runtime.inputs.batch(rows), runtime.prefill_inputs.batch(tokens))
+        if spec:
+            return runtime._mixed_with_head(batch, *runtime.prefill_inputs.head_inputs(tokens))
+        return model.mixed(state, batch)
+
+    def apart():
+        put_back()
+        decode = runtime._plain_decode(runtime.inputs.batch(rows), rows)
+        batch = PrefillBatch.build([chunk], state.page_size, state.trash_page, backend.device)
+        if spec:
+            upload = {name: torch.tensor(v, device=backend.device) for name, v in (("f", following), ("r", [slot]))}
+            return decode, runtime._prefill_with_head(batch, upload["f"], upload["r"])
+        return decode, model.prefill(state, batch)
+
+    result = {"bucket": f"{rows}x{tokens}"}
+    if graphs is not None and not graphs.captured(bucket):
+        result["failed"] = True
+        return result
+    want = [t[:m].float().clone() for t, m in zip(apart() if graphs is None else padded(replay=False), (rows, 1))]
+    got = [t[:m].float().clone() for t, m in zip(padded(replay=graphs is not None), (rows, 1))]
+    result["diff"] = max((g - w).abs().max().item() for g, w in zip(got, want))
+    result["scale"] = max(w.abs().max().item() for w in want)
+    result["eager_s"] = time_per_call(apart, backend.device, 3 if graphs is None else 10)
+    if graphs is not None:
+        result.update(graphs.stats[bucket])
+        result["replay_s"] = time_per_call(lambda: padded(replay=True), backend.device, 10)
+        if dot_dir and rank == 0:
+            os.makedirs(dot_dir, exist_ok=True)
+            graphs.dot(bucket, os.path.join(dot_dir, f"mixed_bucket{rows}x{tokens}.dot"))
+    put_back()
+    return result
+
+
+def report(kind: str, bucket: "int | str", r: dict, tolerance: float) -> bool:
     """Print a bucket's row; True when it failed (capture refused, or a mismatch)."""
     if r.get("failed"):
         print(f"{kind:>7} {bucket:>6}  CAPTURE FAILED (bucket runs eagerly)")
@@ -215,7 +297,8 @@ async def run(ns) -> int:
                       max_batch=max(buckets) if buckets else ns.max_batch, max_model_len=ns.context * 2,
                       load_format=ns.load_format, dtype=ns.dtype, prefill_slots=1,
                       prefill_graph_tokens=ns.prefill_tokens, enable_prefix_caching=False,
-                      speculative_tokens=ns.speculative_tokens)
+                      speculative_tokens=ns.speculative_tokens,
+                      fused_mixed_steps=True if device != "cuda" and ns.prefill_tokens else None)
     if device != "cuda":
         print("CUDA graphs need a CUDA device: checking the batched eager decode path only.")
     async with AsyncEngine(args) as engine:
@@ -235,6 +318,14 @@ async def run(ns) -> int:
             results = await replica.group.call(
                 lambda rank: _on_rank(replica, rank, check_prefill_bucket, bucket, ns.dot), timeout_s=600)
             failures += report("prefill", bucket, results[0], ns.tolerance)
+        if replica.spec.fused_mixed_steps:  # each token bucket once, beside the decode buckets in turn
+            tokens = replica.mixed_token_buckets or mixed_graph_buckets(prefill_graph_buckets(ns.prefill_tokens))
+            for i, t in enumerate(tokens):
+                bucket = (replica.buckets[i % len(replica.buckets)], t)
+                results = await replica.group.call(
+                    lambda rank: _on_rank(replica, rank, check_mixed_bucket, bucket, ns.context, ns.dot),
+                    timeout_s=600)
+                failures += report("mixed", results[0]["bucket"], results[0], ns.tolerance)
     print("OK" if failures == 0 else f"FAILED: {failures} bucket(s)")
     return 1 if failures else 0
 
