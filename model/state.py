@@ -138,9 +138,9 @@ class ModelState:
 
     def commit_verified(self, slots: torch.Tensor, accepted: torch.Tensor, roll_back_pool=None) -> None:
         """After a verify step of verify_steps + 1 tokens a row: each slot keeps the state after its first
-        `accepted` tokens (1 .. verify_steps + 1; the last needs no copy). Device tensors, no host sync (a select,
-        so that a graph can hold it). `roll_back_pool`: the op (`ForwardOps.roll_back_pool`; the reference, which
-        reads and writes every row's whole state, by default)."""
+        `accepted` tokens (1 .. verify_steps + 1; the last needs no copy). Device tensors, no host sync, fixed shapes
+        (a graph can hold it). `roll_back_pool`: the op (`ForwardOps.roll_back_pool`; by default the reference, which
+        reads and writes every row's whole state)."""
         roll_back_pool = roll_back_pool or roll_back_pool_reference
         for pool, steps in ((self.conv, self.conv_steps), (self.ssm, self.ssm_steps)):
             roll_back_pool(pool, steps, slots, accepted, self.verify_steps + 1)

@@ -33,8 +33,9 @@ class EngineArgs:
     fused_mixed_steps: bool | None = None
     seed: int = 0
     prefill_token_budget: int = 2048  # prompt tokens per step at most (chunked prefill)
-    # A step carrying prompt tokens beside decode rows takes at most this many times a decode-only step (the
-    # chunk adapts, `runtime.step_budget`); 0: every step carries up to prefill_token_budget.
+    # A step carrying prompt tokens beside decode rows takes at most this many times a decode-only step, the
+    # chunk's part scaled by 1 + waiting / decoding requests (`runtime.step_budget`); 0: every step carries up to
+    # prefill_token_budget.
     step_latency_ratio: float = 2.0
     prefill_slots: int = 4  # requests prefilling at once
     buckets: list[int] | None = None  # decode batch buckets (graphs are captured per bucket)

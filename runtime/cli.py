@@ -106,8 +106,8 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         default=defaults.prefill_token_budget, help="prompt tokens prefilled per step at most")
     parser.add_argument("--step-latency-ratio", type=_ratio, metavar="R", default=defaults.step_latency_ratio,
                         help="a step that prefills beside running requests takes at most R times a decode-only "
-                             "step: its prompt tokens adapt, which bounds ITL p99 (0: always up to "
-                             "--max-num-batched-tokens)")
+                             "step, its prompt tokens' share widened by the requests waiting for a first token "
+                             "over those decoding: this bounds ITL p99 (0: always up to --max-num-batched-tokens)")
     parser.add_argument("--max-waiting", type=_int_in(1), default=defaults.max_waiting,
                         help="requests queued before new ones get 503 with Retry-After")
     parser.add_argument("--gpu-memory-utilization", dest="memory_fraction", metavar="FRACTION",
