@@ -523,6 +523,28 @@ def test_the_fake_device_server_s_engine_runs_steps_back_to_back_at_its_step_tim
     assert steps >= 20 and elapsed >= 20 * 3e-3
 
 
+def test_the_fake_device_teaches_the_budget_its_times_and_keeps_to_graph_sizes():
+    """Its step budget starts as a GPU engine's warm-up leaves it (each bucket's decode time, a chunk's cost), and
+    with graph_tokens its scheduler rounds prompt tokens to a CUDA engine's prefill and mixed graph sizes."""
+    from deltaserve.tools.lab.fake_device_server import fake_engine
+
+    async def main():
+        engine = await fake_engine(step_ms=3.0, max_batch=8, step_ms_full=10.0, prefill_us_per_token=50.0,
+                                   prefill_ms_fixed=1.0, graph_tokens=256)
+        try:
+            sched = engine.scheduler
+            return (sched.mixed_graph_sizes, sched.prefill_graph_sizes[-1], dict(sched.step_budget.decode_s),
+                    sched.step_budget.chunk_cost(), sched.prompt_budget(8, 8))
+        finally:
+            await engine.close()
+
+    mixed, largest, decode, (fixed, per_token), budget = run(main())
+    assert mixed == [64, 128, 192, 256] and largest == 256
+    assert decode[1] == pytest.approx(3e-3) and decode[8] == pytest.approx(10e-3)
+    assert fixed == pytest.approx(1e-3) and per_token == pytest.approx(50e-6)
+    assert budget == 128  # (2 - 1) x 10 ms less 1 ms fixed is 180 tokens, rounded down to a mixed graph's 128
+
+
 def test_the_fake_device_models_a_step_from_its_rows_and_prompt_tokens():
     """fake_device_server's cost model, which the throughput it predicts rests on: decode linear in the rows, a
     step's prompt tokens adding a fixed pass and a cost a token; without a per-token cost, every step one time."""
