@@ -227,17 +227,12 @@ class RankRuntime:
         """A speculative engine's fused mixed step: its decode rows as `_plain_decode`'s (rolled back, the head
         over their last step, their hidden states kept), its chunks as `_prefill_with_head`'s. (Decode logits,
         logits at each chunk's last token.)"""
-        model, state = self.model, self.state
         n, slots = batch.decode_rows, batch.decode.slots
-        state.commit_verified(slots, self.speculation.keep[:n], model.ops.roll_back_pool)
-        self._head_over_last_step(n)
-        hidden = model.mixed_hidden(state, batch)
-        state.verify_hidden[state.verify_rows(slots), 0] = hidden[:n]
-        prompt = hidden[n:]
-        model.mtp(following, prompt, state, batch.prefill)
-        last = prompt[batch.prefill.last_token]
-        state.verify_hidden[head_rows, 0] = last
-        logits = model.logits(torch.cat([hidden[:n], last]))
+        self._before_one_token_rows(slots, n)
+        hidden = self.model.mixed_hidden(self.state, batch)
+        self.state.verify_hidden[self.state.verify_rows(slots), 0] = hidden[:n]
+        last = self._head_over_prompts(hidden[n:], following, batch.prefill, head_rows)
+        logits = self.model.logits(torch.cat([hidden[:n], last]))
         return logits[:n], logits[n:]
 
     def _mixed_bucket(self, rows: int, chunks: list[PrefillChunk]) -> tuple[int, int] | None:
@@ -271,12 +266,16 @@ class RankRuntime:
         for a later draft (the engine then sends it as promoted: verify_accepted 0)."""
         if self.speculation is None:
             return self.model.decode(self.state, batch)
-        state = self.state
-        state.commit_verified(batch.slots, self.speculation.keep[:bucket], self.model.ops.roll_back_pool)
-        self._head_over_last_step(bucket)
-        hidden = self.model.decode_hidden(state, batch)
-        state.verify_hidden[state.verify_rows(batch.slots), 0] = hidden
+        self._before_one_token_rows(batch.slots, bucket)
+        hidden = self.model.decode_hidden(self.state, batch)
+        self.state.verify_hidden[self.state.verify_rows(batch.slots), 0] = hidden
         return self.model.logits(hidden)
+
+    def _before_one_token_rows(self, slots: torch.Tensor, bucket: int) -> None:
+        """A speculative engine's one-token rows (`slots`, the fixed inputs' first `bucket`), before their forward:
+        their GDN state back to what their last verify step kept, and the head over that step's positions."""
+        self.state.commit_verified(slots, self.speculation.keep[:bucket], self.model.ops.roll_back_pool)
+        self._head_over_last_step(bucket)
 
     # Slots ----------------------------------------------------------------------------------------------------------
     def _move_slot_within(self, src: int, dst: int) -> None:
@@ -474,12 +473,17 @@ class RankRuntime:
         position, whose next token this step draws, is run again when the request first drafts). Keeps each
         finished prompt's last hidden state (`head_rows`), what its first draft starts from. Logits at the last
         tokens. A program over fixed inputs too: what a speculative engine's prefill graph captures."""
-        model, state = self.model, self.state
-        hidden = model.prefill_hidden(state, batch)
-        model.mtp(following, hidden, state, batch)
-        last_hidden = hidden[batch.last_token]
-        state.verify_hidden[head_rows, 0] = last_hidden
-        return model.logits(last_hidden)
+        hidden = self.model.prefill_hidden(self.state, batch)
+        return self.model.logits(self._head_over_prompts(hidden, following, batch, head_rows))
+
+    def _head_over_prompts(self, hidden: torch.Tensor, following: torch.Tensor, batch: PrefillBatch,
+                           head_rows: torch.Tensor) -> torch.Tensor:
+        """The MTP head over the chunks' tokens (`hidden`: the model's at each); keeps each chunk's last hidden
+        state in `head_rows` and returns them [R, H]."""
+        self.model.mtp(following, hidden, self.state, batch)
+        last = hidden[batch.last_token]
+        self.state.verify_hidden[head_rows, 0] = last
+        return last
 
     def speculative_program(self, bucket: int) -> GraphProgram:
         """A speculative decode step over the fixed inputs of `bucket` rows (what a graph captures; eagerly, what
