@@ -255,17 +255,24 @@ def test_speculation_needs_the_head(tmp_path):
         EngineArgs(speculative_tokens=9)
 
 
+def _speculative_rank(ckpt):
+    """A speculative (k = 3) rank of 4 decode slots and 2 prefill slots over 40 KV pages, every pool random; and
+    those pools."""
+    from deltaserve.devices.rank import RankRuntime
+
+    state = (runner := CpuRunner(ckpt, mtp=True, verify_steps=3, num_slots=6, num_pages=40)).state
+    pools = [state.conv, state.ssm, state.k_cache, state.v_cache, state.verify_hidden, state.drafts,
+             state.conv_steps, state.ssm_steps]
+    for pool in pools:
+        pool.copy_(torch.randint_like(pool, 1, 50) if pool.dtype == torch.long else torch.randn_like(pool) * 0.1)
+    return RankRuntime(runner.model, state, rank=1, max_batch=4, max_pages_per_seq=8, device="cpu"), pools
+
+
 def test_the_speculative_programs_on_inert_inputs_touch_only_the_trash(tiny_ckpt):
     """What a graph capture runs before recording: every bucket's programs (one-token and speculative) over inert
     inputs leave every request slot's state, drafts and hidden states and every page as they were."""
-    from deltaserve.devices.rank import RankRuntime
-
-    runner = CpuRunner(tiny_ckpt, mtp=True, verify_steps=3, num_slots=6, num_pages=40)
-    state = runner.state
-    for pool in (state.conv, state.ssm, state.k_cache, state.v_cache, state.verify_hidden, state.drafts,
-                 state.conv_steps, state.ssm_steps):
-        pool.copy_(torch.randint_like(pool, 1, 50) if pool.dtype == torch.long else torch.randn_like(pool))
-    runtime = RankRuntime(runner.model, state, rank=1, max_batch=4, max_pages_per_seq=8, device="cpu")
+    runtime, _ = _speculative_rank(tiny_ckpt)
+    state = runtime.state
     def request_state():
         return [state.conv[:, :6], state.ssm[:, :6], state.verify_hidden[:6], state.drafts[:6]]
     before = [t.clone() for t in request_state()]
@@ -288,17 +295,11 @@ def test_a_fused_mixed_step_leaves_the_head_what_its_steps_apart_do(tiny_ckpt):
     """A speculative engine's fused mixed step (`RankRuntime._mixed_with_head`) against its one-token decode step
     then its prefill with the head: the same logits, and the same state after it, the MTP head's KV and the
     hidden states its next drafts start from included; one decode row rolls back first, the other keeps all."""
-    from deltaserve.devices.rank import RankRuntime
     from deltaserve.model.batch import MixedBatch, PrefillBatch, PrefillChunk
 
-    runner = CpuRunner(tiny_ckpt, mtp=True, verify_steps=3, num_slots=6, num_pages=40)
-    state = runner.state
-    pools = [state.conv, state.ssm, state.k_cache, state.v_cache, state.verify_hidden, state.drafts,
-             state.conv_steps, state.ssm_steps]
-    for pool in pools:
-        pool.copy_(torch.randint_like(pool, 1, 50) if pool.dtype == torch.long else torch.randn_like(pool) * 0.1)
+    runtime, pools = _speculative_rank(tiny_ckpt)
+    state = runtime.state
     start = [t.clone() for t in pools]
-    runtime = RankRuntime(runner.model, state, rank=1, max_batch=4, max_pages_per_seq=8, device="cpu")
     runtime.inputs.table_host[0], runtime.inputs.table_host[1] = range(8), range(8, 16)
     runtime.speculation.accepted[:2] = torch.tensor([2, 4])
     runtime.speculation.keep[:2] = torch.tensor([2, 4])

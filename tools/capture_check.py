@@ -31,7 +31,7 @@ from dataclasses import fields
 
 import torch
 
-from deltaserve.model.batch import DecodeBatch, MixedBatch, PrefillBatch, PrefillChunk
+from deltaserve.model.batch import DecodeBatch, MixedBatch, PrefillBatch, PrefillChunk, upload
 from deltaserve.devices.replica import mixed_graph_buckets, prefill_graph_buckets
 from deltaserve.runtime import AsyncEngine, EngineArgs
 from deltaserve.tools.live_rows import fill_live_rows, restore, snapshot
@@ -105,19 +105,9 @@ def check_speculative_bucket(rank_objs, bucket: int, context: int, dot_dir: str 
     same state (first positions' logits, the others', and the drafts exactly). On the CPU: the program run twice
     from the same state agrees with itself (it reads nothing it has not written or been given) and is finite."""
     backend, runtime = rank_objs.backend, rank_objs.runtime
-    state, spec, k = runtime.state, runtime.speculation, runtime.state.verify_steps
-    fill_live_rows(runtime, bucket, bucket, context, seed=bucket, lookahead=k)
-    gen = torch.Generator().manual_seed(bucket)
-    kept = torch.randint(1, k + 2, (bucket,), generator=gen).to(spec.accepted.device)
-    spec.accepted[:bucket].copy_(kept)
-    spec.keep[:bucket].copy_(kept)
-    spec.use_override[:bucket] = False
-    # The live rows' entries of every pool the step reads and writes (layers first in the GDN pools).
-    rows = [state.conv[:, :bucket], state.ssm[:, :bucket], state.conv_steps[:, :bucket],
-            state.ssm_steps[:, :bucket], state.verify_hidden[:bucket], state.drafts[:bucket]]
-    for pool in rows[2:]:
-        pool.copy_(torch.randint_like(pool, 0, runtime.vocab) if pool.dtype == torch.long
-                   else torch.randn_like(pool) * 0.1)
+    fill_live_rows(runtime, bucket, bucket, context, seed=bucket, lookahead=runtime.state.verify_steps)
+    runtime.speculation.use_override[:bucket] = False
+    rows = _after_a_verify_step(runtime, bucket, seed=bucket)
     saved = [pool.clone() for pool in rows]
 
     def put_back():
@@ -149,6 +139,23 @@ def check_speculative_bucket(rank_objs, bucket: int, context: int, dot_dir: str 
             os.makedirs(dot_dir, exist_ok=True)
             graphs.dot(bucket, os.path.join(dot_dir, f"speculative_bucket{bucket}.dot"))
     return result
+
+
+def _after_a_verify_step(runtime, rows: int, seed: int) -> list[torch.Tensor]:
+    """Live rows `rows` as after a verify step that kept a random number of its tokens (row 0 one: it rolls back),
+    with random step states, hidden states and drafts. Returns the rows' entries of every pool a speculative or
+    one-token step reads and writes (layers first in the GDN pools)."""
+    state, spec, k = runtime.state, runtime.speculation, runtime.state.verify_steps
+    kept = torch.randint(1, k + 2, (rows,), generator=torch.Generator().manual_seed(seed))
+    kept[0] = 1
+    spec.accepted[:rows].copy_(kept)
+    spec.keep[:rows].copy_(kept)
+    pools = [state.conv[:, :rows], state.ssm[:, :rows], state.conv_steps[:, :rows], state.ssm_steps[:, :rows],
+             state.verify_hidden[:rows], state.drafts[:rows]]
+    for pool in pools[2:]:
+        pool.copy_(torch.randint_like(pool, 0, runtime.vocab) if pool.dtype == torch.long
+                   else torch.randn_like(pool) * 0.1)
+    return pools
 
 
 def check_prefill_bucket(rank_objs, bucket: int, dot_dir: str | None, rank: int) -> dict:
@@ -205,17 +212,7 @@ def check_mixed_bucket(rank_objs, bucket: tuple[int, int], context: int, dot_dir
     state, spec, (rows, tokens) = runtime.state, runtime.speculation, bucket
     k = state.verify_steps
     fill_live_rows(runtime, rows, rows, context, seed=rows * 1000 + tokens, lookahead=k)
-    pools = [state.conv[:, :rows], state.ssm[:, :rows]]
-    if spec:
-        kept = torch.randint(1, k + 2, (rows,), generator=torch.Generator().manual_seed(tokens))
-        kept[0] = 1  # one row at least rolls back
-        spec.accepted[:rows].copy_(kept)
-        spec.keep[:rows].copy_(kept)
-        pools += [state.conv_steps[:, :rows], state.ssm_steps[:, :rows], state.verify_hidden[:rows],
-                  state.drafts[:rows]]
-        for pool in pools[2:]:
-            pool.copy_(torch.randint_like(pool, 0, runtime.vocab) if pool.dtype == torch.long
-                       else torch.randn_like(pool) * 0.1)
+    pools = _after_a_verify_step(runtime, rows, seed=tokens) if spec else [state.conv[:, :rows], state.ssm[:, :rows]]
     saved = [pool.clone() for pool in pools]
     slot, n = runtime.max_batch, max(1, tokens * 7 // 8)  # the first prefill slot
     held = set(runtime.inputs.table_host[:rows].flatten().tolist())
@@ -250,8 +247,8 @@ def check_mixed_bucket(rank_objs, bucket: tuple[int, int], context: int, dot_dir
         decode = runtime._plain_decode(runtime.inputs.batch(rows), rows)
         batch = PrefillBatch.build([chunk], state.page_size, state.trash_page, backend.device)
         if spec:
-            upload = {name: torch.tensor(v, device=backend.device) for name, v in (("f", following), ("r", [slot]))}
-            return decode, runtime._prefill_with_head(batch, upload["f"], upload["r"])
+            head = upload({"following": following, "rows": [slot]}, torch.long, backend.device)
+            return decode, runtime._prefill_with_head(batch, head["following"], head["rows"])
         return decode, model.prefill(state, batch)
 
     result = {"bucket": f"{rows}x{tokens}"}
