@@ -45,6 +45,9 @@ def tiny_tp_ckpt(tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        for item in items:  # under xdist, one worker runs them all: they measure and fill the one device
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.xdist_group("gpu"))
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
