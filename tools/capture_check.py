@@ -107,7 +107,7 @@ def check_speculative_bucket(rank_objs, bucket: int, context: int, dot_dir: str 
     backend, runtime = rank_objs.backend, rank_objs.runtime
     fill_live_rows(runtime, bucket, bucket, context, seed=bucket, lookahead=runtime.state.verify_steps)
     runtime.speculation.use_override[:bucket] = False
-    rows = _after_a_verify_step(runtime, bucket, seed=bucket)
+    rows = rows_after_a_verify_step(runtime, bucket, seed=bucket)
     saved = [pool.clone() for pool in rows]
 
     def put_back():
@@ -141,7 +141,7 @@ def check_speculative_bucket(rank_objs, bucket: int, context: int, dot_dir: str 
     return result
 
 
-def _after_a_verify_step(runtime, rows: int, seed: int) -> list[torch.Tensor]:
+def rows_after_a_verify_step(runtime, rows: int, seed: int) -> list[torch.Tensor]:
     """Live rows `rows` as after a verify step that kept a random number of its tokens (row 0 one: it rolls back),
     with random step states, hidden states and drafts. Returns the rows' entries of every pool a speculative or
     one-token step reads and writes (layers first in the GDN pools)."""
@@ -212,7 +212,8 @@ def check_mixed_bucket(rank_objs, bucket: tuple[int, int], context: int, dot_dir
     state, spec, (rows, tokens) = runtime.state, runtime.speculation, bucket
     k = state.verify_steps
     fill_live_rows(runtime, rows, rows, context, seed=rows * 1000 + tokens, lookahead=k)
-    pools = _after_a_verify_step(runtime, rows, seed=tokens) if spec else [state.conv[:, :rows], state.ssm[:, :rows]]
+    pools = rows_after_a_verify_step(runtime, rows, seed=tokens) if spec else \
+        [state.conv[:, :rows], state.ssm[:, :rows]]
     saved = [pool.clone() for pool in pools]
     slot, n = runtime.max_batch, max(1, tokens * 7 // 8)  # the first prefill slot
     held = set(runtime.inputs.table_host[:rows].flatten().tolist())

@@ -25,6 +25,7 @@
 # serve4  #30: the 4B start-up (cold and warm compile cache: ready time, first request against steady TTFT), an
 #         8k-token prompt's prefill rate and eight of them arriving together
 # serve27 #30, #33: the 27B serving rows of the issues (8192 in, 1024 out; c1 and c16), FP8 then bf16 checkpoints
+#         (FORMATS=fp8 for one)
 # specrows #32: the c16 and c64 serving rows with speculation (the 27B head's acceptance emulated) and without,
 #         each server's graph captures listed (a bucket that ran out of memory runs eagerly)
 # fused   #30: the decode graph then the prefill (--no-fused-mixed-steps) against a step's decode rows and prompt
@@ -95,7 +96,7 @@ for stage in ${STAGES//,/ }; do
         grep "^| [0-9]" "$DIR/prefill-27b$flag.txt" | sed "s/^/27b (16 layers) prefill ${flag:-bf16} /"
       done ;;
     serve27)
-      for fmt in fp8 bf16; do
+      for fmt in ${FORMATS:-fp8 bf16}; do
         ck=/tmp/ck27-$fmt
         python3 -m deltaserve.tools.make_checkpoint $ck --size 27b --config-only $([ $fmt = fp8 ] && echo --fp8) \
             > /dev/null

@@ -25,18 +25,24 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from deltaserve.tools.bench_decode import add_engine_args, kernel_config, open_engine
-from deltaserve.tools.capture_check import time_per_call
+from deltaserve.tools.capture_check import rows_after_a_verify_step, time_per_call
 from deltaserve.tools.live_rows import live_decode_batch
 
 
-def _profile(replica, rank: int, rows: int, context: int, steps: int = 5) -> dict:
-    with live_decode_batch(replica, rank, rows, context) as (r, batch):
-        runtime, graphs = r.runtime, r.backend.graphs
+def _profile(replica, rank: int, rows: int, context: int, speculative: bool, steps: int = 5) -> dict:
+    lookahead = replica.ranks[rank].runtime.state.verify_steps if speculative else 0
+    with live_decode_batch(replica, rank, rows, context, lookahead) as (r, batch):
+        runtime = r.runtime
+        if speculative:  # the rows as after a verify step; its graph runs the drafts, then the verify forward
+            rows_after_a_verify_step(runtime, rows, seed=rows)
+            graphs, eager = r.backend.speculative_graphs, runtime.speculative_program(rows)
+        else:
+            graphs, eager = r.backend.graphs, lambda: r.model.decode(runtime.state, batch)
         step_s = time_per_call(lambda: graphs(rows), r.backend.device, iters=50)
         per_name = _kernel_times(lambda: graphs(rows), steps)
-        source = "graph replay"
+        source = "speculative graph replay" if speculative else "graph replay"
         if not per_name:  # a profiler that cannot see inside graphs: the same kernels, launched eagerly
-            per_name = _kernel_times(lambda: r.model.decode(runtime.state, batch), steps)
+            per_name = _kernel_times(eager, steps)
             source = "eager step (the profiler saw no kernels inside the graph)"
     return {"rows": rows, "step_s": step_s, "kernels": per_name, "steps": steps, "source": source}
 
@@ -76,7 +82,8 @@ async def run(ns) -> list[dict]:
         replica = engine.replica
         out = []
         for rows in batches:
-            per_rank = await replica.group.call(lambda rank: _profile(replica, rank, rows, ns.context))
+            per_rank = await replica.group.call(
+                lambda rank: _profile(replica, rank, rows, ns.context, ns.speculative_tokens > 0))
             out.append(per_rank[0])
         return out
 
