@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from .config import DEFAULT, KernelConfig
-from .launch import _pow2, multiprocessors, pdl_options, wait_for_previous_kernel
+from .launch import _pow2, multiprocessors, pdl_options, rows_per_program, wait_for_previous_kernel
 from .norm import rms_norm_reference
 
 
@@ -151,48 +151,53 @@ def decode_attention_reference(
 
 
 # From the fused q/k/v projection: q_norm/k_norm, partial RoPE (NeoX rotate-half on the first rotary dims) and
-# the paged K/V write, one program per (token, head).
+# the paged K/V write. Program (token block, head): ROWS tokens of one head (`launch.rows_per_program`: one in
+# decode, several in a prefill).
 
 
 @triton.jit
 def _qk_norm_rope_cache_kernel(qkv_ptr, qn_ptr, kn_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, map_ptr, qo_ptr,
-                               row_stride, NQ, NKV, eps, HALF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                               PDL: tl.constexpr = False):
+                               T, row_stride, NQ, NKV, eps, HALF: tl.constexpr, D: tl.constexpr,
+                               BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     head = tl.program_id(1)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    tmask = t < T
+    pos = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.int64)[:, None]
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
+    mask = tmask[:, None] & dmask[None, :]
     partner = tl.where(d < HALF, d + HALF, d - HALF)
     rot = d < 2 * HALF
-    idx = tl.where(rot, d % HALF, 0)
-    c = tl.load(cos_ptr + pos * HALF + idx, mask=rot, other=1.0)
-    s = tl.load(sin_ptr + pos * HALF + idx, mask=rot, other=0.0)
-    s = tl.where(d < HALF, -s, s)
-    row = qkv_ptr + t * row_stride
+    idx = tl.where(rot, d % HALF, 0)[None, :]
+    rot_mask = tmask[:, None] & rot[None, :]
+    c = tl.load(cos_ptr + pos * HALF + idx, mask=rot_mask, other=1.0)
+    s = tl.load(sin_ptr + pos * HALF + idx, mask=rot_mask, other=0.0)
+    s = tl.where((d < HALF)[None, :], -s, s)
+    rows = qkv_ptr + t[:, None] * row_stride
     if head < NQ:
-        src = row + head * 2 * D  # each q_proj head is [query | gate]
+        src = rows + head * 2 * D  # each q_proj head is [query | gate]
         w_ptr = qn_ptr
     else:
-        src = row + NQ * 2 * D + (head - NQ) * D
+        src = rows + NQ * 2 * D + (head - NQ) * D
         w_ptr = kn_ptr
-    x = tl.load(src + d, mask=dmask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-    normed = (x * inv * (1.0 + tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)))
+    x = tl.load(src + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+    normed = x * inv * (1.0 + tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32))[None, :]
     normed = normed.to(qo_ptr.dtype.element_ty).to(tl.float32)  # the norm's output is in the model dtype
-    xp = tl.load(src + partner, mask=rot & dmask, other=0.0).to(tl.float32)
-    normed_p = xp * inv * (1.0 + tl.load(w_ptr + partner, mask=rot & dmask, other=0.0).to(tl.float32))
+    pmask = tmask[:, None] & (rot & dmask)[None, :]
+    xp = tl.load(src + partner[None, :], mask=pmask, other=0.0).to(tl.float32)
+    normed_p = xp * inv * (1.0 + tl.load(w_ptr + partner, mask=rot & dmask, other=0.0).to(tl.float32))[None, :]
     normed_p = normed_p.to(qo_ptr.dtype.element_ty).to(tl.float32)
-    y = tl.where(rot, normed * c + normed_p * s, normed)
+    y = tl.where(rot[None, :], normed * c + normed_p * s, normed)
     if head < NQ:
-        tl.store(qo_ptr + (t * NQ + head) * D + d, y.to(qo_ptr.dtype.element_ty), mask=dmask)
+        tl.store(qo_ptr + ((t * NQ + head) * D)[:, None] + d[None, :], y.to(qo_ptr.dtype.element_ty), mask=mask)
     else:
         kh = head - NQ
-        dest = tl.load(map_ptr + t).to(tl.int64)
-        tl.store(kc_ptr + (dest * NKV + kh) * D + d, y.to(kc_ptr.dtype.element_ty), mask=dmask)
-        vv = tl.load(row + NQ * 2 * D + NKV * D + kh * D + d, mask=dmask, other=0.0)
-        tl.store(vc_ptr + (dest * NKV + kh) * D + d, vv.to(vc_ptr.dtype.element_ty), mask=dmask)
+        dest = (tl.load(map_ptr + t, mask=tmask, other=0).to(tl.int64) * NKV + kh) * D
+        tl.store(kc_ptr + dest[:, None] + d[None, :], y.to(kc_ptr.dtype.element_ty), mask=mask)
+        vv = tl.load(rows + NQ * 2 * D + NKV * D + kh * D + d[None, :], mask=mask, other=0.0)
+        tl.store(vc_ptr + dest[:, None] + d[None, :], vv.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def qk_norm_rope_cache(qkv, q_norm, k_norm, eps, positions, cos, sin, k_cache, v_cache, slot_mapping,
@@ -201,9 +206,12 @@ def qk_norm_rope_cache(qkv, q_norm, k_norm, eps, positions, cos, sin, k_cache, v
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     out = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
-    _qk_norm_rope_cache_kernel[(T, num_heads + num_kv_heads)](
-        qkv, q_norm, k_norm, positions, cos, sin, k_cache, v_cache, slot_mapping, out, qkv.stride(0),
-        num_heads, num_kv_heads, eps, HALF=cos.shape[1], D=D, BLOCK_D=_pow2(D), **pdl_options(qkv.device, cfg.pdl))
+    heads = num_heads + num_kv_heads
+    rows = rows_per_program(T * heads, qkv.device, most=max(1, 2048 // _pow2(D)))
+    _qk_norm_rope_cache_kernel[(triton.cdiv(T, rows), heads)](
+        qkv, q_norm, k_norm, positions, cos, sin, k_cache, v_cache, slot_mapping, out, T, qkv.stride(0),
+        num_heads, num_kv_heads, eps, HALF=cos.shape[1], D=D, BLOCK_D=_pow2(D), ROWS=rows,
+        **pdl_options(qkv.device, cfg.pdl))
     return out
 
 

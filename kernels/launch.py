@@ -21,6 +21,14 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+def rows_per_program(n_rows: int, device: torch.device, most: int = 16) -> int:
+    """Rows of a row-wise kernel a program takes: one while the rows alone give every SM four programs (decode),
+    up to `most` (a power of two) for a prefill's many short rows, which one a program would leave a few elements
+    a thread and tens of thousands of programs."""
+    share = n_rows // (4 * multiprocessors(device))
+    return 1 if share < 2 else min(most, 1 << (share.bit_length() - 1))
+
+
 # The interpreter's tl.dot on bf16 operands returns garbage, so there `_dot_bf16` multiplies the bf16-rounded
 # operands in fp32: the same products (exact in fp32), summed in another order.
 BF16_MMA = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")

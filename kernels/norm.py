@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .config import DEFAULT, KernelConfig
-from .launch import _pow2, pdl_options, wait_for_previous_kernel
+from .launch import _pow2, pdl_options, rows_per_program, wait_for_previous_kernel
 
 
 # Torch references
@@ -55,32 +55,42 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                     HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Zero-centred: out = norm(x) * (1 + w); without HAS_W, norm(x) (the weight folded into the next projection)."""
-    row = tl.program_id(0).to(tl.int64)
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_cols, eps, HAS_RES: tl.constexpr,
+                     HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Zero-centred: out = norm(x) * (1 + w); without HAS_W, norm(x) (the weight folded into the next projection).
+    ROWS rows a program."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    cmask = cols < n_cols
+    mask = (rows < n_rows)[:, None] & cmask[None, :]
     if HAS_W:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + 1.0
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :] + 1.0
     else:
         w = 1.0
     wait_for_previous_kernel(PDL)
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+    at = rows[:, None] * n_cols + cols[None, :]
+    x = tl.load(x_ptr + at, mask=mask, other=0.0)
     if HAS_RES:
-        x = x + tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)  # in the model dtype, as HF does
-        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+        x = x + tl.load(res_ptr + at, mask=mask, other=0.0)  # in the model dtype, as HF does
+        tl.store(res_out_ptr + at, x, mask=mask)
     xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    tl.store(out_ptr + row * n_cols + cols, (xf * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    tl.store(out_ptr + at, (xf * inv[:, None] * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rms_norm_launch(x2, res, weight, out, res_out, eps, has_res: bool, cfg: KernelConfig) -> None:
+    n_rows, n_cols = x2.shape
+    block = _pow2(n_cols)
+    rows = rows_per_program(n_rows, x2.device, most=max(1, 2048 // block))
+    _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](x2, res, x2 if weight is None else weight, out, res_out, n_rows,
+                                                   n_cols, eps, HAS_RES=has_res, HAS_W=weight is not None,
+                                                   ROWS=rows, BLOCK=block, **pdl_options(x2.device, cfg.pdl))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
     x2 = x.contiguous().view(-1, x.shape[-1])
     out = torch.empty_like(x2)
-    _rms_norm_kernel[(x2.shape[0],)](x2, x2, x2 if weight is None else weight, out, out, x2.shape[1], eps,
-                                     HAS_RES=False, HAS_W=weight is not None, BLOCK=_pow2(x2.shape[1]),
-                                     **pdl_options(x.device, cfg.pdl))
+    _rms_norm_launch(x2, x2, weight, out, out, eps, False, cfg)
     return out.view(x.shape)
 
 
@@ -90,27 +100,26 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         return rms_norm(x, weight, eps, cfg), x
     x2, r2 = x.contiguous().view(-1, x.shape[-1]), residual.contiguous().view(-1, x.shape[-1])
     out, summed = torch.empty_like(x2), torch.empty_like(x2)
-    _rms_norm_kernel[(x2.shape[0],)](x2, r2, x2 if weight is None else weight, out, summed, x2.shape[1], eps,
-                                     HAS_RES=True, HAS_W=weight is not None, BLOCK=_pow2(x2.shape[1]),
-                                     **pdl_options(x.device, cfg.pdl))
+    _rms_norm_launch(x2, r2, weight, out, summed, eps, True, cfg)
     return out.view(x.shape), summed.view(x.shape)
 
 
 @triton.jit
-def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, n_cols, heads, z_row_stride, z_head_stride, eps,
-                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    row = tl.program_id(0).to(tl.int64)  # token * heads + head
+def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, n_rows, n_cols, heads, z_row_stride, z_head_stride, eps,
+                           ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # token * heads + head
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    cmask = cols < n_cols
+    mask = (rows < n_rows)[:, None] & cmask[None, :]
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     wait_for_previous_kernel(PDL)
-    o = tl.load(o_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    z_base = z_ptr + (row // heads) * z_row_stride + (row % heads) * z_head_stride
-    z = tl.load(z_base + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(o * o, axis=0) / n_cols + eps)
-    normed = (o * inv).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference rounds
+    o = tl.load(o_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    z_rows = z_ptr + (rows // heads) * z_row_stride + (rows % heads) * z_head_stride
+    z = tl.load(z_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(o * o, axis=1) / n_cols + eps)
+    normed = (o * inv[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the reference rounds
     y = (w * normed).to(out_ptr.dtype.element_ty).to(tl.float32) * (z / (1.0 + tl.exp(-z)))
-    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -120,8 +129,11 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     if z.stride(-1) != 1:
         z = z.contiguous()
     out = torch.empty_like(o2)
-    _gated_rms_norm_kernel[(o2.shape[0],)](o2, z, weight, out, o2.shape[1], o.shape[1], z.stride(0), z.stride(1), eps,
-                                           BLOCK=_pow2(o2.shape[1]), **pdl_options(o.device, cfg.pdl))
+    n_rows = o2.shape[0]
+    rows = rows_per_program(n_rows, o.device)
+    _gated_rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
+        o2, z, weight, out, n_rows, o2.shape[1], o.shape[1], z.stride(0), z.stride(1), eps, ROWS=rows,
+        BLOCK=_pow2(o2.shape[1]), **pdl_options(o.device, cfg.pdl))
     return out.view(o.shape)
 
 

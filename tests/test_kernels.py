@@ -50,7 +50,7 @@ def randn(*shape, dtype=torch.float32):
     return torch.randn(*shape, device=DEVICE).to(dtype)
 
 
-@pytest.mark.parametrize("rows,cols", [(1, 48), (7, 64), (5, 200)])
+@pytest.mark.parametrize("rows,cols", [(1, 48), (7, 64), (5, 200), (70, 64)])  # 70: 4 rows a program on the CPU
 def test_rms_norms(rows, cols):
     x, r, w = randn(rows, cols), randn(rows, cols), randn(cols) * 0.2
     with poisoned_outputs():
@@ -69,6 +69,21 @@ def test_rms_norms(rows, cols):
     with poisoned_outputs():
         got = norm.gated_rms_norm(o, z, gw, 1e-6)
     assert rel(got, norm.gated_rms_norm_reference(o, z, gw, 1e-6)) <= REDUCTION
+
+
+def test_the_gated_norm_takes_a_prefills_many_rows_several_a_program():
+    """A prefill's (token, head) rows are many and short: a program takes several (`launch.rows_per_program`), the
+    last program only some; z is read through the fused input projection's strides."""
+    device = torch.device(DEVICE)
+    heads, d = 4, 32
+    tokens = 12 * launch.multiprocessors(device) + 5
+    assert launch.rows_per_program(tokens * heads, device) == 8 and (tokens * heads) % 8
+    assert launch.rows_per_program(heads, device) == 1  # a decode row's heads: one a program
+    o, projected, w = randn(tokens, heads, d), randn(tokens, 2 * heads * d + 8), randn(d)
+    z = projected[:, 8:8 + heads * d].view(tokens, heads, d)
+    with poisoned_outputs():
+        got = norm.gated_rms_norm(o, z, w, 1e-6)
+    assert rel(got, norm.gated_rms_norm_reference(o, z, w, 1e-6)) <= REDUCTION
 
 
 def test_conv1d_decode_updates_state_through_slots():
@@ -260,13 +275,15 @@ def test_silu_mul_and_strided_projection_views():
     assert rel(got, conv1d.conv1d_decode_reference(mixed, wc, ref_conv, slots)) <= ELEMENTWISE
 
 
-def test_fused_qk_norm_rope_and_cache_write():
-    T_, nh, nkv, D, rot = 4, 3, 1, 32, 8
+@pytest.mark.parametrize("T_", [4, 45])  # 45: a prefill's, several tokens a program, the last program only some
+def test_fused_qk_norm_rope_and_cache_write(T_):
+    nh, nkv, D, rot = 3, 1, 32, 8
     cos, sin = attention.rope_tables(rot, 1e7, 64, device=DEVICE)
     qkv = randn(T_, (2 * nh + 2 * nkv) * D)
     qn, kn = randn(D) * 0.1, randn(D) * 0.1
-    pos = torch.tensor([0, 9, 33, 63], device=DEVICE)
-    mapping = torch.tensor([3, 17, 40, 2], device=DEVICE)
+    assert DEVICE == "cuda" or launch.rows_per_program(T_ * (nh + nkv), torch.device(DEVICE), 64) == (1 if T_ == 4 else 8)
+    pos = torch.tensor([0, 9, 33, 63], device=DEVICE) if T_ == 4 else torch.randperm(64, device=DEVICE)[:T_]
+    mapping = torch.tensor([3, 17, 40, 2], device=DEVICE) if T_ == 4 else torch.randperm(64, device=DEVICE)[:T_]
     caches = [torch.full((4, 16, nkv, D), float("nan"), device=DEVICE) for _ in range(4)]
     with poisoned_outputs():
         got = attention.qk_norm_rope_cache(qkv, qn, kn, 1e-6, pos, cos, sin, caches[0], caches[1], mapping, nh, nkv)
