@@ -22,9 +22,10 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def rows_per_program(n_rows: int, device: torch.device, most: int = 16) -> int:
-    """Rows of a row-wise kernel a program takes: one while the rows alone give every SM four programs (decode),
-    up to `most` (a power of two) for a prefill's many short rows, which one a program would leave a few elements
-    a thread and tens of thousands of programs."""
+    """Rows of a row-wise kernel a program takes: the largest power of two up to `most` that still leaves every SM
+    four programs (a prefill's many short rows, which one a program would leave a few elements a thread in tens of
+    thousands of programs); one in decode. It doubles with the rows, so prompts of doubling lengths (the warm-up's)
+    meet every value."""
     share = n_rows // (4 * multiprocessors(device))
     return 1 if share < 2 else min(most, 1 << (share.bit_length() - 1))
 

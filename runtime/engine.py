@@ -288,9 +288,11 @@ class AsyncEngine:
     async def _warm_up(self) -> None:
         """Serve requests that reach every shape class and sampler path the server will meet, so each Triton
         kernel is compiled (or loaded from the cache, `devices.backend.kernel_cache_dir`) before the first
-        client waits on it. Token counts: 1, a multiple of 16, others (Triton specialises on both), prompts packed
-        into one step, a prompt chunked across steps; decode at several batch sizes; greedy, top-k, top-p alone,
-        penalties, min_tokens, log-probs; then the whole batch decoding, for the decode steps' times."""
+        client waits on it. Token counts: 1, a multiple of 16, others (Triton specialises on both), prompts of
+        doubling lengths (the row-wise kernels' rows a program, `kernels.launch.rows_per_program`, double with
+        them), prompts packed into one step, a prompt chunked across steps; decode at several batch sizes; greedy,
+        top-k, top-p alone, penalties, min_tokens, log-probs; then the whole batch decoding, for the decode steps'
+        times."""
         started = time.perf_counter()
         longest = self.max_model_len - 4
         chunked = min(self.args.prefill_token_budget + 19, longest)
@@ -301,6 +303,7 @@ class AsyncEngine:
         longer = SamplingParams(temperature=0.0, max_tokens=max(1, min(24, self.max_model_len - 2)), ignore_eos=True)
         waves = [
             [([1], greedy)], [([1] * 16, sampled)], [([1] * 37, nucleus)], [([1] * chunked, greedy)],
+            *[[([1] * n, greedy)] for n in (64, 128, 256, 512, 1024) if n < chunked],
             [([1] * n, greedy) for n in (5, 16, 29, 64)],  # prompts packed into one prefill step
             [([1] * 3, sampled if i % 2 else nucleus) for i in range(min(8, self.replica.plan.max_batch))],
             # The whole batch decoding: the step budget's decode times up to the largest bucket (`seeded`).

@@ -365,7 +365,8 @@ def test_warm_up_serves_every_path_then_leaves_nothing_behind(tiny_ckpt, caplog)
                 assert out.finish_reason in ("stop", "length")
 
     run(main())
-    assert any("warm-up: 32 requests" in r.getMessage() for r in caplog.records)  # 16 + a wave of max_batch
+    # 17 (one prompt of doubling length below the chunked one's 64 + 19 tokens) + a wave of max_batch
+    assert any("warm-up: 33 requests" in r.getMessage() for r in caplog.records)
 
 
 def test_bad_prompts_raise_before_queueing(tiny_ckpt):

@@ -281,7 +281,8 @@ def test_fused_qk_norm_rope_and_cache_write(T_):
     cos, sin = attention.rope_tables(rot, 1e7, 64, device=DEVICE)
     qkv = randn(T_, (2 * nh + 2 * nkv) * D)
     qn, kn = randn(D) * 0.1, randn(D) * 0.1
-    assert DEVICE == "cuda" or launch.rows_per_program(T_ * (nh + nkv), torch.device(DEVICE), 64) == (1 if T_ == 4 else 8)
+    if DEVICE == "cpu":
+        assert launch.rows_per_program(T_ * (nh + nkv), torch.device(DEVICE), 64) == (1 if T_ == 4 else 8)
     pos = torch.tensor([0, 9, 33, 63], device=DEVICE) if T_ == 4 else torch.randperm(64, device=DEVICE)[:T_]
     mapping = torch.tensor([3, 17, 40, 2], device=DEVICE) if T_ == 4 else torch.randperm(64, device=DEVICE)[:T_]
     caches = [torch.full((4, 16, nkv, D), float("nan"), device=DEVICE) for _ in range(4)]
