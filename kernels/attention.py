@@ -206,11 +206,11 @@ def qk_norm_rope_cache(qkv, q_norm, k_norm, eps, positions, cos, sin, k_cache, v
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     out = torch.empty(T, num_heads, D, dtype=qkv.dtype, device=qkv.device)
-    heads = num_heads + num_kv_heads
-    rows = rows_per_program(T * heads, qkv.device, most=max(1, 2048 // _pow2(D)))
+    heads, block = num_heads + num_kv_heads, _pow2(D)
+    rows = rows_per_program(T * heads, block, qkv.device)
     _qk_norm_rope_cache_kernel[(triton.cdiv(T, rows), heads)](
         qkv, q_norm, k_norm, positions, cos, sin, k_cache, v_cache, slot_mapping, out, T, qkv.stride(0),
-        num_heads, num_kv_heads, eps, HALF=cos.shape[1], D=D, BLOCK_D=_pow2(D), ROWS=rows,
+        num_heads, num_kv_heads, eps, HALF=cos.shape[1], D=D, BLOCK_D=block, ROWS=rows,
         **pdl_options(qkv.device, cfg.pdl))
     return out
 

@@ -21,13 +21,13 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def rows_per_program(n_rows: int, device: torch.device, most: int = 16) -> int:
-    """Rows of a row-wise kernel a program takes: the largest power of two up to `most` that still leaves every SM
-    four programs (a prefill's many short rows, which one a program would leave a few elements a thread in tens of
-    thousands of programs); one in decode. It doubles with the rows, so prompts of doubling lengths (the warm-up's)
-    meet every value."""
-    share = n_rows // (4 * multiprocessors(device))
-    return 1 if share < 2 else min(most, 1 << (share.bit_length() - 1))
+def rows_per_program(n_rows: int, block: int, device: torch.device) -> int:
+    """Rows (each padded to `block` elements) a program of a row-wise kernel takes: the largest power of two that
+    keeps a program within 2048 elements and still leaves every SM four programs; one in decode. A prefill's rows
+    are tens of thousands of short ones (a head's 128 or 256 elements), which one a program would leave a few
+    elements a thread. It doubles with the rows, so prompts of doubling lengths (the warm-up's) meet every value."""
+    share, most = n_rows // (4 * multiprocessors(device)), 2048 // block
+    return 1 if share < 2 or most < 2 else min(most, 1 << (share.bit_length() - 1))
 
 
 # The interpreter's tl.dot on bf16 operands returns garbage, so there `_dot_bf16` multiplies the bf16-rounded

@@ -81,7 +81,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_rows, n_cols
 def _rms_norm_launch(x2, res, weight, out, res_out, eps, has_res: bool, cfg: KernelConfig) -> None:
     n_rows, n_cols = x2.shape
     block = _pow2(n_cols)
-    rows = rows_per_program(n_rows, x2.device, most=max(1, 2048 // block))
+    rows = rows_per_program(n_rows, block, x2.device)
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](x2, res, x2 if weight is None else weight, out, res_out, n_rows,
                                                    n_cols, eps, HAS_RES=has_res, HAS_W=weight is not None,
                                                    ROWS=rows, BLOCK=block, **pdl_options(x2.device, cfg.pdl))
@@ -129,11 +129,11 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     if z.stride(-1) != 1:
         z = z.contiguous()
     out = torch.empty_like(o2)
-    n_rows = o2.shape[0]
-    rows = rows_per_program(n_rows, o.device)
+    n_rows, block = o2.shape[0], _pow2(o2.shape[1])
+    rows = rows_per_program(n_rows, block, o.device)
     _gated_rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
-        o2, z, weight, out, n_rows, o2.shape[1], o.shape[1], z.stride(0), z.stride(1), eps, ROWS=rows,
-        BLOCK=_pow2(o2.shape[1]), **pdl_options(o.device, cfg.pdl))
+        o2, z, weight, out, n_rows, o2.shape[1], o.shape[1], z.stride(0), z.stride(1), eps, ROWS=rows, BLOCK=block,
+        **pdl_options(o.device, cfg.pdl))
     return out.view(o.shape)
 
 

@@ -77,8 +77,8 @@ def test_the_gated_norm_takes_a_prefills_many_rows_several_a_program():
     device = torch.device(DEVICE)
     heads, d = 4, 32
     tokens = 12 * launch.multiprocessors(device) + 5
-    assert launch.rows_per_program(tokens * heads, device) == 8 and (tokens * heads) % 8
-    assert launch.rows_per_program(heads, device) == 1  # a decode row's heads: one a program
+    assert launch.rows_per_program(tokens * heads, d, device) == 8 and (tokens * heads) % 8
+    assert launch.rows_per_program(heads, d, device) == 1  # a decode row's heads: one a program
     o, projected, w = randn(tokens, heads, d), randn(tokens, 2 * heads * d + 8), randn(d)
     z = projected[:, 8:8 + heads * d].view(tokens, heads, d)
     with poisoned_outputs():
@@ -282,7 +282,7 @@ def test_fused_qk_norm_rope_and_cache_write(T_):
     qkv = randn(T_, (2 * nh + 2 * nkv) * D)
     qn, kn = randn(D) * 0.1, randn(D) * 0.1
     if DEVICE == "cpu":
-        assert launch.rows_per_program(T_ * (nh + nkv), torch.device(DEVICE), 64) == (1 if T_ == 4 else 8)
+        assert launch.rows_per_program(T_ * (nh + nkv), D, torch.device(DEVICE)) == (1 if T_ == 4 else 8)
     pos = torch.tensor([0, 9, 33, 63], device=DEVICE) if T_ == 4 else torch.randperm(64, device=DEVICE)[:T_]
     mapping = torch.tensor([3, 17, 40, 2], device=DEVICE) if T_ == 4 else torch.randperm(64, device=DEVICE)[:T_]
     caches = [torch.full((4, 16, nkv, D), float("nan"), device=DEVICE) for _ in range(4)]
