@@ -8,9 +8,9 @@
 # after the device set-up of `docs/benchmarks/log/gpu-2026-12-05.md` (nccl4py from a carried wheel, then
 # `pip install --no-deps --no-build-isolation -e .`).
 #
-# tests   the GPU tests of what changed last (graph pools given back by a closed engine, capture_check with mixed
-#         steps, speculation with both graphs a bucket, prefill graphs of packed chunks, no launch waiting for the
-#         device, fused mixed graphs, overlap on/off; TESTS=EXPR picks others); the FP8 ones are fp8's
+# tests   the GPU tests of what changed last (the row-wise kernels taking several rows a program: serving after
+#         the warm-up compiles nothing, capture_check with mixed and speculative steps, fused mixed graphs, prefill
+#         graphs, speculation; TESTS=EXPR picks others); the FP8 ones are fp8's
 # spec    #32: the speculative step against a plain one, with the 27B head's published acceptance emulated, the
 #         drafts reading an FP8 copy of lm_head (the default) and the bf16 one
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
@@ -42,7 +42,7 @@ for stage in ${STAGES//,/ }; do
   case $stage in
     tests)
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -o log_cli=true --log-cli-level=INFO \
-          -k "${TESTS:-graph_pools or capture_check or speculative or prefill_graphs or never_waits or fused_mixed or overlap}" \
+          -k "${TESTS:-warm_up_compiles or capture_check or fused_mixed or prefill_graphs or speculative}" \
           > "$DIR/tests.log" 2>&1
       grep -E "passed|failed|speculation k=|on/off|launches waited|reserved after" "$DIR/tests.log" | tail -12 ;;
     spec)
