@@ -412,9 +412,7 @@ class RankRuntime:
                 prefill = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
                 batch = MixedBatch.of(decode_batch, prefill)
                 if self.state.verify_steps:
-                    following, rows = self._head_inputs(cmd)
-                    longs = upload({"following": following, "rows": rows}, torch.long, self.device)
-                    decode_logits, prefill_logits = self._mixed_with_head(batch, longs["following"], longs["rows"])
+                    decode_logits, prefill_logits = self._mixed_with_head(batch, *self._head_tensors(cmd))
                 else:
                     decode_logits, prefill_logits = self.model.mixed(self.state, batch)
                 decode_draw = self._draw_decode(cmd, decode_logits)
@@ -425,9 +423,7 @@ class RankRuntime:
             else:
                 batch = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
                 if self.state.verify_steps:
-                    following, rows = self._head_inputs(cmd)
-                    longs = upload({"following": following, "rows": rows}, torch.long, self.device)
-                    prefill_logits = self._prefill_with_head(batch, longs["following"], longs["rows"])
+                    prefill_logits = self._prefill_with_head(batch, *self._head_tensors(cmd))
                 else:
                     prefill_logits = self.model.prefill(self.state, batch)
             for slot, snapshot in cmd.save_snapshots:
@@ -467,6 +463,12 @@ class RankRuntime:
             return None, None
         following = [t for p in cmd.prefill for t in p.token_ids[1:] + [p.next_token]]
         return following, [p.slot if p.last else self.state.num_slots for p in cmd.prefill]
+
+    def _head_tensors(self, cmd: StepCommand) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_head_inputs` on the device, for an eager step (a graph's fixed inputs take the lists)."""
+        following, rows = self._head_inputs(cmd)
+        longs = upload({"following": following, "rows": rows}, torch.long, self.device)
+        return longs["following"], longs["rows"]
 
     def _prefill_with_head(self, batch: PrefillBatch, following: torch.Tensor, head_rows: torch.Tensor) -> torch.Tensor:
         """A prefill whose chunks the MTP head also runs over (its KV at every prompt position; a prompt's last
