@@ -558,7 +558,8 @@ class AsyncEngine:
         previous = in_flight = None  # (plan, step, handed over at)
         last_done = 0.0  # a step handed over early starts only once the one before it is done
 
-        async def finish(done) -> None:
+        async def finish(done) -> bool:
+            """Route a step's tokens; True when one of them is a request's first."""
             nonlocal last_done
             done_plan, done_step, handed = done
             result = await done_step
@@ -569,6 +570,7 @@ class AsyncEngine:
             if done_plan.speculate:
                 self._count(done_plan, result)
             self._emit(self._apply(done_plan, result))
+            return any(work.last for work in done_plan.prefill)
 
         try:
             while not self._closing:
@@ -591,8 +593,10 @@ class AsyncEngine:
                         in_flight = None
                     else:
                         self._count(plan)
-                if previous is not None:
-                    await finish(previous)
+                if previous is not None and await finish(previous) and in_flight is not None:
+                    # A first token: its stream writes it now, while the step handed over runs, instead of after
+                    # the next hand-over (rank 0's launch of it holds the loop for up to a millisecond).
+                    await asyncio.sleep(0)
             if in_flight is not None:  # closing: the last step's tokens come before `close` ends the requests
                 self._emit(self._apply(in_flight[0], await in_flight[1]))
                 in_flight = None

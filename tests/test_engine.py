@@ -524,6 +524,39 @@ def test_the_fake_device_server_s_engine_runs_steps_back_to_back_at_its_step_tim
     assert steps >= 20 and elapsed >= 20 * 3e-3
 
 
+def test_a_first_token_reaches_its_stream_before_the_next_hand_over_holds_the_loop():
+    """Overlap scheduling hands step k+2 over right after routing step k's tokens, and a hand-over holds the loop
+    while rank 0 launches (`launch_ms` here). A request's first token must reach its stream before that, while the
+    step already handed over runs: its time to first token is then the prefill's, not the prefill's plus a launch."""
+    from deltaserve.tools.lab.fake_device_server import fake_engine
+
+    launch_s = 0.05
+
+    async def main():
+        engine = await fake_engine(step_ms=100.0, max_batch=2, launch_ms=launch_s * 1e3)
+        try:
+            routed, apply = [], engine._apply
+
+            def timed_apply(plan, result):
+                out = apply(plan, result)
+                if any(work.last for work in plan.prefill):
+                    routed.append(time.perf_counter())
+                return out
+
+            engine._apply = timed_apply
+            stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True, **GREEDY))
+            first = await stream.__anext__()
+            received = time.perf_counter()
+            rest = [out async for out in stream]
+            return routed, received, first, rest
+        finally:
+            await engine.close()
+
+    routed, received, first, rest = run(main())
+    assert len(routed) == 1 and first.num_tokens == 1 and rest[-1].num_tokens == 4
+    assert received - routed[0] < launch_s / 2  # without the yield: at least launch_s later
+
+
 def test_the_fake_device_teaches_the_budget_its_times_and_keeps_to_graph_sizes():
     """Its step budget starts as a GPU engine's warm-up leaves it (each bucket's decode time, a chunk's cost), and
     with graph_tokens its scheduler rounds prompt tokens to a CUDA engine's prefill and mixed graph sizes."""
