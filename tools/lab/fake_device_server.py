@@ -4,7 +4,7 @@ the same machine) adds to a step: TPOT above `--step-ms` at a concurrency, or TT
 
     python -m deltaserve.tools.lab.fake_device_server [--step-ms 7] [--port 8011] [--max-num-seqs 64]
         [--max-model-len 4096] [--step-ms-full BATCH_MS] [--prefill-us-per-token US] [--prefill-ms-fixed MS]
-        [--step-latency-ratio R] [--graph-tokens N]
+        [--step-latency-ratio R] [--graph-tokens N] [--launch-ms MS]
 
 A step takes `--step-ms`; with `--step-ms-full`, a decode step's time grows linearly from `--step-ms` at one row to
 that at `--max-num-seqs` rows, and with `--prefill-us-per-token` a step's prompt tokens add `--prefill-ms-fixed`
@@ -65,14 +65,18 @@ class StepCost:
 
 class FakeDevice:
     """Stands in for the replica's steps: each takes its `StepCost` once the step before it is done, then draws a
-    token for every row (cycling through 50 ids, so the text changes); everything else goes to the real replica."""
+    token for every row (cycling through 50 ids, so the text changes); everything else goes to the real replica.
+    `launch_s`: how long a hand-over holds the caller, as `Replica.start_step` holds the loop while rank 0 launches
+    (about a millisecond a step on a GPU)."""
 
-    def __init__(self, real, cost: StepCost) -> None:
-        self.real, self.cost, self.steps = real, cost, 0
+    def __init__(self, real, cost: StepCost, launch_s: float = 0.0) -> None:
+        self.real, self.cost, self.launch_s, self.steps = real, cost, launch_s, 0
         self._last: asyncio.Future | None = None
         self._free_at = 0.0  # when the device finishes the steps handed over so far (time.perf_counter)
 
     def start_step(self, cmd, overlapped: bool = False):
+        if self.launch_s:
+            time.sleep(self.launch_s)
         # The device's timeline is kept apart from the loop's: a step starts when handed over or when the one before
         # it ends, whichever is later, however late the loop (busy with the host path it measures) notices an end.
         seconds = self.cost.seconds(len(cmd.decode_tokens), sum(len(p.token_ids) for p in cmd.prefill))
@@ -100,7 +104,8 @@ class FakeDevice:
 
 async def fake_engine(step_ms: float, max_batch: int, max_model_len: int = 4096, step_ms_full: float | None = None,
                       prefill_us_per_token: float = 0.0, prefill_ms_fixed: float = 0.0,
-                      step_latency_ratio: float | None = None, graph_tokens: int = 0) -> AsyncEngine:
+                      step_latency_ratio: float | None = None, graph_tokens: int = 0,
+                      launch_ms: float = 0.0) -> AsyncEngine:
     """A started engine on the tiny checkpoint whose replica is a `FakeDevice` (times as `StepCost`'s), its step
     budget taught the modelled times as a GPU engine's warm-up teaches it; with `graph_tokens`, its scheduler keeps
     to a CUDA engine's prefill and mixed graph sizes."""
@@ -120,7 +125,7 @@ async def fake_engine(step_ms: float, max_batch: int, max_model_len: int = 4096,
     await engine.start()
     cost = StepCost(step_ms / 1e3, None if step_ms_full is None else step_ms_full / 1e3, max_batch,
                     prefill_us_per_token / 1e6, prefill_ms_fixed / 1e3)
-    engine.replica = FakeDevice(engine.replica, cost)
+    engine.replica = FakeDevice(engine.replica, cost, launch_ms / 1e3)
     # What a GPU engine's warm-up teaches the step budget before the first request: each bucket's decode step and
     # prefill chunks of two sizes (without it a burst's first mixed steps would carry whole chunks).
     for bucket in engine.scheduler.buckets:
@@ -137,7 +142,8 @@ async def serve_forever(ns) -> None:
     from deltaserve.runtime.server import serve
 
     engine = await fake_engine(ns.step_ms, ns.max_num_seqs, ns.max_model_len, ns.step_ms_full,
-                               ns.prefill_us_per_token, ns.prefill_ms_fixed, ns.step_latency_ratio, ns.graph_tokens)
+                               ns.prefill_us_per_token, ns.prefill_ms_fixed, ns.step_latency_ratio, ns.graph_tokens,
+                               ns.launch_ms)
     await serve(engine, "127.0.0.1", ns.port)
     logging.getLogger(__name__).info("fake device (%.1f ms a step) serving on http://127.0.0.1:%d", ns.step_ms,
                                      ns.port)
@@ -160,6 +166,8 @@ def main(argv=None) -> int:
     parser.add_argument("--graph-tokens", type=int, default=0,
                         help="round steps' prompt tokens to the graph sizes of a CUDA engine with prefill graphs up "
                              "to N tokens and fused mixed steps (0: none, as the CPU engine)")
+    parser.add_argument("--launch-ms", type=float, default=0.0,
+                        help="how long a step's hand-over holds the event loop (rank 0's launch on a GPU: ~1 ms)")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

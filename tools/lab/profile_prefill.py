@@ -7,8 +7,10 @@ Random bf16 weights on a CUDA device, tp = 1, one request at a time through `eng
 its time to first token is one prefill step plus the sampler. Per prompt length: the median TTFT (no profiler),
 then under torch.profiler the kernels per request, their summed GPU time, and the kernels launched most. When
 the GPU time is far below the TTFT and the kernel count is high, the step is launch-bound (host time per launch);
-when they are close, it is the math. `--host-profile N` then prints where rank 0's thread spends a prefill of N
-tokens (cProfile, by own time).
+when they are close, it is the math. The profiled requests' wall time is split into the host's part before
+their first kernel, the GPU's idle time between their kernels, and the host's part after the last. `--timeline`
+prints one request's step launches and token reads on the host clock; `--host-profile N` where rank 0's thread
+spends a prefill of N tokens (cProfile, by own time).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import tempfile
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from deltaserve.kernels.config import DEFAULT, KernelConfig
 from deltaserve.model.synthetic import write_checkpoint
@@ -71,8 +73,10 @@ async def run(ns) -> list[dict]:
                                           for i in range(ns.repeats)])
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for i in range(3):  # the prefix's own requests count too: the timed ones' share is below
-                        await first_token_s(engine, n, 20 + i, ns.prefix)
+                        with record_function("timed request"):
+                            await first_token_s(engine, n, 20 + i, ns.prefix)
                 kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+                timeline = _timeline(prof.events(), kernels)
                 names = collections.Counter(e.name for e in kernels)
                 busy = collections.Counter()
                 for e in kernels:
@@ -81,11 +85,60 @@ async def run(ns) -> list[dict]:
                     "tokens": n, "ttft_ms": ttft * 1e3, "kernels": len(kernels) / 3,
                     "gpu_ms": sum(e.time_range.elapsed_us() for e in kernels) / 3 / 1e3,
                     "top": [(name[:60], count // 3) for name, count in names.most_common(ns.top)],
-                    "busiest": busy.most_common(ns.top),
+                    "busiest": busy.most_common(ns.top), **timeline,
                 })
+            if ns.timeline:
+                print(await request_timeline(engine, lengths[-1], ns))
             if ns.host_profile:
                 print(await host_profile(engine, ns.host_profile))
     return rows
+
+
+def _timeline(events, kernels) -> dict:
+    """Where a request's wall time goes, medians over the profiled requests (us): the host before its first kernel
+    starts, the span of its kernels less their own time (the GPU idle between them), and after its last kernel ends
+    until the token is out."""
+    before, between, after = [], [], []
+    for request in (e for e in events if e.name == "timed request"):
+        start, end = request.time_range.start, request.time_range.end
+        mine = sorted((k.time_range.start, k.time_range.end) for k in kernels if start <= k.time_range.start <= end)
+        if not mine:
+            continue
+        before.append(mine[0][0] - start)
+        after.append(end - max(e for _, e in mine))
+        between.append(max(e for _, e in mine) - mine[0][0] - sum(e - s for s, e in mine))
+    med = statistics.median
+    return {"host_before_us": med(before), "gpu_idle_us": med(between), "host_after_us": med(after)} if before else {}
+
+
+async def request_timeline(engine: AsyncEngine, n: int, ns) -> str:
+    """One request's host events in order, us from its start (no profiler: it slows the host several times over):
+    rank 0's step launches and result reads, and when the engine's loop got each result, so a first token that
+    waits for more than its own step shows where."""
+    runtime = engine.replica.ranks[0].runtime
+    launch, finish, apply = runtime.launch, runtime.finish, engine._apply
+    rows = []
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                rows.append((began, time.perf_counter(), name))
+        return call
+
+    runtime.launch, runtime.finish = timed("rank 0 launches a step", launch), timed("rank 0 reads its tokens", finish)
+    engine._apply = timed("the loop applies a step's tokens", apply)
+    try:
+        for i in range(3):
+            rows.clear()
+            started = time.perf_counter()
+            ttft = await first_token_s(engine, n, 40 + i, ns.prefix)
+    finally:
+        runtime.launch, runtime.finish, engine._apply = launch, finish, apply
+    rows.append((started, started + ttft, "the request, to its first token"))
+    return "\n".join(f"{(a - started) * 1e6:9.0f} {(b - started) * 1e6:9.0f}  {name}" for a, b, name in sorted(rows))
 
 
 async def host_profile(engine: AsyncEngine, n: int) -> str:
@@ -132,6 +185,8 @@ def main(argv=None) -> int:
                         help="an FP8 checkpoint's projections in FP8 (random, block-scaled) on the FP8 kernels")
     parser.add_argument("--enable-prefix-caching", action="store_true",
                         help="with the prefix cache on (every prompt differs: what a miss costs)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="print one request's step launches and result reads (host clock) in time order")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="also profile rank 0's host time in a prefill of N tokens")
     ns = parser.parse_args(argv)
@@ -140,11 +195,14 @@ def main(argv=None) -> int:
         print("profile_prefill needs a CUDA device")
         return 2
     rows = asyncio.run(run(ns))
-    print("| prompt tokens | TTFT ms (engine) | kernels per request | GPU busy ms | GPU / TTFT |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| prompt tokens | TTFT ms (engine) | kernels per request | GPU busy ms | GPU / TTFT | host before / GPU "
+          "idle between kernels / host after, us (profiled) |")
+    print("|---:|---:|---:|---:|---:|---|")
     for r in rows:
+        split = (f"{r['host_before_us']:.0f} / {r['gpu_idle_us']:.0f} / {r['host_after_us']:.0f}"
+                 if "host_before_us" in r else "-")
         print(f"| {r['tokens']} | {r['ttft_ms']:.2f} | {r['kernels']:.0f} | {r['gpu_ms']:.2f} | "
-              f"{r['gpu_ms'] / r['ttft_ms']:.2f} |")
+              f"{r['gpu_ms'] / r['ttft_ms']:.2f} | {split} |")
     for r in rows:
         print(f"\n{r['tokens']} tokens, most launched: " + ", ".join(f"{n} x{c}" for n, c in r["top"]))
         print(f"{r['tokens']} tokens, most GPU time (us a request): "
