@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 # to launch it and the devices waited for the host to hand it over, for reading an ITL tail or a host-bound loop.
 steps_log = logging.getLogger("deltaserve.steps")
 
+# Streams few enough that the loop lets them write a step's tokens before the next hand-off (about 50 us each).
+FEW_STREAMS = 8
 _INLINE_TOKENIZE_CHARS = 16_384  # shorter texts tokenise in well under a millisecond: not worth a thread hop
 
 
@@ -559,7 +561,7 @@ class AsyncEngine:
         last_done = 0.0  # a step handed over early starts only once the one before it is done
 
         async def finish(done) -> bool:
-            """Route a step's tokens; True when one of them is a request's first."""
+            """Route a step's tokens; True when one of them is a request's first and they are few."""
             nonlocal last_done
             done_plan, done_step, handed = done
             result = await done_step
@@ -570,7 +572,8 @@ class AsyncEngine:
             if done_plan.speculate:
                 self._count(done_plan, result)
             self._emit(self._apply(done_plan, result))
-            return any(work.last for work in done_plan.prefill)
+            firsts = sum(work.last for work in done_plan.prefill)
+            return 0 < firsts and firsts + len(done_plan.decode_ids) <= FEW_STREAMS
 
         try:
             while not self._closing:
@@ -595,7 +598,8 @@ class AsyncEngine:
                         self._count(plan)
                 if previous is not None and await finish(previous) and in_flight is not None:
                     # A first token: its stream writes it now, while the step handed over runs, instead of after
-                    # the next hand-over (rank 0's launch of it holds the loop for up to a millisecond).
+                    # the next hand-over (rank 0's launch of it holds the loop for up to a millisecond). Only for
+                    # a few streams: many streams' writes first would delay the hand-over past that step's end.
                     await asyncio.sleep(0)
             if in_flight is not None:  # closing: the last step's tokens come before `close` ends the requests
                 self._emit(self._apply(in_flight[0], await in_flight[1]))
