@@ -296,8 +296,7 @@ class PrefillInputs:
             c.check_pages(ps)
         # Built with array slices (C loops) rather than tensor ops: this runs before a prefill graph can launch,
         # and two dozen small tensor ops took longer than the arrays do.
-        host = {dtype: array(_ARRAY_CODES[dtype], bytes(flat.numel() * flat.element_size()))
-                for dtype, flat in self._flat.items()}
+        host = {dtype: array(_ARRAY_CODES[dtype], [0]) * flat.numel() for dtype, flat in self._flat.items()}
 
         def put(name: str, values) -> None:
             dtype, offset = self._views[name]

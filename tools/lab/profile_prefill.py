@@ -104,9 +104,10 @@ def _timeline(events, kernels) -> dict:
         mine = sorted((k.time_range.start, k.time_range.end) for k in kernels if start <= k.time_range.start <= end)
         if not mine:
             continue
+        last_end = max(e for _, e in mine)
         before.append(mine[0][0] - start)
-        after.append(end - max(e for _, e in mine))
-        between.append(max(e for _, e in mine) - mine[0][0] - sum(e - s for s, e in mine))
+        after.append(end - last_end)
+        between.append(last_end - mine[0][0] - sum(e - s for s, e in mine))
     med = statistics.median
     return {"host_before_us": med(before), "gpu_idle_us": med(between), "host_after_us": med(after)} if before else {}
 
