@@ -4,8 +4,8 @@ reference. A decode step reads half the bytes of a bf16 weight.
 - W8A16 (`linear_w8a16`, every row count): each FP8 tile widened to the activations' dtype in registers, its
   block's scale applied to the partial sums. Up to `DECODE_ROWS` rows (decode) read each weight once, with as
   many loads in flight as the SMs hold: where the column tiles are too few for that (narrow outputs, long K) the
-  K range is split across programs, whose fp32 partial sums a second kernel adds in a fixed order (deterministic,
-  unlike atomics).
+  K range is split across programs, whose fp32 partial sums the last of them adds in a fixed order
+  (`launch.store_split`: deterministic, unlike atomics on the output).
 - W8A8 (`linear_w8a8`, prefill): the activations quantised to FP8 per token and 128 columns (dynamic scales, as
   DeepSeek's and vLLM's block FP8), then FP8 tensor-core dots, both scales applied per K block. Scaling each
   block's dot apart from the accumulator holds it near the bf16 GEMM's rate (H100: 0.7-1.0x cuBLAS bf16), twice
@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from .config import DEFAULT, KernelConfig
-from .launch import _dot_bf16, k_splits, multiprocessors, sum_splits
+from .launch import (_dot_bf16, k_splits, multiprocessors, pdl_options, split_counters, store_split,
+                     wait_for_previous_kernel)
 
 FP8_MAX = 448.0  # the largest finite e4m3 value
 
@@ -100,13 +101,14 @@ def linear_w8a8_reference(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, x_row_stride, scale_cols,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr,
-                  FP32: tl.constexpr, PARTIAL: tl.constexpr):
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counters_ptr, M, N, K, k_per_split, x_row_stride,
+                  scale_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  QBLOCK: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = sum over K tiles of (x tile . widened w tile) * scale[n // QBLOCK, k // QBLOCK]; a K tile lies
     inside one quantisation block (QBLOCK a multiple of BLOCK_K), so each column has one scale per tile. Program
-    (i, j, s) sums the K range [s * k_per_split, (s + 1) * k_per_split) (whole QBLOCKs); PARTIAL: into fp32
-    out[s, m, n], which `launch.sum_splits` adds up."""
+    (i, j, s) sums the K range [s * k_per_split, (s + 1) * k_per_split) (whole QBLOCKs); SPLIT (one row tile):
+    through fp32 partial [splits, M, N] (`launch.store_split`)."""
+    wait_for_previous_kernel(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,10 +133,33 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, x_row_stri
         acc += part * s[None, :]
     out_mask = m_live[:, None] & n_live[None, :]
     at = rm.to(tl.int64)[:, None] * N + rn[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + pid_k.to(tl.int64) * M * N + at, acc, mask=out_mask)
+    if SPLIT:
+        store_split(acc, partial_ptr, out_ptr, counters_ptr, at, out_mask, M * N, pid_k, tl.num_programs(2), pid_n)
     else:
         tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _w8a16_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, scale_cols, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       QBLOCK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
+    """out [N] = x @ (w * scale).t() for one row x, on the CUDA cores, as the bf16 `gemv._gemv_kernel`: BLOCK_N
+    rows a program, all in one QBLOCK row block (BLOCK_N divides QBLOCK), so each column has one scale a program:
+    x times its columns' scales once a tile, then one FMA a widened weight; reduced once, at the end."""
+    wait_for_previous_kernel(PDL)
+    n0 = tl.program_id(0) * BLOCK_N
+    ns = n0 + tl.arange(0, BLOCK_N)
+    nmask = ns < N
+    w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
+    s_row = s_ptr + (n0 // QBLOCK) * scale_cols
+    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        wmask = nmask[:, None] if EVEN_K else nmask[:, None] & kmask[None, :]
+        xs = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32) * \
+            tl.load(s_row + ks // QBLOCK, mask=kmask, other=0.0)
+        acc += tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32) * xs[None, :]
+    tl.store(out_ptr + ns, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 def decode_tiles(m: int, n: int, k: int, block: int, programs: int, block_n: int = 32) -> tuple[int, int, int]:
@@ -158,6 +183,17 @@ def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 1 and cfg.fp8_gemv_tile is not None:
+        block_n, block_k, warps, stages = cfg.fp8_gemv_tile
+        if weight.block % block_n:
+            raise ValueError(f"fp8_gemv_tile's {block_n} rows a program must divide the {weight.block}-row blocks")
+        while K % block_k and block_k > 128:  # unmasked tiles where K allows (an FP8 lm_head's 2560: 512)
+            block_k //= 2
+        _w8a16_gemv_kernel[(triton.cdiv(N, block_n),)](
+            x, weight.values, weight.scale, out, N, K, weight.scale.shape[1], BLOCK_N=block_n, BLOCK_K=block_k,
+            QBLOCK=weight.block, EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages,
+            **pdl_options(x.device, cfg.pdl))
+        return out
     block_k = min(128, weight.block)
     common = dict(BLOCK_K=block_k, QBLOCK=weight.block, FP32=x.dtype == torch.float32)
     if M <= DECODE_ROWS:
@@ -165,15 +201,18 @@ def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT
         block_n, per_sm, warps, stages = cfg.fp8_decode_tile if M <= cfg.fp8_few_rows else \
             cfg.fp8_decode_many_rows_tile
         block_n, splits, per_split = decode_tiles(M, N, K, weight.block, per_sm * multiprocessors(x.device), block_n)
-        target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-        _w8a16_kernel[(1, triton.cdiv(N, block_n), splits)](
-            x, weight.values, weight.scale, target, M, N, K, per_split, x.stride(0), weight.scale.shape[1],
-            BLOCK_M=block_m, BLOCK_N=block_n, PARTIAL=splits > 1, **common, num_warps=warps, num_stages=stages)
-        return sum_splits(target, out) if splits > 1 else out
+        tiles = triton.cdiv(N, block_n)
+        partial, counters = (out, out) if splits == 1 else (
+            torch.empty(splits, M, N, dtype=torch.float32, device=x.device), split_counters(x.device, tiles))
+        _w8a16_kernel[(1, tiles, splits)](
+            x, weight.values, weight.scale, out, partial, counters, M, N, K, per_split, x.stride(0),
+            weight.scale.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, **common, num_warps=warps,
+            num_stages=stages, **pdl_options(x.device, cfg.pdl))
+        return out
     block_m, block_n, warps, stages = cfg.fp8_w8a16_tile
     _w8a16_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n), 1)](
-        x, weight.values, weight.scale, out, M, N, K, K, x.stride(0), weight.scale.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, PARTIAL=False, **common, num_warps=warps, num_stages=stages)
+        x, weight.values, weight.scale, out, out, out, M, N, K, K, x.stride(0), weight.scale.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=False, **common, num_warps=warps, num_stages=stages)
     return out
 
 

@@ -11,7 +11,8 @@ import triton.language as tl
 
 from . import fp8
 from .config import DEFAULT, KernelConfig, Tile, WholeRows
-from .launch import _dot_bf16, k_splits, multiprocessors, pdl_options, sum_splits, wait_for_previous_kernel
+from .launch import (_dot_bf16, k_splits, multiprocessors, pdl_options, split_counters, store_split,
+                     wait_for_previous_kernel)
 from .norm import add_rms_norm, add_rms_norm_reference, silu_mul, silu_mul_reference
 
 
@@ -153,12 +154,12 @@ def few_rows_takes(x: torch.Tensor, weight: torch.Tensor, cfg: KernelConfig) -> 
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled variant for every row count
-def _few_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, x_stride, up_rows, SILU_MUL: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     IEEE: tl.constexpr, PARTIAL: tl.constexpr, PDL: tl.constexpr = False):
+def _few_rows_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counters_ptr, M, N, K, k_per_split, x_stride, up_rows,
+                     SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """out [M, N] = x [M, K] @ w.t() for M <= BLOCK_M, as out.t() = w @ x.t(): BLOCK_N weight rows a program, the
     accumulator [BLOCK_N, BLOCK_M]. Program (j, s) sums K in [s * k_per_split, (s + 1) * k_per_split), whole
-    BLOCK_K tiles when EVEN_K; PARTIAL: into fp32 out [s, M, N], which `launch.sum_splits` adds up. IEEE: fp32
+    BLOCK_K tiles when EVEN_K; SPLIT: through fp32 partial [splits, M, N] (`launch.store_split`). IEEE: fp32
     operands multiplied in fp32 (an fp32 model's products)."""
     wait_for_previous_kernel(PDL)
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -187,9 +188,9 @@ def _few_rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, x_stride, up_r
                 acc_up = tl.dot(u, xt, acc_up, input_precision="ieee")
             else:
                 acc_up = _dot_bf16(u, xt, acc_up)
-    if PARTIAL:
-        at = tl.program_id(1).to(tl.int64) * M * N + ms[None, :] * N + ns[:, None]
-        tl.store(out_ptr + at, acc, mask=nmask[:, None] & mmask[None, :])
+    if SPLIT:
+        store_split(acc, partial_ptr, out_ptr, counters_ptr, ms[None, :] * N + ns[:, None],
+                    nmask[:, None] & mmask[None, :], M * N, tl.program_id(1), tl.num_programs(1), tl.program_id(0))
         return
     y = acc.to(out_ptr.dtype.element_ty)
     if SILU_MUL:  # rounded to the model dtype first, as the unfused projection's output is
@@ -213,12 +214,14 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul_rows: int = 0, cfg:
     splits, per_split = (1, K) if silu_mul_rows or not cfg.few_rows_split_programs else k_splits(
         triton.cdiv(N, block_n), K, block_k, cfg.few_rows_split_programs * multiprocessors(x.device))
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    _few_rows_kernel[(triton.cdiv(N, block_n), splits)](
-        x, weight, target, M, N, K, per_split, x.stride(0), silu_mul_rows, SILU_MUL=silu_mul_rows > 0, BLOCK_M=16,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32,
-        PARTIAL=splits > 1, num_warps=warps, num_stages=stages, **pdl_options(x.device, cfg.pdl))
-    return sum_splits(target, out) if splits > 1 else out
+    tiles = triton.cdiv(N, block_n)
+    partial, counters = (out, out) if splits == 1 else (
+        torch.empty(splits, M, N, dtype=torch.float32, device=x.device), split_counters(x.device, tiles))
+    _few_rows_kernel[(tiles, splits)](
+        x, weight, out, partial, counters, M, N, K, per_split, x.stride(0), silu_mul_rows, SILU_MUL=silu_mul_rows > 0,
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32,
+        SPLIT=splits > 1, num_warps=warps, num_stages=stages, **pdl_options(x.device, cfg.pdl))
+    return out
 
 
 def linear(x: torch.Tensor, weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:

@@ -75,8 +75,14 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
 
 
 # Split-K for projections of few rows: a narrow output (few column tiles) over a long K leaves most SMs idle and
-# each program streaming its tile's K serially, so the K range is split across programs. Their fp32 partial sums
-# are added by `sum_splits` in a fixed order (deterministic, unlike atomics).
+# each program streaming its tile's K serially, so the K range is split across programs. Each writes its fp32
+# partial sum; the last program of a column tile to finish adds them in split order (deterministic, unlike
+# atomics on the output) and writes the tile: no second kernel, whose launch boundary cost about as much as its
+# work. Programs count their arrivals in a counter a tile, which the last one resets to zero. The counters are
+# one set a device: a device's projections run one after another (one stream a rank; with PDL a kernel waits
+# for the previous one before it touches them).
+
+SPLIT_COUNTERS = 1 << 14  # column tiles a split projection may have
 
 
 def k_splits(tiles: int, k: int, block: int, programs: int) -> tuple[int, int]:
@@ -88,19 +94,32 @@ def k_splits(tiles: int, k: int, block: int, programs: int) -> tuple[int, int]:
     return triton.cdiv(k, per_split), per_split
 
 
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's zeroed arrival counters, made on its first split projection: eagerly, as a graph capture is
+    always preceded by eager runs of its program."""
+    if tiles > SPLIT_COUNTERS:
+        raise ValueError(f"a split projection of {tiles} column tiles exceeds the {SPLIT_COUNTERS} counters")
+    counters = _counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split projections need an eager run on the device before a graph capture")
+        counters = _counters[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return counters
+
+
 @triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """out = the SPLITS fp32 partial sums [SPLITS, size] added in order, in out's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < size
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLITS):
-        acc += tl.load(partial_ptr + s * size + offs, mask=live, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=live)
-
-
-def sum_splits(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (contiguous) = partial [splits, *out.shape] (fp32) summed over its first axis, in order."""
-    _sum_splits_kernel[(triton.cdiv(out.numel(), 1024),)](partial, out, out.numel(), SPLITS=partial.shape[0],
-                                                           BLOCK=1024)
-    return out
+def store_split(acc, partial_ptr, out_ptr, counters_ptr, offsets, mask, size, split, splits, tile):
+    """A split program's end: its fp32 partial sum `acc` into partial[split] ([splits, size], at `offsets`); the
+    last program of column tile `tile` to arrive adds the partials in split order into out (its dtype)."""
+    tl.store(partial_ptr + split.to(tl.int64) * size + offsets, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial stored before the (one-thread, releasing) arrival
+    arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == splits - 1:
+        total = tl.zeros_like(acc)
+        for s in range(0, splits):
+            total += tl.load(partial_ptr + s * size + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counters_ptr + tile, 0)

@@ -149,15 +149,16 @@ class Qwen35Shard:
     def _gdn_inputs(self, x: torch.Tensor, residual: torch.Tensor | None, p: str):
         """Views of the fused [qkv | z | b | a] projection, and the new residual."""
         w, ops = self.w, self.ops
+        C, hv = self.local.gdn_conv_dim, self.local.gdn_value_heads
+        vd = hv * self.cfg.linear_value_head_dim
         ba = w.get(p + "linear_attn.in_proj_ba.weight")
         if ba is None:
             y, residual = self._input_projection(x, residual, p, "linear_attn.in_proj_all.weight")
-        else:  # an FP8 [qkv | z] and the bf16 [b | a]: two projections of one add-and-norm
+            mixed, z, b, a = y.split([C, vd, hv, hv], dim=1)
+        else:  # an FP8 [qkv | z] and the bf16 [b | a]: two projections of one add-and-norm (the ops read views)
             normed, residual = ops.add_rms_norm(x, residual, w[p + "input_layernorm.weight"], self.cfg.rms_norm_eps)
-            y = torch.cat([ops.linear(normed, w[p + "linear_attn.in_proj_all.weight"]), ops.linear(normed, ba)], dim=1)
-        C, hv = self.local.gdn_conv_dim, self.local.gdn_value_heads
-        vd = hv * self.cfg.linear_value_head_dim
-        mixed, z, b, a = y.split([C, vd, hv, hv], dim=1)
+            mixed, z = ops.linear(normed, w[p + "linear_attn.in_proj_all.weight"]).split([C, vd], dim=1)
+            b, a = ops.linear(normed, ba).split([hv, hv], dim=1)
         return mixed, z, a, b, residual
 
     def _gdn_output(self, o: torch.Tensor, z: torch.Tensor, p: str) -> torch.Tensor:

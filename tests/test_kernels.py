@@ -461,11 +461,11 @@ def test_few_row_projections_and_their_routing(m, n, k, splits, monkeypatch):
     """The few-row kernel against the reference, alone and with silu(gate) * up: whole and ragged K tiles and
     output rows, in fp32 and in bf16 (its products are exact; only the sum's order differs). A narrow output over
     a long K splits K across programs (the interpreter's device counts 4 SMs: 16 programs aimed at); silu(gate) * up
-    never does, as its epilogue needs whole sums."""
+    never does, as its epilogue needs whole sums. The last program of a column tile adds the splits' partial sums
+    and leaves its arrival counter at zero for the next projection."""
     tile = Tile(16, 128, 4, 1)
     summed = []
-    monkeypatch.setattr(gemv, "sum_splits", lambda partial, out: summed.append(partial.shape[0]) or
-                        launch.sum_splits(partial, out))
+    monkeypatch.setattr(gemv, "k_splits", lambda *a: summed.append(launch.k_splits(*a)[0]) or launch.k_splits(*a))
     for dtype, limit in ((torch.float32, REDUCTION), (torch.bfloat16, 1e-2)):
         x, w = randn(m, k, dtype=dtype), (randn(2 * n, k) * 0.1).to(dtype)
         strided = torch.cat([x, x], dim=1)[:, :k]
@@ -477,7 +477,8 @@ def test_few_row_projections_and_their_routing(m, n, k, splits, monkeypatch):
         assert rel(got, ref) <= limit and rel(got_strided, ref) <= limit and rel(unsplit, ref) <= limit, dtype
         # bf16: gate and up rounded, then their product: a few bf16 steps of the largest output
         assert rel(act, norm.silu_mul_reference(ref.to(dtype))) <= (3e-2 if dtype == torch.bfloat16 else limit)
-    assert summed == ([] if splits == 1 else [splits] * 4)  # the two dtypes' plain and strided calls
+    assert summed == [splits] * 4  # the two dtypes' plain and strided calls
+    assert all(not counters.any() for counters in launch._counters.values())
     monkeypatch.undo()
     with pytest.raises(ValueError, match="1 to 16"):
         gemv.few_rows(randn(17, k), w.float())
@@ -702,6 +703,24 @@ def test_the_w8a16_projection_equals_its_reference(rows, dtype):
     out = fp8.linear_w8a16(x, weight)
     assert out.dtype == dtype and out.shape == (rows, 200)
     assert rel(out.float(), ref.float()) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("tile", [Tile(2, 256, 2, 2), Tile(8, 128, 4, 1), Tile(128, 512, 4, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_row_fp8_gemv_equals_its_reference(tile, dtype):
+    """The CUDA-core one-row FP8 GEMV (`KernelConfig.fp8_gemv_tile`): a program's rows in one 128-row block, K
+    not a multiple of the tile or the blocks (masked), N not of the tile's rows; a tile whose rows straddle two
+    blocks is refused."""
+    from deltaserve.kernels import fp8
+
+    weight, g = _fp8_weight(200, 700, tile.block_n)
+    x = torch.randn(1, 700, generator=g).to(DEVICE, dtype)
+    with poisoned_outputs():
+        out = fp8.linear_w8a16(x, weight, KernelConfig(fp8_gemv_tile=tile))
+    assert out.dtype == dtype and out.shape == (1, 200)
+    assert rel(out.float(), fp8.linear_reference(x, weight).float()) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    with pytest.raises(ValueError, match="fp8_gemv_tile"):
+        fp8.linear_w8a16(x, weight, KernelConfig(fp8_gemv_tile=Tile(96, 128, 4, 1)))
 
 
 @pytest.mark.parametrize("shape", [(1, 5120, 17408), (8, 5120, 6144), (1, 34816, 5120), (4, 200, 700), (1, 64, 128)])

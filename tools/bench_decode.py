@@ -14,8 +14,10 @@ column is what users get: the time per decode step of `rows` concurrent greedy r
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import logging
 import math
@@ -229,6 +231,8 @@ def add_engine_args(parser: argparse.ArgumentParser, batches: str) -> None:
     parser.add_argument("--few-rows", type=int, default=None, metavar="N",
                         help="projections of 2 to N rows by the few-row kernel, 0: cuBLAS (default "
                         f"{DEFAULT.few_rows})")
+    parser.add_argument("--kernel", action="append", default=[], metavar="FIELD=VALUE",
+                        help="any KernelConfig field, VALUE a Python literal (a tile as a tuple, None); repeatable")
 
 
 def kernel_config(ns) -> KernelConfig:
@@ -238,6 +242,15 @@ def kernel_config(ns) -> KernelConfig:
                if getattr(ns, flag, None) is not None}
     if getattr(ns, "few_rows", None) is not None:
         changes["few_rows"] = ns.few_rows
+    fields = {f.name: f for f in dataclasses.fields(KernelConfig)}
+    for item in getattr(ns, "kernel", []):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--kernel: KernelConfig has no field {name!r}")
+        parsed = ast.literal_eval(value)
+        default = getattr(DEFAULT, name)
+        changes[name] = type(default)(*parsed) if isinstance(default, tuple) and hasattr(default, "_fields") \
+            and parsed is not None else parsed
     return KernelConfig(**changes)
 
 

@@ -21,15 +21,16 @@ import triton.language as tl
 from deltaserve.kernels import gemv
 from deltaserve.kernels.config import DEFAULT
 from deltaserve.kernels.gemv import whole_row_spans
-from deltaserve.kernels.launch import k_splits, multiprocessors, sum_splits
+from deltaserve.kernels.launch import k_splits, multiprocessors, split_counters, store_split
 from deltaserve.model.config import ModelConfig
 from deltaserve.tools.bench_kernels import ceilings, graph_time_per_call, projection_shapes
 from deltaserve.model.synthetic import text_config
 
 
 @triton.jit
-def _fma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, x_stride, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, LATE: tl.constexpr, PARTIAL: tl.constexpr):
+def _fma_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counters_ptr, M, N, K, k_per_split, x_stride,
+                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LATE: tl.constexpr,
+                SPLIT: tl.constexpr):
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ms = tl.arange(0, ROWS)
     nmask, mmask = ns < N, ms < M
@@ -53,8 +54,9 @@ def _fma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, x_stride, ROWS: tl.
     if LATE:
         acc = tl.sum(acc3, axis=2)
     omask = nmask[:, None] & mmask[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * M * N + ms[None, :] * N + ns[:, None], acc, mask=omask)
+    if SPLIT:
+        store_split(acc, partial_ptr, out_ptr, counters_ptr, ms[None, :] * N + ns[:, None], omask, M * N,
+                    tl.program_id(1), tl.num_programs(1), tl.program_id(0))
     else:
         tl.store(out_ptr + ms[None, :] * N + ns[:, None], acc.to(out_ptr.dtype.element_ty), mask=omask)
 
@@ -83,11 +85,13 @@ def fma(x, weight, block_n, block_k, warps, stages, late=False, split_programs=4
     splits, per_split = (1, K) if not split_programs else k_splits(
         triton.cdiv(N, block_n), K, block_k, split_programs * multiprocessors(x.device))
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    target = out if splits == 1 else torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    _fma_kernel[(triton.cdiv(N, block_n), splits)](x, weight, target, M, N, K, per_split, x.stride(0), ROWS=rows,
-                                                    BLOCK_N=block_n, BLOCK_K=block_k, LATE=late, PARTIAL=splits > 1,
-                                                    num_warps=warps, num_stages=stages)
-    return sum_splits(target, out) if splits > 1 else out
+    tiles = triton.cdiv(N, block_n)
+    partial, counters = (out, out) if splits == 1 else (
+        torch.empty(splits, M, N, dtype=torch.float32, device=x.device), split_counters(x.device, tiles))
+    _fma_kernel[(tiles, splits)](x, weight, out, partial, counters, M, N, K, per_split, x.stride(0), ROWS=rows,
+                                 BLOCK_N=block_n, BLOCK_K=block_k, LATE=late, SPLIT=splits > 1, num_warps=warps,
+                                 num_stages=stages)
+    return out
 
 
 def whole(x, weight, rows, warps):
