@@ -1,8 +1,6 @@
 """Block-scaled FP8 weights kept in FP8 (`Fp8Weight`) and the projections that read them, each beside its torch
 reference. A decode step reads half the bytes of a bf16 weight.
 
-- One row (batch-1 decode, `gemv`): a CUDA-core GEMV, each weight widened and multiplied with the activation
-  already scaled by its column's block scale; silu(gate) * up in the MLP's epilogue.
 - W8A16 (`linear_w8a16`, every row count): each FP8 tile widened to the activations' dtype in registers, its
   block's scale applied to the partial sums. Up to `DECODE_ROWS` rows (decode) read each weight once, with as
   many loads in flight as the SMs hold: where the column tiles are too few for that (narrow outputs, long K) the
@@ -142,63 +140,26 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counters_ptr, M, N,
 
 
 @triton.jit
-def _w8a16_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, scale_cols, up_rows, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
-                       PDL: tl.constexpr = False):
+def _w8a16_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, scale_cols, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       QBLOCK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
     """out [N] = x @ (w * scale).t() for one row x, on the CUDA cores, as the bf16 `gemv._gemv_kernel`: BLOCK_N
     rows a program, all in one QBLOCK row block (BLOCK_N divides QBLOCK), so each column has one scale a program:
-    x times its columns' scales once a tile, then one FMA a widened weight; reduced once, at the end. SILU_MUL:
-    out = silu(that) * (the same for w's rows up_rows on; up_rows a multiple of QBLOCK), the MLP's activation."""
+    x times its columns' scales once a tile, then one FMA a widened weight; reduced once, at the end."""
     wait_for_previous_kernel(PDL)
     n0 = tl.program_id(0) * BLOCK_N
     ns = n0 + tl.arange(0, BLOCK_N)
     nmask = ns < N
     w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
-    u_rows = w_rows + up_rows.to(tl.int64) * K
     s_row = s_ptr + (n0 // QBLOCK) * scale_cols
-    su_row = s_row + (up_rows // QBLOCK) * scale_cols
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
         wmask = nmask[:, None] if EVEN_K else nmask[:, None] & kmask[None, :]
-        x = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)
-        xs = x * tl.load(s_row + ks // QBLOCK, mask=kmask, other=0.0)
+        xs = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32) * \
+            tl.load(s_row + ks // QBLOCK, mask=kmask, other=0.0)
         acc += tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32) * xs[None, :]
-        if SILU_MUL:
-            xu = x * tl.load(su_row + ks // QBLOCK, mask=kmask, other=0.0)
-            acc_up += tl.load(u_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32) * xu[None, :]
-    y = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)
-    if SILU_MUL:  # rounded to the model dtype first, as the unfused projection's output is
-        g = y.to(tl.float32)
-        up = tl.sum(acc_up, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g)) * up).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + ns, y, mask=nmask)
-
-
-def gemv_takes(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig, silu_mul_rows: int = 0) -> bool:
-    """Whether one row x goes to the CUDA-core GEMV (`KernelConfig.fp8_gemv_tile`); with silu_mul_rows, whether
-    the up rows start on a block boundary, so each program's up rows share one row of scales too."""
-    return x.shape[0] == 1 and cfg.fp8_gemv_tile is not None and silu_mul_rows % weight.block == 0
-
-
-def gemv(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT, silu_mul_rows: int = 0) -> torch.Tensor:
-    """One row x [1, K] @ weight^T on the CUDA-core GEMV. With silu_mul_rows = I, weight is a fused [gate | up]
-    of 2I rows and the output is silu(gate) * up, [1, I]."""
-    K = x.shape[1]
-    N = silu_mul_rows or weight.shape[0]
-    block_n, block_k, warps, stages = cfg.fp8_gemv_tile
-    if weight.block % block_n:
-        raise ValueError(f"fp8_gemv_tile's {block_n} rows a program must divide the {weight.block}-row blocks")
-    while K % block_k and block_k > 128:  # unmasked tiles where K allows (an FP8 lm_head's 2560: 512)
-        block_k //= 2
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    _w8a16_gemv_kernel[(triton.cdiv(N, block_n),)](
-        x.contiguous(), weight.values, weight.scale, out, N, K, weight.scale.shape[1], silu_mul_rows,
-        BLOCK_N=block_n, BLOCK_K=block_k, QBLOCK=weight.block, EVEN_K=K % block_k == 0, SILU_MUL=silu_mul_rows > 0,
-        num_warps=warps, num_stages=stages, **pdl_options(x.device, cfg.pdl))
-    return out
+    tl.store(out_ptr + ns, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 def decode_tiles(m: int, n: int, k: int, block: int, programs: int, block_n: int = 32) -> tuple[int, int, int]:
@@ -214,17 +175,25 @@ DECODE_ROWS = 64  # up to this many rows (decode batches, verify steps) a projec
 
 
 def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
-    """x [T, K] @ weight^T on the W8A16 kernels, in x's dtype. One row: the CUDA-core `gemv` where
-    `KernelConfig.fp8_gemv_tile` is set; up to DECODE_ROWS rows (decode): every row in one row tile,
-    `decode_tiles` after `KernelConfig.fp8_decode_tile`; more rows: the prefill tile of
+    """x [T, K] @ weight^T on the W8A16 kernel, in x's dtype. Up to DECODE_ROWS rows (decode): every row in one
+    row tile, `decode_tiles` after `KernelConfig.fp8_decode_tile`; more rows: the prefill tile of
     `KernelConfig.fp8_w8a16_tile`."""
     M, K = x.shape
     N = weight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if gemv_takes(x, weight, cfg):
-        return gemv(x, weight, cfg)
+    if M == 1 and cfg.fp8_gemv_tile is not None:
+        block_n, block_k, warps, stages = cfg.fp8_gemv_tile
+        if weight.block % block_n:
+            raise ValueError(f"fp8_gemv_tile's {block_n} rows a program must divide the {weight.block}-row blocks")
+        while K % block_k and block_k > 128:  # unmasked tiles where K allows (an FP8 lm_head's 2560: 512)
+            block_k //= 2
+        _w8a16_gemv_kernel[(triton.cdiv(N, block_n),)](
+            x, weight.values, weight.scale, out, N, K, weight.scale.shape[1], BLOCK_N=block_n, BLOCK_K=block_k,
+            QBLOCK=weight.block, EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages,
+            **pdl_options(x.device, cfg.pdl))
+        return out
     block_k = min(128, weight.block)
     common = dict(BLOCK_K=block_k, QBLOCK=weight.block, FP32=x.dtype == torch.float32)
     if M <= DECODE_ROWS:

@@ -410,9 +410,6 @@ def add_rms_norm_gate_up(x, residual, norm_weight, eps: float, gate_up, cfg: Ker
     if _fuses_norm(x, cfg) and not isinstance(gate_up, fp8.Fp8Weight):
         return norm_gemv(x, residual, norm_weight, eps, gate_up, silu_mul_rows=gate_up.shape[0] // 2, cfg=cfg)
     normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)
-    inner = gate_up.shape[0] // 2
     if few_rows_takes(normed, gate_up, cfg):
-        return few_rows(normed, gate_up, inner, cfg), residual
-    if isinstance(gate_up, fp8.Fp8Weight) and fp8.gemv_takes(normed, gate_up, cfg, inner):
-        return fp8.gemv(normed, gate_up, cfg, inner), residual
+        return few_rows(normed, gate_up, gate_up.shape[0] // 2, cfg), residual
     return silu_mul(linear(normed, gate_up, cfg), cfg), residual

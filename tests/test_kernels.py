@@ -723,28 +723,6 @@ def test_the_one_row_fp8_gemv_equals_its_reference(tile, dtype):
         fp8.linear_w8a16(x, weight, KernelConfig(fp8_gemv_tile=Tile(96, 128, 4, 1)))
 
 
-def test_the_one_row_fp8_gemv_applies_silu_mul_in_its_epilogue(monkeypatch):
-    """An FP8 [gate | up] whose up rows start on a block boundary: the MLP's input goes through the GEMV with
-    silu(gate) * up in its epilogue (the gate and up sums rounded to the model dtype first, as unfused); up rows
-    that start inside a block stay unfused."""
-    from deltaserve.kernels import fp8
-
-    epilogues = []
-    gemv_of = fp8.gemv
-    monkeypatch.setattr(fp8, "gemv", lambda x, w, cfg, silu_mul_rows=0: epilogues.append(silu_mul_rows) or
-                        gemv_of(x, w, cfg, silu_mul_rows))
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # bf16 add-and-norm gives NaN interpreted
-    for inner in (128, 100):
-        weight, g = _fp8_weight(2 * inner, 300, inner)
-        x, res = (torch.randn(1, 300, generator=g).to(DEVICE, dtype) for _ in range(2))
-        with poisoned_outputs():
-            act, new_res = gemv.add_rms_norm_gate_up(x, res, None, 1e-6, weight)
-        ref, ref_res = gemv.add_rms_norm_gate_up_reference(x, res, None, 1e-6, weight)
-        limit = 3e-2 if dtype == torch.bfloat16 else REDUCTION
-        assert act.shape == (1, inner) and rel(act, ref) <= limit and rel(new_res, ref_res) <= ELEMENTWISE
-    assert epilogues == [128, 0]  # 100 up rows start inside a block: the plain GEMV, then silu_mul
-
-
 @pytest.mark.parametrize("shape", [(1, 5120, 17408), (8, 5120, 6144), (1, 34816, 5120), (4, 200, 700), (1, 64, 128)])
 def test_w8a16_decode_splits_cover_k_in_whole_blocks(shape):
     from deltaserve.kernels import fp8
