@@ -74,8 +74,8 @@ class KernelConfig:
     fp8_decode_tile: tuple[int, int, int, int] = (32, 4, 4, 3)
     # One row (batch-1 decode, a draft's FP8 lm_head): the CUDA-core GEMV (`fp8._w8a16_gemv_kernel`; BLOCK_N
     # divides the 128-row blocks, BLOCK_K halves until it divides K) instead of the tensor-core tile above, which
-    # it beat on every 9B and 27B projection (H100, `tools/lab/fp8_sweep.py`): the 9B batch-1 step 4.07 -> 3.74
-    # ms, the 27B's 11.59 -> 11.41. None: the tile above.
+    # it beat on every 9B and 27B projection (H100, `tools/lab/fp8_sweep.py`): the 9B batch-1 step 4.09 -> 3.68
+    # ms, the 27B's 11.61 -> 11.17. None: the tile above.
     fp8_gemv_tile: Tile | None = Tile(8, 1024, 4, 2)
     # Above `fp8_few_rows` rows (batch-32 and batch-64 steps) every column tile rereads all rows' activations, which
     # wider tiles share out: BLOCK_N 128 was the fastest at 64 rows on every 27B projection (H100, `fp8_sweep

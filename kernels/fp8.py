@@ -1,6 +1,8 @@
 """Block-scaled FP8 weights kept in FP8 (`Fp8Weight`) and the projections that read them, each beside its torch
 reference. A decode step reads half the bytes of a bf16 weight.
 
+- One row (batch-1 decode, a draft's FP8 lm_head; `KernelConfig.fp8_gemv_tile`): a CUDA-core GEMV, each weight
+  widened and multiplied with the activation already scaled by its column's block scale.
 - W8A16 (`linear_w8a16`, every row count): each FP8 tile widened to the activations' dtype in registers, its
   block's scale applied to the partial sums. Up to `DECODE_ROWS` rows (decode) read each weight once, with as
   many loads in flight as the SMs hold: where the column tiles are too few for that (narrow outputs, long K) the
@@ -175,8 +177,9 @@ DECODE_ROWS = 64  # up to this many rows (decode batches, verify steps) a projec
 
 
 def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
-    """x [T, K] @ weight^T on the W8A16 kernel, in x's dtype. Up to DECODE_ROWS rows (decode): every row in one
-    row tile, `decode_tiles` after `KernelConfig.fp8_decode_tile`; more rows: the prefill tile of
+    """x [T, K] @ weight^T on the W8A16 kernels, in x's dtype. One row: the CUDA-core GEMV where
+    `KernelConfig.fp8_gemv_tile` is set; up to DECODE_ROWS rows (decode): every row in one row tile,
+    `decode_tiles` after `KernelConfig.fp8_decode_tile`; more rows: the prefill tile of
     `KernelConfig.fp8_w8a16_tile`."""
     M, K = x.shape
     N = weight.shape[0]
