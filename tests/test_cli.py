@@ -294,3 +294,21 @@ def test_access_log_and_stats_lines(tiny_ckpt, caplog):
                for line in access), access
     stats = [r.getMessage() for r in caplog.records if "generation" in r.getMessage() and "tok/s" in r.getMessage()]
     assert stats and "KV pages" in stats[0], stats
+
+
+def test_the_benchmarks_kernel_flag_sets_any_kernel_config_field():
+    """`bench_decode --kernel FIELD=VALUE` (also profile_decode's): a tuple becomes the field's tile type, None
+    switches a kernel off, and an unknown field ends the run naming it."""
+    import argparse
+
+    from deltaserve.kernels.config import Tile
+    from deltaserve.tools.bench_decode import add_engine_args, kernel_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, "1")
+    cfg = kernel_config(parser.parse_args(["--kernel", "few_rows_tile=(16, 256, 4, 3)", "--kernel",
+                                           "fp8_gemv_tile=None", "--kernel", "few_rows=8", "--pdl", "off"]))
+    assert cfg.few_rows_tile == Tile(16, 256, 4, 3) and isinstance(cfg.few_rows_tile, Tile)
+    assert cfg.fp8_gemv_tile is None and cfg.few_rows == 8 and not cfg.pdl
+    with pytest.raises(SystemExit, match="no field 'few_row'"):
+        kernel_config(parser.parse_args(["--kernel", "few_row=8"]))
