@@ -79,10 +79,10 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
 # partial sum; the last program of a column tile to finish adds them in split order (deterministic, unlike
 # atomics on the output) and writes the tile: no second kernel, whose launch boundary cost about as much as its
 # work. Programs count their arrivals in a counter a tile, which the last one resets to zero. The counters are
-# one set a device: a device's projections run one after another (one stream a rank; with PDL a kernel waits
-# for the previous one before it touches them).
+# one set a stream: a stream's kernels run one after another (with PDL a kernel waits for the previous one
+# before it touches them), while two streams (two engines on one device) may run theirs at once.
 
-SPLIT_COUNTERS = 1 << 14  # column tiles a split projection may have
+SPLIT_COUNTERS = 1 << 12  # column tiles a split projection may have (fewer than the programs it aims at)
 
 
 def k_splits(tiles: int, k: int, block: int, programs: int) -> tuple[int, int]:
@@ -94,19 +94,20 @@ def k_splits(tiles: int, k: int, block: int, programs: int) -> tuple[int, int]:
     return triton.cdiv(k, per_split), per_split
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The device's zeroed arrival counters, made on its first split projection: eagerly, as a graph capture is
-    always preceded by eager runs of its program."""
+    """The current stream's zeroed arrival counters, made by its first split projection: eagerly, as a graph is
+    captured on a stream that ran its program eagerly first (the engine's rank stream)."""
     if tiles > SPLIT_COUNTERS:
         raise ValueError(f"a split projection of {tiles} column tiles exceeds the {SPLIT_COUNTERS} counters")
-    counters = _counters.get(device)
+    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
+    counters = _counters.get(key)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split projections need an eager run on the device before a graph capture")
-        counters = _counters[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+            raise RuntimeError("a split projection is captured on a stream that has not run one eagerly")
+        counters = _counters[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
     return counters
 
 
