@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .config import DEFAULT, KernelConfig
-from .launch import (_dot_bf16, k_splits, multiprocessors, pdl_options, split_counters, store_split,
+from .launch import (_dot_bf16, k_splits, multiprocessors, pdl_options, split_buffers, store_split,
                      wait_for_previous_kernel)
 
 FP8_MAX = 448.0  # the largest finite e4m3 value
@@ -205,8 +205,7 @@ def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT
             cfg.fp8_decode_many_rows_tile
         block_n, splits, per_split = decode_tiles(M, N, K, weight.block, per_sm * multiprocessors(x.device), block_n)
         tiles = triton.cdiv(N, block_n)
-        partial, counters = (out, out) if splits == 1 else (
-            torch.empty(splits, M, N, dtype=torch.float32, device=x.device), split_counters(x.device, tiles))
+        partial, counters = split_buffers(out, splits, tiles)
         _w8a16_kernel[(1, tiles, splits)](
             x, weight.values, weight.scale, out, partial, counters, M, N, K, per_split, x.stride(0),
             weight.scale.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, **common, num_warps=warps,

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from . import fp8
 from .config import DEFAULT, KernelConfig, Tile, WholeRows
-from .launch import (_dot_bf16, k_splits, multiprocessors, pdl_options, split_counters, store_split,
+from .launch import (_dot_bf16, k_splits, multiprocessors, pdl_options, split_buffers, store_split,
                      wait_for_previous_kernel)
 from .norm import add_rms_norm, add_rms_norm_reference, silu_mul, silu_mul_reference
 
@@ -215,8 +215,7 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul_rows: int = 0, cfg:
         triton.cdiv(N, block_n), K, block_k, cfg.few_rows_split_programs * multiprocessors(x.device))
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(N, block_n)
-    partial, counters = (out, out) if splits == 1 else (
-        torch.empty(splits, M, N, dtype=torch.float32, device=x.device), split_counters(x.device, tiles))
+    partial, counters = split_buffers(out, splits, tiles)
     _few_rows_kernel[(tiles, splits)](
         x, weight, out, partial, counters, M, N, K, per_split, x.stride(0), silu_mul_rows, SILU_MUL=silu_mul_rows > 0,
         BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32,

@@ -97,7 +97,17 @@ def k_splits(tiles: int, k: int, block: int, programs: int) -> tuple[int, int]:
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+def split_buffers(out: torch.Tensor, splits: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, counters) of a projection into `out` [M, N] whose K range `splits` programs share in each of its
+    `tiles` column tiles: the fp32 partial sums [splits, M, N] and the stream's arrival counters (`store_split`);
+    unsplit, `out` for both (the kernel touches neither)."""
+    if splits == 1:
+        return out, out
+    return (torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device),
+            _split_counters(out.device, tiles))
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """The current stream's zeroed arrival counters, made by its first split projection: eagerly, as a graph is
     captured on a stream that ran its program eagerly first (the engine's rank stream)."""
     if tiles > SPLIT_COUNTERS:

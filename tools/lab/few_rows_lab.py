@@ -21,7 +21,7 @@ import triton.language as tl
 from deltaserve.kernels import gemv
 from deltaserve.kernels.config import DEFAULT
 from deltaserve.kernels.gemv import whole_row_spans
-from deltaserve.kernels.launch import k_splits, multiprocessors, split_counters, store_split
+from deltaserve.kernels.launch import k_splits, multiprocessors, split_buffers, store_split
 from deltaserve.model.config import ModelConfig
 from deltaserve.tools.bench_kernels import ceilings, graph_time_per_call, projection_shapes
 from deltaserve.model.synthetic import text_config
@@ -86,8 +86,7 @@ def fma(x, weight, block_n, block_k, warps, stages, late=False, split_programs=4
         triton.cdiv(N, block_n), K, block_k, split_programs * multiprocessors(x.device))
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(N, block_n)
-    partial, counters = (out, out) if splits == 1 else (
-        torch.empty(splits, M, N, dtype=torch.float32, device=x.device), split_counters(x.device, tiles))
+    partial, counters = split_buffers(out, splits, tiles)
     _fma_kernel[(tiles, splits)](x, weight, out, partial, counters, M, N, K, per_split, x.stride(0), ROWS=rows,
                                  BLOCK_N=block_n, BLOCK_K=block_k, LATE=late, SPLIT=splits > 1, num_warps=warps,
                                  num_stages=stages)
