@@ -581,16 +581,21 @@ class RankRuntime:
         it the token drawn at its own position (`drawn`: the free rows' k positions after the first, in order). A
         draft of one token kept or dropped on whether it equals an independent draw from the target's distribution
         is exactly that distribution's rejection sampling. With an emulated acceptance (benchmarks), draft j is
-        kept with its probability instead."""
+        kept, after draft j - 1 was, with the ratio of their per-position rates: so in its rate's share of the
+        steps."""
         free, drafted = speculation
         k = drafted.shape[1]
         more: list[list[SampledToken]] = [[] for _ in first]
         drafted = drafted.tolist()
         coin = random.Random(step_seed)
+        rates = (1.0, *self.acceptance) if self.acceptance else ()
         for n, i in enumerate(free):
             previous = first[i].token
             for j in range(k):
-                kept = coin.random() < self.acceptance[j] if self.acceptance else previous == drafted[i][j]
+                if self.acceptance:
+                    kept = coin.random() * rates[j] < rates[j + 1]  # P(kept | draft j - 1 kept) = r_j / r_(j-1)
+                else:
+                    kept = previous == drafted[i][j]
                 if not kept:
                     break
                 token = drawn[n * k + j]

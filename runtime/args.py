@@ -75,9 +75,10 @@ class EngineArgs:
     # Tests and benchmarks: drafts proposed on the host, (prompt ids, output ids so far, k) -> k token ids, in place
     # of the head's (which still runs). None: the head's.
     speculative_drafter: Callable[[list[int], list[int], int], list[int]] | None = None
-    # Benchmarks: keep draft j with probability acceptance[j] (given the drafts before it kept) instead of when it
-    # equals the token drawn: a trained head's acceptance, emulated on random weights. Outputs are then not the
-    # model's; only the cost of the steps is.
+    # Benchmarks: a trained head's acceptance, emulated on random weights: draft j is kept in a share acceptance[j]
+    # of the steps (its per-position acceptance rate, as vLLM's metrics and our /metrics report it; so the rates
+    # never rise with j), instead of when it equals the token drawn. Outputs are then not the model's; only the
+    # cost of the steps is.
     speculative_acceptance: tuple[float, ...] | None = None
     warmup: bool | None = None  # serve warm-up requests before "engine ready" (None: on cuda, to compile kernels)
     stats_interval_s: float = 10.0  # a throughput and usage log line this often while busy (0: never)
@@ -139,9 +140,11 @@ class EngineArgs:
         if self.speculative_acceptance is not None:
             values = tuple(self.speculative_acceptance)
             if len(values) != self.speculative_tokens or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1 for v in values):
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1 for v in values) or \
+                    any(later > earlier for earlier, later in zip(values, values[1:])):
                 raise ValueError(f"speculative_acceptance must hold speculative_tokens ({self.speculative_tokens}) "
-                                 f"probabilities in [0, 1], got {self.speculative_acceptance!r}")
+                                 f"per-position rates in [0, 1], none above the one before (a draft is kept only "
+                                 f"after the ones before it), got {self.speculative_acceptance!r}")
             self.speculative_acceptance = tuple(float(v) for v in values)
         if self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be positive")

@@ -158,8 +158,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="with speculation: each batch size speculates only while its steps are measured to "
                              "give tokens faster than one-token steps (--no-speculative-adaptive: always)")
     parser.add_argument("--speculative-acceptance", type=_probabilities, metavar="P1,P2,...", default=None,
-                        help="benchmarks only: keep draft j with probability Pj instead of when it equals the drawn "
-                             "token, emulating a trained head on random weights (outputs are not the model's)")
+                        help="benchmarks only: keep draft j in a share Pj of the steps (per-position acceptance "
+                             "rates, as /metrics reports them) instead of when it equals the drawn token, emulating "
+                             "a trained head on random weights (outputs are not the model's)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                         help="skip the start-up warm-up requests that compile every kernel (cuda) before serving")
     parser.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=defaults.seed,

@@ -337,6 +337,33 @@ def test_an_emulated_acceptance_keeps_the_drafts_it_says(tiny_tp_ckpt):
     assert [len(ids) for ids, _, _ in outs] == [7 + 5 * i for i in range(len(outs))]
     with pytest.raises(ValueError, match="speculative_acceptance must hold speculative_tokens \\(3\\)"):
         EngineArgs(speculative_tokens=3, speculative_acceptance=(0.5, 0.5))
+    with pytest.raises(ValueError, match="none above the one before"):
+        EngineArgs(speculative_tokens=2, speculative_acceptance=(0.5, 0.6))
+
+
+def test_an_emulated_acceptance_is_what_the_metrics_report_per_position(tiny_tp_ckpt):
+    """A published profile is per-position rates (the share of steps whose draft j is kept, as vLLM's metrics
+    and ours count them): emulated, the engine's per-position counters give it back, and a step keeps 1 + the
+    rates' sum tokens on average (kept only after the one before, draft 4 would be kept 0.27 of the time)."""
+    rates = (0.92, 0.84, 0.65, 0.54)
+    params = lambda i: SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)  # noqa: E731
+
+    async def main():
+        args = EngineArgs(model=tiny_tp_ckpt, max_model_len=512, max_batch=4, cpu_memory_bytes=96 << 20,
+                          speculative_tokens=4, speculative_acceptance=rates, speculative_adaptive=False)
+        async with AsyncEngine(args) as engine:
+            async def one(ids):
+                async for _ in engine.generate(ids, params(0)):
+                    pass
+            await asyncio.gather(*[one(ids) for ids in _prompts()[:4]])
+            m = engine.metrics
+            steps = m.spec_drafts._value.get() / 4
+            return steps, [m.spec_accepted_at.labels(str(j))._value.get() / steps for j in range(4)]
+
+    steps, measured = asyncio.run(main())
+    assert steps >= 100
+    for want, got in zip(rates, measured):
+        assert abs(got - want) <= 0.08, (measured, rates)
 
 
 def test_steps_above_the_speculative_batch_limit_decode_one_token_and_hand_over_cleanly(tiny_tp_ckpt, plain_greedy):

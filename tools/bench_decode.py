@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import datetime
 import logging
-import math
 import sys
 import tempfile
 import time
@@ -132,7 +131,7 @@ async def speculative_run(ns) -> str:
     drafts are all but never accepted, so a speculative step yields one token: the ratio is what verifying K + 1
     tokens a row (and drafting) costs over a one-token step. `--acceptance P1,...` emulates a trained head's
     acceptance (`EngineArgs.speculative_acceptance`): the TPOT column is then what such a head gives, beside the
-    step time over the expected tokens a step (1 + P1 + P1 P2 + ...)."""
+    step time over the expected tokens a step (1 + P1 + ... + PK: the Pj are per-position rates)."""
     batches = [int(b) for b in ns.batches.split(",")]
     steps, kept, tpot = {}, {}, {}
     acceptance = tuple(float(p) for p in ns.acceptance.split(",")) if ns.acceptance else None
@@ -151,7 +150,7 @@ async def speculative_run(ns) -> str:
                 steps[rows, k], kept[rows, k] = per_token * tokens_per_step, tokens_per_step
                 tpot[rows, k] = per_token
     k = ns.speculative_tokens
-    expected = 1.0 + sum(math.prod(acceptance[: n + 1]) for n in range(len(acceptance or ())))
+    expected = 1.0 + sum(acceptance or ())
     source = f"emulated {ns.acceptance}" if acceptance else "the random head's"
     lines = [f"{ns.size} ({ns.layers or 'all'} layers), tp={ns.tp}, bf16, context {ns.context}, random weights; "
              f"engine step through generate, greedy; acceptance {source}"
