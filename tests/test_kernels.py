@@ -117,8 +117,9 @@ def test_conv1d_prefill_continues_each_request_from_its_slot():
     assert torch.equal(state, ref_state)  # new states written exactly; slot 3 and trash untouched
 
 
-@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 16), (2, 2, 32, 16), (1, 3, 16, 48)])
-def test_gdn_decode(hk, hv, dk, dv):
+@pytest.mark.parametrize("hk,hv,dk,dv,block_v", [(2, 4, 16, 16, 64), (2, 2, 32, 16, 64), (1, 3, 16, 48, 64),
+                                                 (1, 3, 16, 48, 32)])  # dv over two blocks, the second partial
+def test_gdn_decode(hk, hv, dk, dv, block_v):
     N, S = 4, 5
     C = 2 * hk * dk + hv * dv
     mixed, a, b = randn(N, C), randn(N, hv), randn(N, hv)
@@ -127,7 +128,7 @@ def test_gdn_decode(hk, hv, dk, dv):
     slots = torch.tensor([4, 0, -1, 2], device=DEVICE)
     ref_state = state.clone()
     with poisoned_outputs():
-        got = gdn.gdn_decode(mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv)
+        got = gdn.gdn_decode(mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv, block_v=block_v)
     ref = gdn.gdn_decode_reference(mixed, a, b, A_log, dt_bias, ref_state, slots, hk, dk, dv)
     assert rel(got, ref) <= REDUCTION
     assert rel(state[:S], ref_state[:S]) <= REDUCTION
@@ -154,8 +155,8 @@ def test_conv1d_verify_keeps_the_state_after_each_token(T, K):
 
 
 @pytest.mark.parametrize("T", [2, 4])
-@pytest.mark.parametrize("hk,hv,dk,dv", [(2, 4, 16, 16), (1, 3, 16, 48)])
-def test_gdn_verify_keeps_the_state_after_each_token(T, hk, hv, dk, dv):
+@pytest.mark.parametrize("hk,hv,dk,dv,block_v", [(2, 4, 16, 16, 64), (1, 3, 16, 48, 64), (1, 3, 16, 48, 32)])
+def test_gdn_verify_keeps_the_state_after_each_token(T, hk, hv, dk, dv, block_v):
     R, S = 3, 5
     C = 2 * hk * dk + hv * dv
     mixed = randn(R * T, C)
@@ -167,7 +168,7 @@ def test_gdn_verify_keeps_the_state_after_each_token(T, hk, hv, dk, dv):
     kept = torch.tensor([T - 1, 1, T], device=DEVICE)  # row 0 starts from its last step's state, row 2 from its slot
     ref_state, ref_steps = state.clone(), steps.clone()
     with poisoned_outputs():
-        got = gdn.gdn_verify(mixed, a, b, A_log, dt_bias, state, steps, slots, kept, T, hk, dk, dv)
+        got = gdn.gdn_verify(mixed, a, b, A_log, dt_bias, state, steps, slots, kept, T, hk, dk, dv, block_v=block_v)
     ref = gdn.gdn_verify_reference(mixed, a, b, A_log, dt_bias, ref_state, ref_steps, slots, kept, T, hk, dk, dv)
     assert rel(got, ref) <= REDUCTION
     assert rel(state[:S], ref_state[:S]) <= REDUCTION and rel(steps[:S], ref_steps[:S]) <= REDUCTION

@@ -324,10 +324,23 @@ def decode_gdn(rows, memory_row, sweeps, mixed, a, b, A_log, dt_bias, state, slo
     t_ours = memory_row("gdn_decode (fused)", f"batch {N}, Hv {hv}", lambda: gdn.gdn_decode(
         mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv), state_bytes, "(state traffic; target 80%)")
 
-    for block_v in (16, 32, 64) if "decode" in sweeps else ():  # the sweep behind the default (64, 4 warps)
+    # The sweep behind the default (64, 4 warps), at batch 64, then at batch 1 and a verify step's five tokens
+    # at batch 1 (the state read once, written five times).
+    one = state_bytes // N
+    for block_v in (16, 32, 64) if "decode" in sweeps else ():
         for warps in (2, 4, 8):
             memory_row(f"gdn_decode block_v={block_v} warps={warps}", f"batch {N}", lambda: gdn.gdn_decode(
                 mixed, a, b, A_log, dt_bias, state, slots, hk, dk, dv, block_v=block_v, num_warps=warps), state_bytes)
+    for block_v in (16, 32, 64) if "decode" in sweeps else (64,):
+        memory_row(f"gdn_decode block_v={block_v}", "batch 1", lambda: gdn.gdn_decode(
+            mixed[:1], a[:1], b[:1], A_log, dt_bias, state, slots[:1], hk, dk, dv, block_v=block_v), one)
+    T = 5
+    steps = torch.zeros(state.shape[0], T - 1, hv, dk, dv, device=mixed.device)
+    kept = torch.full((1,), T, device=mixed.device, dtype=torch.long)
+    for block_v in (16, 32, 64) if "decode" in sweeps else (64,):
+        memory_row(f"gdn_verify block_v={block_v}", f"batch 1, {T} tokens", lambda: gdn.gdn_verify(
+            mixed[:T], a[:T], b[:T], A_log, dt_bias, state, steps, slots[:1], kept, T, hk, dk, dv, block_v=block_v),
+            one // 2 * (1 + T))
 
     memory_row("conv1d_decode", f"batch {N}, C {C}", lambda: conv1d.conv1d_decode(mixed, wc, conv_state, slots),
                N * C * 2 * (3 * 2 + 2))
