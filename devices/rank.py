@@ -371,7 +371,10 @@ class RankRuntime:
             self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
             if self.speculation:
                 self.speculation.fill(cmd, self.state.verify_steps + 1)
-        chunks = [PrefillChunk(p.token_ids, p.start, p.slot, p.pages) for p in cmd.prefill]
+        # A prompt a snapshot holds whole (`PrefixCache.match`) has no tokens to compute: its first token's logits
+        # come from the hidden state restored with the snapshot.
+        computed = [p for p in cmd.prefill if p.token_ids]
+        chunks = [PrefillChunk(p.token_ids, p.start, p.slot, p.pages) for p in computed]
         # Fused: one forward for the decode rows and the chunks (never speculative), replayed from a mixed graph;
         # eager only on a device without graphs (eager, its launches would cost more than the second weight pass
         # they save). A step no mixed graph fits runs apart.
@@ -403,37 +406,42 @@ class RankRuntime:
                 raise SlotProtocolError(f"rank {self.rank}: page copy {src} -> {dst} is outside the pages")
             self.state.copy_page(src, dst)
         if cmd.prefill:
+            prefill_logits = None  # at each computed chunk's last token
             if mixed_bucket is not None:
                 self._reset_fresh_slots(chunks)
-                self.prefill_inputs.fill(chunks, mixed_bucket[1], *self._head_inputs(cmd))
+                self.prefill_inputs.fill(chunks, mixed_bucket[1], *self._head_inputs(computed))
                 decode_logits, prefill_logits = self.mixed_graphs(mixed_bucket)  # as a prefill graph's rows
                 decode_draw = self._draw_decode(cmd, decode_logits)
             elif fused:
                 prefill = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
                 batch = MixedBatch.of(decode_batch, prefill)
                 if self.state.verify_steps:
-                    decode_logits, prefill_logits = self._mixed_with_head(batch, *self._head_tensors(cmd))
+                    decode_logits, prefill_logits = self._mixed_with_head(batch, *self._head_tensors(computed))
                 else:
                     decode_logits, prefill_logits = self.model.mixed(self.state, batch)
                 decode_draw = self._draw_decode(cmd, decode_logits)
-            elif bucket := self._prefill_bucket(chunks):
+            elif chunks and (bucket := self._prefill_bucket(chunks)):
                 self._reset_fresh_slots(chunks)
-                self.prefill_inputs.fill(chunks, bucket, *self._head_inputs(cmd))
+                self.prefill_inputs.fill(chunks, bucket, *self._head_inputs(computed))
                 prefill_logits = self.prefill_graphs(bucket)  # row i is chunk i's, the rest the padding's
-            else:
+            elif chunks:
                 batch = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
                 if self.state.verify_steps:
-                    prefill_logits = self._prefill_with_head(batch, *self._head_tensors(cmd))
+                    prefill_logits = self._prefill_with_head(batch, *self._head_tensors(computed))
                 else:
                     prefill_logits = self.model.prefill(self.state, batch)
             for slot, snapshot in cmd.save_snapshots:
                 self._check_request_slot(slot)
                 self.state.copy_slot(slot, self.state.snapshot_slot(snapshot))
+            resumed = [p.slot for p in cmd.prefill if not p.token_ids]
+            if resumed and self.state.verify_steps:  # what their first drafts start from
+                rows = upload({"rows": resumed}, torch.long, self.device)["rows"]
+                self.state.verify_hidden[rows, 0] = self.state.last_hidden[rows]
             last = [i for i, p in enumerate(cmd.prefill) if p.last]
             if self.sampling and last:
                 # A prompt's last chunk draws the request's first token (token index 0).
                 setup = self.sampling.prepare([cmd.prefill[i].slot for i in last], [0] * len(last), cmd.step_seed)
-                prefill_draw = self.sampling.draw(select_rows(prefill_logits, last), setup)
+                prefill_draw = self.sampling.draw(self._first_token_logits(cmd, last, prefill_logits), setup)
         if clock is not None:
             clock.stop()
         if queued:
@@ -454,19 +462,37 @@ class RankRuntime:
         return self.sampling.draw(logits[:n], self.sampling.prepare(list(range(n)), cmd.decode_token_index,
                                                                      cmd.step_seed))
 
+    def _first_token_logits(self, cmd: StepCommand, last: list[int], computed_logits) -> torch.Tensor:
+        """The logits of the prompts that end in this step (`last`: their indices in `cmd.prefill`), in that
+        order: a computed chunk's row of `computed_logits`, a resumed prompt's from its restored hidden state."""
+        row, resumed = {}, []
+        for i, p in enumerate(cmd.prefill):
+            if p.token_ids:
+                row[i] = len(row)
+            elif p.last:
+                resumed.append(i)
+        if not resumed:
+            return select_rows(computed_logits, [row[i] for i in last])
+        slots = upload({"slots": [cmd.prefill[i].slot for i in resumed]}, torch.long, self.device)["slots"]
+        logits = self.model.logits(self.state.last_hidden[slots])
+        if computed_logits is not None:
+            logits = torch.cat([select_rows(computed_logits, list(range(len(row)))), logits])
+        at = {i: len(row) + j for j, i in enumerate(resumed)} | row
+        return select_rows(logits, [at[i] for i in last])
+
     # Speculative decoding (k drafts a row) -----------------------------------------------------------------------
-    def _head_inputs(self, cmd: StepCommand) -> tuple[list[int] | None, list[int] | None]:
-        """A speculative engine's prefill: each chunk token's following token (the prompt's, 0 after its last),
-        and the verify-pool row each chunk's last hidden state goes to (the trash row unless it ends its prompt).
-        (None, None) without speculation."""
+    def _head_inputs(self, chunks: list) -> tuple[list[int] | None, list[int] | None]:
+        """A speculative engine's prefill of these `PrefillCommand`s: each chunk token's following token (the
+        prompt's, 0 after its last), and the verify-pool row each chunk's last hidden state goes to (the trash row
+        unless it ends its prompt). (None, None) without speculation."""
         if not self.state.verify_steps:
             return None, None
-        following = [t for p in cmd.prefill for t in p.token_ids[1:] + [p.next_token]]
-        return following, [p.slot if p.last else self.state.num_slots for p in cmd.prefill]
+        following = [t for p in chunks for t in p.token_ids[1:] + [p.next_token]]
+        return following, [p.slot if p.last else self.state.num_slots for p in chunks]
 
-    def _head_tensors(self, cmd: StepCommand) -> tuple[torch.Tensor, torch.Tensor]:
+    def _head_tensors(self, chunks: list) -> tuple[torch.Tensor, torch.Tensor]:
         """`_head_inputs` on the device, for an eager step (a graph's fixed inputs take the lists)."""
-        following, rows = self._head_inputs(cmd)
+        following, rows = self._head_inputs(chunks)
         longs = upload({"following": following, "rows": rows}, torch.long, self.device)
         return longs["following"], longs["rows"]
 

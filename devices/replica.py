@@ -158,7 +158,7 @@ class Replica:
         self.plan = plan_capacity(
             free_bytes=min(free),
             bytes_per_slot=self.sizes.bytes_per_request_slot,
-            bytes_per_snapshot=self.sizes.bytes_per_slot,
+            bytes_per_snapshot=self.sizes.bytes_per_snapshot,
             bytes_per_page=self.sizes.kv_bytes_per_page,
             page_size=self.sizes.page_size,
             max_model_len=spec.max_model_len + spec.speculative_tokens,  # a verify step writes k past the end
@@ -195,7 +195,7 @@ class Replica:
                      "reserves each request's prompt + max_tokens)", full_length, spec.max_model_len)
         if snapshot_bytes:
             log.info("prefix cache: %d state snapshots per rank (%.2f GiB)", self.plan.snapshots,
-                     self.plan.snapshots * self.sizes.bytes_per_slot / 2**30)
+                     self.plan.snapshots * self.sizes.bytes_per_snapshot / 2**30)
         await self.group.call(self._allocate, timeout_s=3600)
         if self._graphs:
             started = time.perf_counter()

@@ -290,10 +290,13 @@ class Qwen35Shard:
 
     @torch.inference_mode()
     def prefill_hidden(self, state: ModelState, batch: PrefillBatch) -> torch.Tensor:
-        """Run packed chunks; the final-normed hidden state of every token, [T, H]."""
+        """Run packed chunks; the final-normed hidden state of every token, [T, H]. Each chunk's last one is kept
+        with its slot's state (`ModelState.last_hidden`)."""
         if batch.fresh_slots.numel():
             state.reset_slots(batch.fresh_slots)
-        return self._run(batch.input_ids, state, batch)
+        hidden = self._run(batch.input_ids, state, batch)
+        state.last_hidden[batch.slots] = hidden[batch.last_token]
+        return hidden
 
     @torch.inference_mode()
     def verify_hidden(self, state: ModelState, batch: VerifyBatch) -> torch.Tensor:
@@ -314,7 +317,9 @@ class Qwen35Shard:
         row, then of every chunk token, [N + T, H]."""
         if batch.prefill.fresh_slots.numel():
             state.reset_slots(batch.prefill.fresh_slots)
-        return self._run(batch.input_ids, state, batch)
+        hidden = self._run(batch.input_ids, state, batch)
+        state.last_hidden[batch.prefill.slots] = hidden[batch.prefill.last_token + batch.decode_rows]
+        return hidden
 
     @torch.inference_mode()
     def mixed(self, state: ModelState, batch: MixedBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,15 +26,20 @@ class StateSizes:
     kv_bytes_per_page: int
     page_size: int
     verify_bytes_per_slot: int = 0  # speculative decoding: the verify-step pools, hidden states and drafts
+    hidden_bytes_per_slot: int = 0  # the hidden state of the last prompt token the slot's state consumed
 
     @property
     def bytes_per_slot(self) -> int:
-        """A snapshot's bytes, and a request slot's without speculation."""
+        """The GDN state a decode step reads and writes for a row."""
         return self.conv_bytes_per_slot + self.ssm_bytes_per_slot
 
     @property
+    def bytes_per_snapshot(self) -> int:
+        return self.bytes_per_slot + self.hidden_bytes_per_slot
+
+    @property
     def bytes_per_request_slot(self) -> int:
-        return self.bytes_per_slot + self.verify_bytes_per_slot
+        return self.bytes_per_snapshot + self.verify_bytes_per_slot
 
     @classmethod
     def of(cls, cfg: ModelConfig, local: LocalSizes, dtype: torch.dtype, page_size: int = PAGE_SIZE,
@@ -48,7 +53,7 @@ class StateSizes:
         kv = n_attn * 2 * page_size * local.num_kv_heads * cfg.head_dim * elem
         k = speculative_tokens
         verify = k * (conv + ssm) + (k + 1) * cfg.hidden_size * elem + k * 8 if k else 0
-        return cls(conv, ssm, kv, page_size, verify)
+        return cls(conv, ssm, kv, page_size, verify, cfg.hidden_size * elem)
 
 
 class ModelState:
@@ -83,6 +88,10 @@ class ModelState:
             n_gdn, entries, local.gdn_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
             dtype=torch.float32, device=device,
         )
+        # The final-normed hidden state of the last prompt token each entry's state consumed in a prefill (a decode
+        # step leaves it stale): a prompt whose every token a snapshot holds takes its first token's logits from
+        # the snapshot's, with no forward (`PrefixCache.match`).
+        self.last_hidden = torch.zeros(entries, cfg.hidden_size, dtype=dtype, device=device)
         # Speculative decoding, per request slot (and a trash entry last): the GDN state after each of the last
         # verify step's first k tokens (after its last one, it is the slot's own), what the step drafts from (that
         # step's k + 1 final-normed hidden states) and the k tokens drafted for the next one.
@@ -112,9 +121,10 @@ class ModelState:
         self.ssm[:, slot].zero_()
 
     def copy_slot(self, src: int, dst: int) -> None:
-        """Copy one slot's GDN state to another, device to device."""
+        """Copy one slot's GDN state (and last prompt hidden state) to another, device to device."""
         self.conv[:, dst].copy_(self.conv[:, src])
         self.ssm[:, dst].copy_(self.ssm[:, src])
+        self.last_hidden[dst].copy_(self.last_hidden[src])
 
     def snapshot_slot(self, index: int) -> int:
         if not 0 <= index < self.num_snapshots:
@@ -155,7 +165,7 @@ class ModelState:
             self.drafts[dst].copy_(self.drafts[src])
 
     def nbytes(self) -> int:
-        pools = [self.conv, self.ssm, self.k_cache, self.v_cache] + (
+        pools = [self.conv, self.ssm, self.last_hidden, self.k_cache, self.v_cache] + (
             [self.conv_steps, self.ssm_steps, self.verify_hidden, self.drafts] if self.verify_steps else [])
         return sum(t.numel() * t.element_size() for t in pools)
 

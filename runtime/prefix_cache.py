@@ -12,7 +12,9 @@ and the GDN and conv state after exactly that prefix (the recurrence cannot be r
   anchor) and the tokens from there (its tail, shorter than a page). A snapshot whose position is not
   page-aligned holds the page with its tail's KV, which a request resuming from it copies into a page of its own.
 - A prompt's usable prefix is the longest one with both: its full pages cached and a snapshot at its end, at
-  most the prompt less one token (the last prompt token's logits are what the request samples first).
+  most the prompt less one token (the last prompt token's logits are what the request samples first), or the
+  whole prompt where a prefill's snapshot at its end also kept that token's hidden state (`Snapshot.logits`):
+  the request then computes only lm_head over it (a repeated prompt, best-of-n sent as separate requests).
 
 Plain Python, no torch: the scheduler decides, the ranks copy (`devices.commands`).
 """
@@ -129,6 +131,7 @@ class Snapshot:
     tail: tuple[int, ...]  # the tokens from the anchor to `position` (shorter than a page)
     position: int  # prompt tokens the state has consumed
     tail_page: int | None  # holds the tail's KV (held by the snapshot) when the tail is not empty
+    logits: bool = False  # it holds the hidden state of its last token too (taken at a prefill chunk's end)
 
 
 class SnapshotPool:
@@ -155,7 +158,8 @@ class SnapshotPool:
                 return snap
         return None
 
-    def add(self, anchor: bytes, tail: tuple[int, ...], position: int, tail_page: int | None) -> Snapshot | None:
+    def add(self, anchor: bytes, tail: tuple[int, ...], position: int, tail_page: int | None,
+            logits: bool = False) -> Snapshot | None:
         """A slot for a new snapshot (the caller copies the state into it), or None when that prefix has one
         already or the pool has no slots. The snapshot holds `tail_page`."""
         if self.capacity == 0 or tail in self.by_anchor.get(anchor, {}):
@@ -166,7 +170,7 @@ class SnapshotPool:
             _, oldest = self.lru.popitem(last=False)
             self._forget(oldest)
             index = oldest.index
-        snap = Snapshot(index, anchor, tail, position, tail_page)
+        snap = Snapshot(index, anchor, tail, position, tail_page, logits)
         if tail_page is not None:
             self.pages.hold(tail_page)
         self.by_anchor.setdefault(anchor, {})[tail] = snap
@@ -232,6 +236,12 @@ class PrefixCache:
         matched = 0  # leading full pages cached
         while matched < len(keys) and keys[matched] in self.pages.page_of:
             matched += 1
+        full = len(token_ids) // ps
+        if matched >= full:  # the whole prompt, from a snapshot that kept its last token's hidden state
+            anchor = keys[full - 1] if full else ROOT_KEY
+            snap = self.snapshots.by_anchor.get(anchor, {}).get(tuple(token_ids[full * ps :]))
+            if snap is not None and snap.logits:
+                return PrefixMatch(len(token_ids), [self.pages.page_of[k] for k in keys[:full]], snap, 0)
         top = min(matched, limit // ps)
         for j in range(top, -1, -1):
             anchor = keys[j - 1] if j else ROOT_KEY

@@ -374,13 +374,16 @@ class Scheduler:
     def _waits_for_a_shared_prefix(self, req: SchedRequest, position: int) -> bool:
         """Whether `req` waits for a prompt now being prefilled that shares more of its full pages than the cache
         holds: that prompt gets a branch point where they part, and `req` resumes from its snapshot there instead of
-        computing the same tokens beside it (prompts arriving together with one system prompt). The wait costs
-        little: the older prompt takes the step's prefill budget first anyway."""
+        computing the same tokens beside it (prompts arriving together with one system prompt), or, the same
+        prompt, from its end. The wait costs little: the older prompt takes the step's prefill budget first
+        anyway."""
         if self.cache.snapshots.capacity == 0:
             return False
         ps, usable = self.page_size, (req.prompt_len - 1) // self.page_size
         for rid in self.prefilling:
             other = self.requests[rid]
+            if other.prompt_ids == req.prompt_ids:  # the same prompt (best-of-n as requests): resume after all of it
+                return True
             n, limit = 0, min(usable, len(other.keys))
             while n < limit and other.keys[n] == req.keys[n]:
                 n += 1
@@ -420,7 +423,7 @@ class Scheduler:
                 elif end < req.prompt_len and end // ps * ps > start:
                     end = end // ps * ps  # page-aligned, so a later prompt sharing this much can resume here
                 if end == req.prompt_len or end % ps == 0:
-                    snap = self._snapshot(req, end)
+                    snap = self._snapshot(req, end, logits=True)
                     if snap is not None:
                         snapshots.append(SnapshotCopy(req.prefill_slot, snap))
             budget -= end - start
@@ -428,13 +431,14 @@ class Scheduler:
                                     first=start == req.cached))
         return work, snapshots
 
-    def _snapshot(self, req: SchedRequest, position: int, tokens: list[int] | None = None) -> int | None:
+    def _snapshot(self, req: SchedRequest, position: int, tokens: list[int] | None = None,
+                  logits: bool = False) -> int | None:
         """A snapshot slot for the request's state after `position` of its `tokens` (default: its prompt), or
-        None."""
+        None. logits: a prefill chunk ends there, so the state's slot holds that token's hidden state too."""
         full = position // self.page_size
         anchor = req.keys[full - 1] if full else ROOT_KEY
         tail = tuple((tokens or req.prompt_ids)[full * self.page_size : position])
-        snap = self.cache.snapshots.add(anchor, tail, position, req.pages[full] if tail else None)
+        snap = self.cache.snapshots.add(anchor, tail, position, req.pages[full] if tail else None, logits)
         return None if snap is None else snap.index
 
     def schedule(self) -> StepPlan:

@@ -412,11 +412,12 @@ def test_capture_check_runs_the_speculative_programs(tiny_ckpt, capsys):
 def test_speculation_over_cached_prefixes_keeps_the_tokens(tiny_tp_ckpt):
     """Prompts that share a system prompt and extend one another, served one after another with the prefix cache
     (on by default): a speculative engine resumes from the cached prefixes (its head reading the head's KV there)
-    and still emits plain decoding's tokens, at tp 1 and 2."""
+    and still emits plain decoding's tokens, at tp 1 and 2. A repeated prompt resumes after all of it, its first
+    draft from the hidden state its snapshot kept."""
     g = torch.Generator().manual_seed(21)
     system = torch.randint(0, 300, (70,), generator=g).tolist()
     turn = system + torch.randint(0, 300, (30,), generator=g).tolist()
-    prompts = [system + [5, 6, 7], system + [8] * 20, turn, turn + [9] * 17, system[:40] + [3] * 9]
+    prompts = [system + [5, 6, 7], system + [8] * 20, turn, turn + [9] * 17, system[:40] + [3] * 9, turn]
 
     async def serve(**kw):
         args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20, **kw)
@@ -434,6 +435,7 @@ def test_speculation_over_cached_prefixes_keeps_the_tokens(tiny_tp_ckpt):
         spec = asyncio.run(serve(tp=tp, speculative_tokens=3))
         assert [ids for ids, _ in spec] == [ids for ids, _ in plain]
         assert [cached for _, cached in spec] == [cached for _, cached in plain] and spec[2][1] > 0
+    assert plain[5] == (plain[2][0], len(turn))  # the repeat: every prompt token cached, the same tokens
 
 
 def test_the_policy_speculates_where_it_is_measured_to_pay():
@@ -627,7 +629,7 @@ def test_the_padded_prefill_with_the_head_writes_what_the_eager_one_writes(tiny_
     pools = (state.k_cache, state.v_cache, state.verify_hidden, state.conv, state.ssm)
     before = [t.clone() for t in pools]
 
-    following, rows = runtime._head_inputs(cmd)
+    following, rows = runtime._head_inputs(cmd.prefill)
     assert following[len(ends) - 1] == 0 and following[-1] == 77 and rows == [2, state.num_slots]
     eager = runtime._prefill_with_head(PrefillBatch.build(chunks, 16, state.trash_page, "cpu"),
                                        torch.tensor(following), torch.tensor(rows))

@@ -180,16 +180,33 @@ def test_repeats_extensions_branches_and_short_prompts_hit_where_they_should():
     a = list(range(100, 130))  # 30 tokens: 7 full pages and 2 more
     assert serve("a", a) == 0
     assert serve("a+", a + [1, 2, 3]) == 30  # the next turn resumes at the end of the last prompt (a tail)
-    # The same prompt again must recompute its last token: the first repeat snapshots the last page boundary
-    # below it (a branch point), the next resumes there.
-    assert serve("a again", a) < 28
-    assert serve("a third", a) == 28
+    # The same prompt again resumes after all of it: the snapshot at its end, taken where a prefill chunk ended,
+    # holds the hidden state the first token's logits come from. One taken as a request finished does not (the
+    # decode steps do not keep it).
+    assert serve("a again", a) == 30
+    assert serve("a third", a) == 30
     b = a[:13] + [7, 7, 7, 7, 7]  # diverges inside page 3: pages 0-2 are shared
     first_b = serve("b", b)
     assert first_b <= 12
     assert serve("b'", a[:13] + [9, 9, 9]) == 12  # the branch point b left at its divergence page boundary
     assert serve("short", [5, 6]) == 0
     assert serve("short+", [5, 6, 8]) == 2  # shorter than a page: the tail alone
+
+
+def test_a_prompt_ending_where_a_request_finished_computes_its_last_tokens():
+    """A finish snapshot (a decoding request's state after the tokens it was fed) holds no hidden state: a prompt
+    that is exactly that prefix resumes at the request's prompt end instead, and computes the rest."""
+    s = scheduler(num_pages=80, snapshots=8, budget=64)
+    ranks = Ranks(s)
+    a = list(range(100, 130))
+    ranks.add("a", a, 3)
+    drain(ranks)
+    fed = a + ranks.drawn["a"][:2]  # the prompt and the drawn tokens fed back: what its finish snapshot holds
+    assert [(snap.position, snap.logits) for snap in s.cache.snapshots.lru.values()] == [(30, True), (32, False)]
+    ranks.prompts["b"] = fed
+    s.add("b", len(fed), 2, prompt_ids=fed)
+    drain(ranks)
+    assert ranks.skipped["b"] == len(a)
 
 
 def test_prompts_arriving_together_resume_where_the_first_leaves_their_shared_prefix():
@@ -216,6 +233,21 @@ def test_prompts_arriving_together_resume_where_the_first_leaves_their_shared_pr
     ranks.step()
     assert not s.waiting and set(s.prefilling) == {"u0", "u1"}  # both admitted at once
     drain(ranks)
+
+
+def test_the_same_prompt_sent_together_is_computed_once():
+    """Best-of-n as separate requests: three copies of a 30-token prompt arrive at once. The first computes it in
+    one chunk (no branch point splits it); the others wait and resume after all of it."""
+    s = scheduler(num_pages=120, snapshots=8, budget=64)
+    ranks = Ranks(s)
+    prompt = list(range(100, 130))
+    for i in range(3):
+        ranks.prompts[f"n{i}"] = prompt
+        s.add(f"n{i}", len(prompt), 2, prompt_ids=prompt)
+    plan = ranks.step()
+    assert [(w.request_id, w.start, w.length) for w in plan.prefill] == [("n0", 0, 30)]
+    drain(ranks)
+    assert ranks.skipped == {"n0": 0, "n1": 30, "n2": 30}
 
 
 def test_a_cached_page_is_evicted_least_recently_used_and_never_while_held():
@@ -296,10 +328,11 @@ def test_outputs_with_the_cache_equal_those_without(tiny_ckpt, tiny_tp_ckpt, tp)
             assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < 1e-5
     hits = [o.num_cached_tokens for o in cached]
     assert all(o.num_cached_tokens == 0 for o in plain)
-    # What must hit: the conversation's next turn resumes at the end of the turn before, the third repeat of a
-    # prompt at its last page boundary, the extended short prompt after its 3 tokens.
+    # What must hit: the conversation's next turn resumes at the end of the turn before, a repeated prompt after
+    # all of it (its first run's end snapshot kept the last token's hidden state: only lm_head runs), the
+    # extended short prompt after its 3 tokens.
     prompts = _prompts()
-    assert hits[4] == len(prompts[3]) and hits[6] == len(prompts[6]) - 1 - (len(prompts[6]) - 1) % 16
+    assert hits[4] == len(prompts[3]) and hits[5] == hits[6] == len(prompts[5])
     assert hits[8] == 3
     assert sum(hits) > 0 and "deltaserve_prefix_cache_hits_total" in metrics
     hit_line = [line for line in metrics.splitlines() if line.startswith("deltaserve_prefix_cache_hits_total")]

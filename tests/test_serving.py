@@ -136,6 +136,7 @@ def test_one_chunk_prefills_padded_to_a_bucket_change_no_output(tiny_tp_ckpt, tp
     several chunks, some resuming after a cached prefix, arriving together and one by one."""
     prompts = [prompt_of(n, 700 + n) for n in (1, 15, 16, 40, 64, 100)]
     prompts += [prompts[3] + prompt_of(20, 9), prompts[5][:50] + prompt_of(7, 10)]  # cached prefixes
+    fresh = [prompt_of(n, 800 + n) for n in (1, 15, 16, 40, 64)]  # together (repeats would resume whole)
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
 
     async def serve_all(padded):
@@ -150,7 +151,7 @@ def test_one_chunk_prefills_padded_to_a_bucket_change_no_output(tiny_tp_ckpt, tp
                     r.runtime.prefill_inputs.fill = lambda chunks, bucket, *head, fill=fill: (
                         packed.append(len(chunks)), fill(chunks, bucket, *head))
             alone = [(await collect(engine.generate(p, params)))[0] for p in prompts]
-            together = await asyncio.gather(*[collect(engine.generate(p, params)) for p in prompts[:5]])
+            together = await asyncio.gather(*[collect(engine.generate(p, params)) for p in fresh])
             assert await wait_free(engine)
         return alone + [out for out, _ in together], programs
 
