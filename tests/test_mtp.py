@@ -8,6 +8,7 @@
 """
 
 import asyncio
+import logging
 import statistics
 import time
 
@@ -364,6 +365,21 @@ def test_an_emulated_acceptance_is_what_the_metrics_report_per_position(tiny_tp_
     assert steps >= 100
     for want, got in zip(rates, measured):
         assert abs(got - want) <= 0.08, (measured, rates)
+
+
+def test_step_log_sums_up_the_engines_steps_by_kind(tiny_tp_ckpt, caplog):
+    """tools.lab.step_log reads the engine's own step lines (`--log-steps`): a speculative engine's steps by kind,
+    each line's four times parsed (the idle time from the second step on)."""
+    from deltaserve.tools.lab.step_log import summarise, table
+
+    caplog.set_level(logging.DEBUG, logger="deltaserve.steps")
+    asyncio.run(_serve(tiny_tp_ckpt, _prompts()[:2], _greedy, speculative_tokens=2))
+    lines = [r.getMessage() for r in caplog.records if r.name == "deltaserve.steps"]
+    steps = summarise(lines)
+    assert sum(len(v["device"]) for v in steps.values()) == len(lines) > 0
+    spec = steps["speculative"]
+    assert len(spec["device"]) == len(spec["host"]) == len(spec["launch"]) == len(spec["idle"]) > 0
+    assert min(spec["device"]) > 0 and "| speculative | " in table(steps)
 
 
 def test_steps_above_the_speculative_batch_limit_decode_one_token_and_hand_over_cleanly(tiny_tp_ckpt, plain_greedy):
