@@ -412,9 +412,9 @@ class Scheduler:
         work, snapshots = [], []
         ps = self.page_size
         for rid in self.prefilling:
-            if budget == 0:
-                break
             req = self.requests[rid]
+            if budget == 0 and req.prefilled < req.prompt_len:
+                continue  # a prompt cached whole still takes its (token-free) turn
             start = req.prefilled
             end = min(req.prompt_len, start + budget)
             if req.prompt_ids is not None:  # chunk ends where a snapshot is worth taking

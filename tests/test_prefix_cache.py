@@ -250,6 +250,21 @@ def test_the_same_prompt_sent_together_is_computed_once():
     assert ranks.skipped == {"n0": 0, "n1": 30, "n2": 30}
 
 
+def test_a_prompt_cached_whole_resumes_in_a_step_whose_prompt_budget_is_spent():
+    s = scheduler(num_pages=120, snapshots=8, budget=12)
+    ranks = Ranks(s)
+    cached = list(range(100, 110))
+    ranks.prompts["c"] = cached
+    s.add("c", 10, 2, prompt_ids=cached)
+    drain(ranks)
+    for rid, prompt in (("long", list(range(300, 340))), ("again", cached)):
+        ranks.prompts[rid] = prompt
+        s.add(rid, len(prompt), 2, prompt_ids=prompt)
+    plan = ranks.step()
+    assert [(w.request_id, w.start, w.length) for w in plan.prefill] == [("long", 0, 12), ("again", 10, 0)]
+    drain(ranks)
+
+
 def test_a_cached_page_is_evicted_least_recently_used_and_never_while_held():
     s = scheduler(num_pages=12, snapshots=2, budget=64)
     ranks = Ranks(s)
