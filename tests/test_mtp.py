@@ -347,14 +347,14 @@ def test_an_emulated_acceptance_is_what_the_metrics_report_per_position(tiny_tp_
     and ours count them): emulated, the engine's per-position counters give it back, and a step keeps 1 + the
     rates' sum tokens on average (kept only after the one before, draft 4 would be kept 0.27 of the time)."""
     rates = (0.92, 0.84, 0.65, 0.54)
-    params = lambda i: SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)  # noqa: E731
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
 
     async def main():
         args = EngineArgs(model=tiny_tp_ckpt, max_model_len=512, max_batch=4, cpu_memory_bytes=96 << 20,
                           speculative_tokens=4, speculative_acceptance=rates, speculative_adaptive=False)
         async with AsyncEngine(args) as engine:
             async def one(ids):
-                async for _ in engine.generate(ids, params(0)):
+                async for _ in engine.generate(ids, params):
                     pass
             await asyncio.gather(*[one(ids) for ids in _prompts()[:4]])
             m = engine.metrics
