@@ -354,6 +354,25 @@ def test_outputs_with_the_cache_equal_those_without(tiny_ckpt, tiny_tp_ckpt, tp)
     assert float(hit_line[0].split()[-1]) == sum(hits)
 
 
+def test_a_prompt_resumed_whole_samples_as_a_computed_one(tiny_ckpt):
+    """Sent twice, with penalties (which count the prompt's tokens), seeded sampling and greedy: the repeat resumes
+    after all 45 tokens and draws what the engine without a cache draws."""
+    prompt = [(i * 37) % 300 for i in range(45)]
+    kinds = [dict(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.5), dict(temperature=0.8, seed=7),
+             dict(temperature=0.0)]
+
+    async def serve(cache):
+        args = EngineArgs(model=tiny_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=64 << 20,
+                          enable_prefix_caching=cache)
+        async with AsyncEngine(args) as engine:
+            return [await _last(engine.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, **kind)))
+                    for kind in kinds for _ in range(2)]
+
+    cached, plain = asyncio.run(serve(True)), asyncio.run(serve(False))
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    assert [o.num_cached_tokens for o in cached] == [0] + [45] * 5
+
+
 @pytest.mark.parametrize("tp,overlap", [(1, True), (1, False), (2, True)])
 @pytest.mark.parametrize("ending", ["length", "stop token"])
 def test_the_next_turn_resumes_after_the_answer(tiny_ckpt, tiny_tp_ckpt, tp, overlap, ending):
