@@ -373,6 +373,39 @@ def test_a_prompt_resumed_whole_samples_as_a_computed_one(tiny_ckpt):
     assert [o.num_cached_tokens for o in cached] == [0] + [45] * 5
 
 
+def test_prompts_resumed_whole_and_computed_in_one_step_draw_their_own_tokens(tiny_ckpt, monkeypatch):
+    """Two prompts sent before, two fresh, arriving together: one step resumes two and computes two, and each
+    draws what the engine without a cache draws for it."""
+    from deltaserve.devices.rank import RankRuntime
+
+    prompts = [[(i * 37 + 11 * j) % 300 for i in range(20 + 6 * j)] for j in range(4)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True)
+    steps = []  # (prompts computed, prompts resumed) of each step that draws first tokens
+    first_token_logits = RankRuntime._first_token_logits
+
+    def spy(self, cmd, last, logits):
+        steps.append((sum(1 for p in cmd.prefill if p.token_ids and p.last),
+                      sum(1 for p in cmd.prefill if not p.token_ids)))
+        return first_token_logits(self, cmd, last, logits)
+
+    monkeypatch.setattr(RankRuntime, "_first_token_logits", spy)
+
+    async def serve(cache):
+        args = EngineArgs(model=tiny_ckpt, max_model_len=256, max_batch=4, prefill_slots=4,
+                          cpu_memory_bytes=64 << 20, enable_prefix_caching=cache)
+        async with AsyncEngine(args) as engine:
+            for p in prompts[1::2]:
+                await _last(engine.generate(p, params))
+            return await asyncio.gather(*[_last(engine.generate(p, params)) for p in prompts])
+
+    cached, plain = asyncio.run(serve(True)), asyncio.run(serve(False))
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    for a, b in zip(cached, plain):
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    assert [o.num_cached_tokens for o in cached] == [0, len(prompts[1]), 0, len(prompts[3])]
+    assert (2, 2) in steps
+
+
 @pytest.mark.parametrize("tp,overlap", [(1, True), (1, False), (2, True)])
 @pytest.mark.parametrize("ending", ["length", "stop token"])
 def test_the_next_turn_resumes_after_the_answer(tiny_ckpt, tiny_tp_ckpt, tp, overlap, ending):
