@@ -465,20 +465,16 @@ class RankRuntime:
     def _first_token_logits(self, cmd: StepCommand, last: list[int], computed_logits) -> torch.Tensor:
         """The logits of the prompts that end in this step (`last`: their indices in `cmd.prefill`), in that
         order: a computed chunk's row of `computed_logits`, a resumed prompt's from its restored hidden state."""
-        row, resumed = {}, []
-        for i, p in enumerate(cmd.prefill):
-            if p.token_ids:
-                row[i] = len(row)
-            elif p.last:
-                resumed.append(i)
-        if not resumed:
-            return select_rows(computed_logits, [row[i] for i in last])
-        slots = upload({"slots": [cmd.prefill[i].slot for i in resumed]}, torch.long, self.device)["slots"]
-        logits = self.model.logits(self.state.last_hidden[slots])
-        if computed_logits is not None:
-            logits = torch.cat([select_rows(computed_logits, list(range(len(row)))), logits])
-        at = {i: len(row) + j for j, i in enumerate(resumed)} | row
-        return select_rows(logits, [at[i] for i in last])
+        computed = [i for i, p in enumerate(cmd.prefill) if p.token_ids]
+        resumed = [i for i, p in enumerate(cmd.prefill) if not p.token_ids]  # each ends its prompt
+        logits = computed_logits
+        if resumed:
+            slots = upload({"slots": [cmd.prefill[i].slot for i in resumed]}, torch.long, self.device)["slots"]
+            logits = self.model.logits(self.state.last_hidden[slots])
+            if computed_logits is not None:
+                logits = torch.cat([computed_logits[: len(computed)], logits])
+        row = {i: r for r, i in enumerate(computed + resumed)}
+        return select_rows(logits, [row[i] for i in last])
 
     # Speculative decoding (k drafts a row) -----------------------------------------------------------------------
     def _head_inputs(self, chunks: list) -> tuple[list[int] | None, list[int] | None]:

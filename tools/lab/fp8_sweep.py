@@ -1,8 +1,8 @@
 """Launch choices of the FP8 projections (`kernels.fp8`), swept on one model's shapes: the W8A16 decode tile
-(`KernelConfig.fp8_decode_tile`) and the CUDA-core GEMV's (`fp8_gemv_tile`) at one row, and the prefill tiles of W8A8 and W8A16 at 2048 rows, each timed as
-`bench_kernels` times projections (a CUDA graph cycling through weights larger than L2). `--decode-rows 64` sweeps
-the decode tile at that many rows instead (a batch-64 step) beside cuBLAS's block-scaled FP8 GEMM, the bf16 weight
-on cuBLAS, and the FP8 bytes' time at `--bandwidth`.
+(`KernelConfig.fp8_decode_tile`) and the CUDA-core GEMV's (`fp8_gemv_tile`) at one row, and the prefill tiles of
+W8A8 and W8A16 at 2048 rows, each timed as `bench_kernels` times projections (a CUDA graph cycling through
+weights larger than L2). `--decode-rows 64` sweeps the decode tile at that many rows instead (a batch-64 step)
+beside cuBLAS's block-scaled FP8 GEMM, the bf16 weight on cuBLAS, and the FP8 bytes' time at `--bandwidth`.
 
     python -m deltaserve.tools.lab.fp8_sweep [--size 27b] [--top 3] [--decode-rows 64] [--fields F1,F2]
 """
@@ -28,12 +28,13 @@ DECODE_TILES = [(bn, per_sm, w, st) for bn, per_sm, w, st in
 GEMV_TILES = [Tile(*t) for t in ((4, 1024, 2, 2), (8, 1024, 4, 2), (8, 1024, 8, 2), (16, 1024, 8, 2),
                                  (8, 2048, 8, 2), (16, 512, 4, 2), (8, 512, 4, 2), (8, 512, 2, 3), (4, 4096, 4, 1),
                                  (2, 4096, 2, 1), (8, 1024, 4, 3), (32, 256, 4, 3))]
+FIELDS = ("fp8_decode_tile", "fp8_gemv_tile", "fp8_w8a8_tile", "fp8_w8a16_tile")  # what a sweep may cover
 PREFILL_TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4),
                  (128, 256, 8, 3), (64, 256, 4, 3), (128, 64, 4, 4)]
 
 
 def sweep(size: str, top: int, decode_rows: int = 0, bandwidth: float = 3.35e12,
-          fields: tuple[str, ...] = ("fp8_decode_tile", "fp8_gemv_tile", "fp8_w8a8_tile", "fp8_w8a16_tile")) -> None:
+          fields: tuple[str, ...] = FIELDS) -> None:
     cfg, dev = ModelConfig.from_dict(text_config(size, 248320)), torch.device("cuda")
     for name, (n, k) in projection_shapes(cfg).items():
         if name == "lm_head" and not {"fp8_decode_tile", "fp8_gemv_tile"} & set(fields):
@@ -79,8 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=3)
     parser.add_argument("--decode-rows", type=int, default=0, help="sweep the decode tile at this many rows only")
     parser.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s the FP8 bytes' time is taken at")
-    parser.add_argument("--fields", default="fp8_decode_tile,fp8_gemv_tile,fp8_w8a8_tile,fp8_w8a16_tile",
-                        help="the KernelConfig fields to sweep")
+    parser.add_argument("--fields", default=",".join(FIELDS), help="the KernelConfig fields to sweep")
     ns = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("fp8_sweep needs a CUDA device", file=sys.stderr)
