@@ -41,6 +41,7 @@ class RowSampling:
     logprobs: int = 0
     min_tokens: int = 0  # stop_token_ids cannot be drawn before this many tokens
     stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int | None = None  # a speculative step keeps no token past it (None: no limit)
 
     @property
     def needs_counts(self) -> bool:
@@ -64,6 +65,16 @@ class PrefillCommand:
 
 
 UNKNOWN_TOKEN = -1
+# verify_accepted of a row whose last step was speculative and is still in flight (overlap scheduling): how many
+# tokens it kept is on rank 0's device, which moves the row's position, roll-back and token index on by it.
+KEPT_ON_DEVICE = -1
+
+
+def positions_past_end(speculative_tokens: int) -> int:
+    """KV positions a request may write past its prompt + max_tokens: a verify step's k drafts, and, planned before
+    the step ahead of it is back, the k more tokens that step may have kept (the host retires a request one step
+    late)."""
+    return 2 * speculative_tokens
 
 
 @dataclass
@@ -72,10 +83,12 @@ class StepCommand:
     released_prefill_slots: list[int] = field(default_factory=list)
     promotions: list[PromoteSlot] = field(default_factory=list)
     # Input token of decode slot i; UNKNOWN_TOKEN where the host plans the step before the last one's tokens are
-    # back (overlap scheduling): rank 0 then uses the token it drew last for that slot.
+    # back (overlap scheduling): rank 0 then uses the token it drew (or kept) last for that slot.
     decode_tokens: list[int] = field(default_factory=list)
+    # Each row's input position and the index of the token it samples; for a KEPT_ON_DEVICE row, as if its last
+    # step kept one token (the device adds the others).
     decode_positions: list[int] = field(default_factory=list)
-    decode_token_index: list[int] = field(default_factory=list)  # index of the token each row samples
+    decode_token_index: list[int] = field(default_factory=list)
     bucket: int = 0
     prefill: list[PrefillCommand] = field(default_factory=list)
     # Prefix caching: (decode slot, snapshot, kept) copies of requests that end here, before the slot changes (kept:
@@ -86,11 +99,12 @@ class StepCommand:
     copy_pages: list[tuple[int, int]] = field(default_factory=list)
     save_snapshots: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding (k drafts a row): for each decode row, how many of its last verify step's k + 1 tokens
-    # were kept (1 .. k + 1; the state rolls back to them), 0 for a row promoted this step (nothing to roll back;
-    # it drafts from its prompt's last hidden state). Test drafters may send each row's k drafts instead of the
-    # head's.
+    # were kept (1 .. k + 1; the state rolls back to them), 0 where its last step decoded one token or it was
+    # promoted this step (nothing to roll back; it drafts from the last hidden state), KEPT_ON_DEVICE where that
+    # step is still in flight. Test drafters may send each row's k drafts instead of the head's: one list, or for
+    # a KEPT_ON_DEVICE row k + 1, the drafts if that step kept 1 .. k + 1 tokens.
     verify_accepted: list[int] = field(default_factory=list)
-    draft_tokens: list[list[int]] | None = None
+    draft_tokens: list[list[list[int]]] | None = None
     speculate: bool = False  # the decode rows draft and verify (k + 1 tokens a row); else one token a row
     step_seed: int = 0  # randomness for unseeded rows
     seq: int = 0  # the step's number, in hand-over order

@@ -9,7 +9,6 @@ so do a prefill step's chunks, padded to a bucket of tokens (`PrefillInputs`).
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable
 
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 
 from deltaserve.kernels.fp8 import Fp8Weight
+from deltaserve.kernels.sampling import counter_uniform
 from deltaserve.model.batch import (DecodeBatch, MixedBatch, PrefillBatch, PrefillChunk, PrefillInputs, VerifyBatch,
                                     select_rows, upload)
 from deltaserve.model.forward import Qwen35Shard
@@ -24,8 +24,8 @@ from deltaserve.model.state import ModelState
 from deltaserve.model.weights import fp8_copy
 
 from .backend import GraphProgram, StepGraphs
-from .commands import UNKNOWN_TOKEN, SampledToken, SlotProtocolError, StepCommand, StepResult
-from .sampling import SlotSampling
+from .commands import KEPT_ON_DEVICE, UNKNOWN_TOKEN, SampledToken, SlotProtocolError, StepCommand, StepResult
+from .sampling import Draw, SlotSampling
 
 log = logging.getLogger(__name__)
 
@@ -83,42 +83,75 @@ class DecodeInputs:
         ids = self.input_ids[:bucket]
         ids.copy_(torch.where(ids == UNKNOWN_TOKEN, last_tokens[:bucket], ids))
 
+    def advance(self, offsets: torch.Tensor, bucket: int) -> None:
+        """Move each row's position on by `offsets` [bucket] (on the device), with its sequence length and KV slot."""
+        positions = self.positions[:bucket]
+        positions.add_(offsets)
+        self.seq_lens[:bucket].copy_(positions + 1)
+        page = (positions // self.page_size).clamp(max=self.width - 1)
+        pages = self.page_table[:bucket].gather(1, page[:, None]).squeeze(1).long()
+        self.slot_mapping[:bucket].copy_(pages * self.page_size + positions % self.page_size)
+
 
 class SpeculationInputs:
     """Fixed-address inputs of a speculative step beside `DecodeInputs`' (tokens, positions, slots, page table):
     per row, the tokens its last verify step kept (`accepted`, 1 for a row promoted this step, which drafts from
     its prompt's last position), how many of them its state keeps (`keep`: k + 1 for a promoted row, nothing to roll
-    back), and host drafts that replace the head's (`override` where `use_override`)."""
+    back), and host drafts that replace the head's (`override` where `use_override`). A row whose last step is
+    still in flight (KEPT_ON_DEVICE, `pending`) takes its kept count from the device (`take_kept`), and its drafts
+    from `alternatives` (one list a possible count)."""
 
     def __init__(self, rows: int, k: int, device) -> None:
         self.k = k
         self.accepted = torch.ones(rows, dtype=torch.long, device=device)
         self.keep = torch.full((rows,), k + 1, dtype=torch.long, device=device)
         self.override = torch.zeros(rows, k, dtype=torch.long, device=device)
+        self.alternatives = torch.zeros(rows, k + 1, k, dtype=torch.long, device=device)
         self.use_override = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.pending = torch.zeros(rows, dtype=torch.bool, device=device)
         self.steps = torch.arange(k + 1, device=device)
 
     def fill_inert(self) -> None:
         self.accepted.fill_(1)
         self.keep.fill_(self.k + 1)
         self.use_override.fill_(False)
+        self.pending.fill_(False)
 
     def fill(self, cmd: StepCommand, T: int) -> None:
-        n, bucket = len(cmd.decode_tokens), cmd.bucket
-        host = torch.zeros(3 + self.k, bucket, dtype=torch.long)  # padding rows: inert (fill_inert's values)
+        n, bucket, k = len(cmd.decode_tokens), cmd.bucket, self.k
+        drafts = cmd.draft_tokens is not None
+        host = torch.zeros(4 + k * (k + 1) * drafts, bucket, dtype=torch.long)  # padding rows: inert
         host[0], host[1] = 1, T
-        host[0, :n] = torch.tensor([a or 1 for a in cmd.verify_accepted])
-        host[1, :n] = torch.tensor([a or T for a in cmd.verify_accepted])
-        if cmd.draft_tokens is not None:
+        host[0, :n] = torch.tensor([max(a, 0) or 1 for a in cmd.verify_accepted])
+        host[1, :n] = torch.tensor([max(a, 0) or T for a in cmd.verify_accepted])
+        host[3, :n] = torch.tensor([a == KEPT_ON_DEVICE for a in cmd.verify_accepted])
+        if drafts:
             host[2, :n] = 1
-            host[3:, :n] = torch.tensor(cmd.draft_tokens, dtype=torch.long).view(n, self.k).t()
+            table = [lists + lists[-1:] * (k + 1 - len(lists)) for lists in cmd.draft_tokens]  # [n, k + 1, k]
+            host[4:, :n] = torch.tensor(table, dtype=torch.long).view(n, -1).t()
         if self.accepted.is_cuda:
             host = host.pin_memory()
         dev = host.to(self.accepted.device, non_blocking=True)
         self.accepted[:bucket].copy_(dev[0])
         self.keep[:bucket].copy_(dev[1])
         self.use_override[:bucket].copy_(dev[2].bool())
-        self.override[:bucket].copy_(dev[3:].t())
+        self.pending[:bucket].copy_(dev[3].bool())
+        if drafts:
+            self.alternatives[:bucket].copy_(dev[4:].t().view(bucket, k + 1, k))
+            self.override[:bucket].copy_(self.alternatives[:bucket, 0])
+
+    def take_kept(self, kept: torch.Tensor, bucket: int, drafts: bool) -> torch.Tensor:
+        """Pending rows take their last step's kept count from `kept` (row i is decode slot i), on the device, and
+        (`drafts`: host drafts were sent) the drafts meant for it; returns what it adds to each row's position and
+        token index [bucket]."""
+        pending, kept = self.pending[:bucket], kept[:bucket]
+        for field in (self.accepted, self.keep):
+            field[:bucket].copy_(torch.where(pending, kept, field[:bucket]))
+        more = torch.where(pending, kept - 1, 0)
+        if drafts:
+            choice = more.clamp(0, self.k).view(-1, 1, 1).expand(-1, 1, self.k)
+            self.override[:bucket].copy_(self.alternatives[:bucket].gather(1, choice).squeeze(1))
+        return more
 
 
 def draft_head(lm_head: torch.Tensor, vocab: int = 0, fp8: bool = False) -> "torch.Tensor | Fp8Weight | None":
@@ -174,14 +207,17 @@ class RankRuntime:
         # Rank 0 only: what each state slot's request samples with.
         self.vocab = model.cfg.vocab_size
         kernels = model.ops.config
-        self.sampling = SlotSampling(state.num_slots + 1, self.vocab, device, pdl=kernels is None or kernels.pdl) \
-            if rank == 0 else None
-        # The token rank 0 drew last per state slot, on the device (overlap scheduling); the other ranks receive
-        # rank 0's whole vector before a step that needs it.
-        self.last_tokens = self.sampling.last_tokens if self.sampling else \
-            torch.zeros(state.num_slots + 1, dtype=torch.long, device=device)
+        # Per state slot, on the device, what the next step's inputs take before the host has it (overlap
+        # scheduling): the token rank 0 drew (or a speculative step kept) last, and how many tokens that step kept.
+        # The other ranks receive rank 0's before a step that needs them.
+        self.carried = torch.zeros(2, state.num_slots + 1, dtype=torch.long, device=device)
+        self.sampling = SlotSampling(state.num_slots + 1, self.vocab, device, pdl=kernels is None or kernels.pdl,
+                                     last_tokens=self.carried[0]) if rank == 0 else None
         self.speculation = SpeculationInputs(max_batch, state.verify_steps, device) if state.verify_steps else None
         self.draft_head = draft_head
+        # Emulated acceptance: draft j is kept, after draft j - 1 was, with the ratio of their rates.
+        self._keep_ratio = None if not acceptance else torch.tensor(
+            [b / a if a > 0 else 0.0 for a, b in zip((1.0, *acceptance), acceptance)], device=device)
 
     def prefill_programs(self, buckets: list[int], requests: int = 1) -> dict[int, GraphProgram]:
         """For each bucket of tokens, a prefill of up to `requests` chunks over the fixed inputs and the state,
@@ -287,6 +323,7 @@ class RankRuntime:
             )
         self.state.copy_slot(src, dst)
         self.state.move_verify_slot(src, dst)
+        self.carried[1, dst] = self.carried[1, src]  # the tokens (row 0) move with the sampling setup
         self.inputs.table_host[dst] = self.inputs.table_host[src]
         if self.sampling:
             self.sampling.move(src, dst)
@@ -367,10 +404,16 @@ class RankRuntime:
 
         decode_draw = prefill_draw = speculation = None
         n = len(cmd.decode_tokens)
+        index_offsets = None
         if n:
             self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
             if self.speculation:
                 self.speculation.fill(cmd, self.state.verify_steps + 1)
+            if self.sampling:
+                # Before this step reads them: a row the step before drew may have been flagged (the logits it is
+                # drawn again from are also the graph's, which this step overwrites).
+                self.sampling.settle()
+            index_offsets = self._carry_in(cmd)
         # A prompt a snapshot holds whole (`PrefixCache.match`) has no tokens to compute: its first token's logits
         # come from the hidden state restored with the snapshot.
         computed = [p for p in cmd.prefill if p.token_ids]
@@ -382,20 +425,12 @@ class RankRuntime:
         mixed_bucket = self._mixed_bucket(cmd.bucket, chunks) if fused else None
         fused = fused and (mixed_bucket is not None or self.graphs is None)
         if cmd.speculate:
-            decode_draw, speculation = self._speculative_decode(cmd, replay)
+            decode_draw, speculation = self._speculative_decode(cmd, replay, index_offsets)
         elif n:
-            if self.sampling:
-                # Before this step reads them: a row the step before drew may have been flagged (the logits it is
-                # drawn again from are also the graph's, which this step overwrites).
-                self.sampling.settle()
-            if UNKNOWN_TOKEN in cmd.decode_tokens:
-                if self.tp > 1:  # rank 0's tokens to every rank, on the device: a sum with zeros from the others
-                    self.model.all_reduce(self.last_tokens if self.rank == 0 else self.last_tokens.zero_())
-                self.inputs.take_unknown(self.last_tokens, cmd.bucket)
             decode_batch = self.inputs.batch(cmd.bucket)
             if not fused:  # else with the prompt chunks below
                 decode_logits = self.graphs(cmd.bucket) if replay else self._plain_decode(decode_batch, cmd.bucket)
-                decode_draw = self._draw_decode(cmd, decode_logits)
+                decode_draw = self._draw_decode(cmd, decode_logits, index_offsets)
 
         # A prompt resuming after a cached prefix: its state and the KV of its partial page, before its chunk.
         for snapshot, slot in cmd.restore_snapshots:
@@ -411,7 +446,7 @@ class RankRuntime:
                 self._reset_fresh_slots(chunks)
                 self.prefill_inputs.fill(chunks, mixed_bucket[1], *self._head_inputs(computed))
                 decode_logits, prefill_logits = self.mixed_graphs(mixed_bucket)  # as a prefill graph's rows
-                decode_draw = self._draw_decode(cmd, decode_logits)
+                decode_draw = self._draw_decode(cmd, decode_logits, index_offsets)
             elif fused:
                 prefill = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
                 batch = MixedBatch.of(decode_batch, prefill)
@@ -419,7 +454,7 @@ class RankRuntime:
                     decode_logits, prefill_logits = self._mixed_with_head(batch, *self._head_tensors(computed))
                 else:
                     decode_logits, prefill_logits = self.model.mixed(self.state, batch)
-                decode_draw = self._draw_decode(cmd, decode_logits)
+                decode_draw = self._draw_decode(cmd, decode_logits, index_offsets)
             elif chunks and (bucket := self._prefill_bucket(chunks)):
                 self._reset_fresh_slots(chunks)
                 self.prefill_inputs.fill(chunks, bucket, *self._head_inputs(computed))
@@ -454,13 +489,30 @@ class RankRuntime:
             if c.start == 0:
                 self.state.reset_slot(c.slot)
 
-    def _draw_decode(self, cmd: StepCommand, logits: torch.Tensor):
+    def _carry_in(self, cmd: StepCommand) -> torch.Tensor | None:
+        """The decode rows' inputs that the step before holds on the device (overlap scheduling): an UNKNOWN_TOKEN
+        row takes the token rank 0 drew or kept last for its slot; a KEPT_ON_DEVICE row also the count its
+        speculative step kept, which moves its position on (and its roll-back, its drafts' base). Returns what
+        that adds to each row's token index (None: nothing)."""
+        pending = KEPT_ON_DEVICE in cmd.verify_accepted
+        if not pending and UNKNOWN_TOKEN not in cmd.decode_tokens:
+            return None
+        if self.tp > 1:  # rank 0's to every rank, on the device: a sum with zeros from the others
+            self.model.all_reduce(self.carried if self.rank == 0 else self.carried.zero_())
+        self.inputs.take_unknown(self.carried[0], cmd.bucket)
+        if not pending:
+            return None
+        more = self.speculation.take_kept(self.carried[1], cmd.bucket, cmd.draft_tokens is not None)
+        self.inputs.advance(more, cmd.bucket)
+        return more
+
+    def _draw_decode(self, cmd: StepCommand, logits: torch.Tensor, index_offsets: torch.Tensor | None):
         """Rank 0 queues the decode rows' draw behind the forward (None elsewhere)."""
         if not self.sampling:
             return None
         n = len(cmd.decode_tokens)
         return self.sampling.draw(logits[:n], self.sampling.prepare(list(range(n)), cmd.decode_token_index,
-                                                                     cmd.step_seed))
+                                                                     cmd.step_seed, index_offsets))
 
     def _first_token_logits(self, cmd: StepCommand, last: list[int], computed_logits) -> torch.Tensor:
         """The logits of the prompts that end in this step (`last`: their indices in `cmd.prefill`), in that
@@ -576,16 +628,15 @@ class RankRuntime:
                       self._verify_batch(bucket, (inputs.positions[:bucket] - accepted).clamp(min=0)))
         return h.view(bucket, T, -1).gather(1, before.view(-1, 1, 1).expand(-1, 1, h.shape[-1])).squeeze(1)
 
-    def _speculative_decode(self, cmd: StepCommand, replay: bool) -> tuple:
+    def _speculative_decode(self, cmd: StepCommand, replay: bool, index_offsets: torch.Tensor | None) -> tuple:
         """Run the speculative step (a graph's replay, or its program); rank 0 draws every row's first token as a
         plain decode step would, and the k positions after it for the rows without penalties (whose counts would
-        see the drafts); `finish` keeps the drafts up to the first that differs from the token drawn before it."""
+        see the drafts), then keeps each row's drafts on the device (`_keep_drafts`)."""
         n = len(cmd.decode_tokens)
         outputs = self.speculative_graphs(cmd.bucket) if replay else self.speculative_program(cmd.bucket)()
         if not self.sampling:
             return None, None
         first_logits, extra_logits, drafted = outputs
-        self.sampling.settle()
         k, slots = self.state.verify_steps, list(range(n))
         free = [i for i in slots if not self.sampling.settings[i].needs_counts]
         # One draw: every row's first position, then the k after it of the free rows (each its own row: the
@@ -594,35 +645,60 @@ class RankRuntime:
         logits = torch.cat([first_logits[:n], select_rows(extra_logits, free).flatten(0, 1)])
         rows = slots + [i for i in free for _ in range(k)]
         token_index = cmd.decode_token_index + [cmd.decode_token_index[i] + j for i in free for j in range(1, k + 1)]
-        drawn = self.sampling.draw(logits, self.sampling.prepare(rows, token_index, cmd.step_seed))
-        return drawn, (free, drafted[:n].clone())
+        drawn = self.sampling.draw(logits, self.sampling.prepare(rows, token_index, cmd.step_seed, index_offsets))
+        ends = [(self.sampling.settings[i].max_tokens, self.sampling.settings[i].stop_token_ids) for i in slots]
+        kept = KeptDrafts(free, drafted[:n].clone(), cmd.decode_token_index, ends, index_offsets)
+        drawn.on_redrawn = lambda d: self._keep_drafts(kept, d, list(d.slots[:n]))
+        self._keep_drafts(kept, drawn, slots)
+        return drawn, kept
 
-    def _accept(self, first: list[SampledToken], drawn: list[SampledToken], speculation,
-                step_seed: int) -> list[list[SampledToken]]:
-        """Each row's drafts kept: draft j while it equals the token drawn at the position before it, and with
-        it the token drawn at its own position (`drawn`: the free rows' k positions after the first, in order). A
-        draft of one token kept or dropped on whether it equals an independent draw from the target's distribution
-        is exactly that distribution's rejection sampling. With an emulated acceptance (benchmarks), draft j is
-        kept, after draft j - 1 was, with the ratio of their per-position rates: so in its rate's share of the
-        steps."""
-        free, drafted = speculation
-        k = drafted.shape[1]
+    def _keep_drafts(self, kept: "KeptDrafts", drawn: Draw, slots: list[int]) -> None:
+        """On the device, behind the draw (its rows in `_speculative_decode`'s order): each row keeps draft
+        j while it equals the token drawn at the position before it, and with it the token drawn at its own
+        position. A draft of one token kept or dropped on whether it equals an independent draw from the target's
+        distribution is exactly that distribution's rejection sampling. With an emulated acceptance (benchmarks),
+        draft j is kept, after draft j - 1 was, with the ratio of their per-position rates: so in its rate's share
+        of the steps (on a coin of the row's seed and token index, as its draw: a seeded request keeps the same
+        drafts however it is batched). No row keeps a token past its first stop id or its max_tokens: the request ends there, and its
+        state with it (the step after, planned before this one's tokens are back, feeds its last token; a snapshot
+        of that holds the whole answer). Each row's count and last kept token go to `carried` at its slot (`slots`;
+        -1: released), where the next step's inputs take them, and the counts to the host (`kept.host`)."""
+        drafted, tokens = kept.drafted, drawn.tokens
+        n, k = drafted.shape
+        free = upload({"free": kept.free}, torch.long, self.device)["free"]
+        chain = tokens[:n, None].repeat(1, k + 1)  # [n, k + 1]: the first token, then the k drawn after it
+        chain[free, 1:] = tokens[n:].view(-1, k)
+        if self._keep_ratio is not None:  # ids below the vocabulary's: other values than the draw's
+            coin_ids = -1 - torch.arange(k, device=self.device).expand(n, k)
+            ok = counter_uniform(drawn.params.seeds[:n], drawn.params.steps[:n], coin_ids) < self._keep_ratio
+        else:
+            ok = drafted == chain[:, :k]
+        ok &= torch.zeros(n, dtype=torch.bool, device=self.device).index_fill_(0, free, True)[:, None]
+        counts = 1 + ok.long().cumprod(1).sum(1)
+        limits, stops = kept.ends(self.device)
+        if kept.index_offsets is not None:
+            limits = limits - kept.index_offsets[:n]
+        is_stop = (chain[:, :, None] == stops[:, None, :]).any(-1)  # padding -1 matches no token
+        first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, k + 1)
+        counts = torch.minimum(counts, torch.minimum(limits.clamp(min=1), first_stop))
+        last = chain.gather(1, (counts - 1)[:, None]).squeeze(1)
+        live = [(i, s) for i, s in enumerate(slots) if s >= 0]
+        if len(live) == n and slots == list(range(n)):
+            self.carried[0, :n], self.carried[1, :n] = last, counts
+        elif live:
+            at = upload({"rows": [i for i, _ in live], "slots": [s for _, s in live]}, torch.long, self.device)
+            self.carried[:, at["slots"]] = torch.stack([last, counts])[:, at["rows"]]
+        kept.copy_to_host(counts)
+
+    def _kept_tokens(self, first: list[SampledToken], drawn: list[SampledToken],
+                     kept: "KeptDrafts") -> list[list[SampledToken]]:
+        """Each row's tokens after its first that the step kept (`drawn`: the free rows' k positions after the
+        first, in order), from the counts `_keep_drafts` computed on the device."""
+        counts = kept.counts()
+        k = kept.drafted.shape[1]
         more: list[list[SampledToken]] = [[] for _ in first]
-        drafted = drafted.tolist()
-        coin = random.Random(step_seed)
-        rates = (1.0, *self.acceptance) if self.acceptance else ()
-        for n, i in enumerate(free):
-            previous = first[i].token
-            for j in range(k):
-                if self.acceptance:
-                    kept = coin.random() * rates[j] < rates[j + 1]  # P(kept | draft j - 1 kept) = r_j / r_(j-1)
-                else:
-                    kept = previous == drafted[i][j]
-                if not kept:
-                    break
-                token = drawn[n * k + j]
-                more[i].append(token)
-                previous = token.token
+        for n, i in enumerate(kept.free):
+            more[i] = drawn[n * k: n * k + counts[i] - 1]
         return more
 
     def finish(self, step: "LaunchedStep") -> StepResult:
@@ -636,10 +712,50 @@ class RankRuntime:
             last = [i for i, p in enumerate(cmd.prefill) if p.last]
             for i, s in zip(last, sampling.collect(step.prefill)):
                 prefill[i] = s
-        more = self._accept(decode, drawn, step.speculation, cmd.step_seed) if step.speculation else []
+        more = self._kept_tokens(decode, drawn, step.speculation) if step.speculation else []
         clock = step.clock
         return StepResult(decode, prefill, more, clock.seconds() if clock else 0.0,
                           clock.launch_seconds if clock else 0.0)
+
+
+class KeptDrafts:
+    """A speculative step's drafts and what it kept of them: counted on the device behind its draw
+    (`RankRuntime._keep_drafts`), read on the host once the copy is there."""
+
+    def __init__(self, free: list[int], drafted: torch.Tensor, token_index: list[int],
+                 ends: list[tuple[int | None, tuple[int, ...]]], index_offsets: torch.Tensor | None) -> None:
+        """free: the rows without penalties; drafted [n, k]; per row, the index of its first token this step (on
+        the host; plus `index_offsets` on the device, None: 0) and its (max_tokens, stop ids)."""
+        self.free, self.drafted = free, drafted
+        self.token_index, self._ends, self.index_offsets = token_index, ends, index_offsets
+        self.host: torch.Tensor | None = None
+        self.event: torch.cuda.Event | None = None
+
+    def ends(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the tokens it may still keep [n] (from the host's token index) and its stop ids [n, S]
+        (padded with -1), on `device`."""
+        width = max((len(stops) for _, stops in self._ends), default=0)
+        limits = [(2**62 if most is None else most) - index for (most, _), index in zip(self._ends, self.token_index)]
+        stops = [t for _, ids in self._ends for t in list(ids) + [-1] * (width - len(ids))]
+        up = upload({"limits": limits, "stops": stops}, torch.long, device)
+        return up["limits"], up["stops"].view(len(self._ends), width)
+
+    def copy_to_host(self, counts: torch.Tensor) -> None:
+        if counts.is_cuda:
+            self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self.host.copy_(counts, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = counts, None
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def counts(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 class LaunchedStep:
@@ -648,11 +764,11 @@ class LaunchedStep:
     def __init__(self, runtime: RankRuntime, cmd: StepCommand, decode, prefill, speculation=None,
                  clock: "StepClock | None" = None) -> None:
         self.runtime, self.cmd, self.decode, self.prefill = runtime, cmd, decode, prefill
-        self.speculation = speculation  # a speculative step's (rows without penalties, drafts)
+        self.speculation: KeptDrafts | None = speculation
         self.clock = clock
 
     def ready(self) -> bool:
-        return all(d is None or d.ready() for d in (self.decode, self.prefill))
+        return all(d is None or d.ready() for d in (self.decode, self.prefill, self.speculation))
 
     @torch.inference_mode()
     def finish(self) -> StepResult:

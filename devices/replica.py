@@ -25,7 +25,7 @@ from deltaserve.model.weights import bytes_by_dtype, load_rank_weights, random_r
 
 from .backend import device_backend
 from .capacity import CapacityPlan, plan_capacity
-from .commands import StepCommand, StepResult
+from .commands import StepCommand, StepResult, positions_past_end
 from .rank import RankRuntime, draft_head
 from .worker import WorkerGroup
 
@@ -161,7 +161,7 @@ class Replica:
             bytes_per_snapshot=self.sizes.bytes_per_snapshot,
             bytes_per_page=self.sizes.kv_bytes_per_page,
             page_size=self.sizes.page_size,
-            max_model_len=spec.max_model_len + spec.speculative_tokens,  # a verify step writes k past the end
+            max_model_len=spec.max_model_len + positions_past_end(spec.speculative_tokens),
             requested_batch=spec.max_batch,
             prefill_slots=spec.prefill_slots,
             # The CPU budget counts state only; on a GPU the prefill activations come out of the same memory.
@@ -189,7 +189,8 @@ class Replica:
             self.plan.max_batch, self.plan.prefill_slots, self.plan.num_pages, self.plan.num_pages * self.plan.page_size,
             self.plan.largest_bucket,
         )
-        full_length = self.plan.num_pages // -(-(spec.max_model_len + spec.speculative_tokens) // self.plan.page_size)
+        longest = spec.max_model_len + positions_past_end(spec.speculative_tokens)
+        full_length = self.plan.num_pages // -(-longest // self.plan.page_size)
         if full_length < self.plan.max_batch:
             log.info("the KV pages hold %d requests of max_model_len %d at once; shorter ones share them (admission "
                      "reserves each request's prompt + max_tokens)", full_length, spec.max_model_len)
@@ -293,7 +294,8 @@ class Replica:
                                mtp=k > 0, verify_steps=k)
             r.runtime = RankRuntime(
                 r.model, state, rank=rank, max_batch=plan.max_batch,
-                max_pages_per_seq=-(-(spec.max_model_len + k) // plan.page_size), device=r.backend.device,
+                max_pages_per_seq=-(-(spec.max_model_len + positions_past_end(k)) // plan.page_size),
+                device=r.backend.device,
                 tp=spec.tp, acceptance=spec.speculative_acceptance, speculate_up_to=spec.speculative_max_batch,
                 draft_head=r.draft_head, fuse_mixed_steps=spec.fused_mixed_steps,
             )

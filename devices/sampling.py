@@ -12,6 +12,7 @@ its penalty counts). Only draws with a row the sampler could flag (sampled, with
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +34,15 @@ class Draw:
     rows: list[RowSampling]
     slots: list[int]  # each row's state slot now: a later step's slot moves update it (-1 once released)
     logits: torch.Tensor
+    tokens: torch.Tensor  # on the device
     params: SamplingTensors
     num_logprobs: int
     host: list
     event: torch.cuda.Event | None
     settled: bool
+    # Called once `settle` drew flagged rows again (their tokens corrected on the device too): what was computed on
+    # the device from the draw's tokens is computed again (a speculative step's kept drafts).
+    on_redrawn: Callable[["Draw"], None] | None = None
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -53,10 +58,13 @@ def may_be_flagged(r: RowSampling) -> bool:
 
 
 class SlotSampling:
-    def __init__(self, num_slots: int, vocab: int, device: torch.device, pdl: bool = True) -> None:
+    def __init__(self, num_slots: int, vocab: int, device: torch.device, pdl: bool = True,
+                 last_tokens: torch.Tensor | None = None) -> None:
+        """last_tokens: where the token drawn last for each slot goes ([num_slots] long; default: a new tensor)."""
         self.settings: list[RowSampling | None] = [None] * num_slots
         self.vocab, self.device, self.pdl = vocab, device, pdl
-        self.last_tokens = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.last_tokens = torch.zeros(num_slots, dtype=torch.long, device=device) if last_tokens is None \
+            else last_tokens
         self._unsettled: list[Draw] = []
         # [slots, V]: allocated when the first request asks for a penalty.
         self.output_counts: torch.Tensor | None = None
@@ -102,10 +110,12 @@ class SlotSampling:
             d.slots = [dst if s == src else s for s in d.slots]
 
     # Sampling -------------------------------------------------------------------------------------------------------
-    def prepare(self, slots: list[int], token_index: list[int], step_seed: int):
+    def prepare(self, slots: list[int], token_index: list[int], step_seed: int,
+                index_offsets: torch.Tensor | None = None):
         """What `sample` needs for these rows. The parameters go up in two non-blocking copies, so this runs while
         the forward runs on the GPU, and the sampler's kernels queue behind it (a blocking copy per field would wait
-        for the whole step first)."""
+        for the whole step first). index_offsets: per decode slot, on the device, what to add to the rows'
+        `token_index` (the tokens a speculative step in flight kept beyond one: overlap scheduling)."""
         rows = [self.settings[s] for s in slots]
         if None in rows:
             raise SlotProtocolError(f"slot {slots[rows.index(None)]} has no sampling setup")
@@ -126,7 +136,8 @@ class SlotSampling:
         ints = ints.to(self.device, non_blocking=True)[:, :n]
         params = SamplingTensors(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
-            frequency_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0], seeds=ints[1], steps=ints[2],
+            frequency_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0], seeds=ints[1],
+            steps=ints[2] if index_offsets is None else ints[2] + index_offsets[ints[3]],
         )
         if any(r.needs_counts for r in rows):  # penalties cost a pass over [N, V] and a scatter: only when asked
             params.output_counts = self.output_counts[ints[3]]
@@ -160,7 +171,7 @@ class SlotSampling:
             event = torch.cuda.Event()
             event.record()
         flaggable = done is not None and any(may_be_flagged(r) for r in rows)
-        d = Draw(rows, slots, logits, params, k, out, event, settled=not flaggable)
+        d = Draw(rows, slots, logits, tokens, params, k, out, event, settled=not flaggable)
         if flaggable:
             self._unsettled.append(d)
         return d
@@ -185,6 +196,9 @@ class SlotSampling:
                             self.output_counts[slot, int(tokens[i])] -= 1
                             self.output_counts[slot, token] += 1
                     tokens[i], chosen[i] = token, lp
+                d.tokens[index] = redrawn
+                if d.on_redrawn is not None:
+                    d.on_redrawn(d)
             d.settled = True
             if d is until:
                 return

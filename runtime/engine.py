@@ -23,8 +23,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from deltaserve.devices.commands import (UNKNOWN_TOKEN, PrefillCommand, PromoteSlot, RetireSlot, RowSampling, StepCommand,
-                                         StepResult)
+from deltaserve.devices.commands import (KEPT_ON_DEVICE, UNKNOWN_TOKEN, PrefillCommand, PromoteSlot, RetireSlot,
+                                         RowSampling, StepCommand, StepResult, positions_past_end)
 from deltaserve.devices.replica import Replica, ReplicaSpec
 from deltaserve.devices.worker import ReplicaPoisoned
 from deltaserve.model.config import load_model_config
@@ -171,7 +171,6 @@ class _Request:
     text_parts: list[str] = field(default_factory=list)  # the output's text, a piece a token (joined when read)
     finished: bool = False
     cached_tokens: int = 0  # prompt tokens a cached prefix spared the prefill
-    verify_accepted: int = 0  # speculative decoding: tokens its last step kept (0 before its first decode step)
     arrival: float = field(default_factory=time.perf_counter)
     prefill_start: float | None = None  # when its prompt's first chunk was handed to the devices
     last_token_time: float | None = None
@@ -233,8 +232,7 @@ class AsyncEngine:
             if args.speculative_draft_vocab > self.cfg.vocab_size:
                 raise ValueError(f"speculative_draft_vocab {args.speculative_draft_vocab} exceeds the vocabulary "
                                  f"({self.cfg.vocab_size} tokens)")
-            log.info("speculative decoding: %d tokens drafted a step by the MTP head (%s); speculative steps run "
-                     "without overlap scheduling", self.speculative,
+            log.info("speculative decoding: %d tokens drafted a step by the MTP head (%s)", self.speculative,
                      "where it is measured to pay" if args.speculative_adaptive else "every step")
         elif args.speculative_draft_vocab:
             log.warning("speculative_draft_vocab is set without speculative_tokens: it does nothing")
@@ -269,7 +267,7 @@ class AsyncEngine:
             max_model_len=self.max_model_len, buckets=self.replica.buckets,
             step_budget=self._step_budget(),
             prefix_cache=PrefixCache(plan.num_pages, plan.page_size, plan.snapshots, args.enable_prefix_caching),
-            lookahead=self.speculative, prefill_graph_sizes=self.replica.prefill_buckets,
+            lookahead=positions_past_end(self.speculative), prefill_graph_sizes=self.replica.prefill_buckets,
             mixed_graph_sizes=self.replica.mixed_token_buckets,
         )
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="deltaserve-step-loop")
@@ -456,7 +454,7 @@ class AsyncEngine:
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty, seed=params.seed, logprobs=params.logprobs or 0,
-            min_tokens=params.min_tokens, stop_token_ids=tuple(sorted(stop_ids)),
+            min_tokens=params.min_tokens, stop_token_ids=tuple(sorted(stop_ids)), max_tokens=params.max_tokens,
         )
         req = _Request(
             request_id, prompt_ids, params, sampling, frozenset(stop_ids),
@@ -545,7 +543,8 @@ class AsyncEngine:
             now = time.perf_counter()
             self._observe_step(plan, now - started, result, idle=None if last_done is None else started - last_done)
             last_done = now
-            self._count(plan, result)
+            self._count(plan, cmd)
+            self._count_kept(plan, cmd, result)
             outputs = self._apply(plan, result)
         self._emit(outputs)  # closing: the last step's outputs come before `close` ends the requests
 
@@ -553,24 +552,24 @@ class AsyncEngine:
         """`_run_steps` one step ahead: step k+1 is planned and handed over as soon as step k is, before k's
         tokens reach the host (rank 0 takes them on the device, and launches k+1 before it reads k's), so the
         devices wait neither for the loop's routing, stop checks and outputs nor for the tokens' trip to the host.
-        A request that a token or stop string ends at step k has a row in step k+1 too: that one extra token is
-        drawn and dropped. max_tokens needs no tokens: the scheduler retires at it. A speculative step runs without
-        overlap: its inputs are the tokens of the step before it, and the next plan needs the tokens it keeps."""
+        A request that a token or stop string ends at step k has a row in step k+1 too: its tokens are drawn and
+        dropped. max_tokens needs no tokens: the scheduler retires at it (after a speculative step, once it knows
+        the count: one step late at most). A speculative step k's kept counts stay on the device too, where step
+        k+1's rows take their positions, roll-backs and token indices from them (`StepCommand.verify_accepted`)."""
         sched = self.scheduler
-        previous = in_flight = None  # (plan, step, handed over at)
+        previous = in_flight = None  # (plan, command, step, handed over at)
         last_done = 0.0  # a step handed over early starts only once the one before it is done
 
         async def finish(done) -> bool:
             """Route a step's tokens; True when one of them is a request's first and they are few."""
             nonlocal last_done
-            done_plan, done_step, handed = done
+            done_plan, done_cmd, done_step, handed = done
             result = await done_step
             now = time.perf_counter()
             idle = max(handed - last_done, 0.0) if last_done else None  # None: no step ran before it
             self._observe_step(done_plan, now - max(handed, last_done), result, idle=idle)
             last_done = now
-            if done_plan.speculate:
-                self._count(done_plan, result)
+            self._count_kept(done_plan, done_cmd, result)
             self._emit(self._apply(done_plan, result))
             firsts = sum(work.last for work in done_plan.prefill)
             return 0 < firsts and firsts + len(done_plan.decode_ids) <= FEW_STREAMS
@@ -585,29 +584,35 @@ class AsyncEngine:
                     await self._wakeup.wait()
                     continue
                 previous, in_flight = in_flight, None
-                if plan is not None and plan.speculate and previous is not None:
+                if plan is not None and previous is not None and self._needs_tokens_first(plan, previous[0]):
                     await finish(previous)
                     previous = None
                 if plan is not None and not plan.empty:
-                    in_flight = (plan, self.replica.start_step(self._command(plan), overlapped=True),
-                                 time.perf_counter())
-                    if plan.speculate:
-                        await finish(in_flight)
-                        in_flight = None
-                    else:
-                        self._count(plan)
+                    cmd = self._command(plan)
+                    in_flight = (plan, cmd, self.replica.start_step(cmd, overlapped=True), time.perf_counter())
+                    self._count(plan, cmd)
                 if previous is not None and await finish(previous) and in_flight is not None:
                     # A first token: its stream writes it now, while the step handed over runs, instead of after
                     # the next hand-over (rank 0's launch of it holds the loop for up to a millisecond). Only for
                     # a few streams: many streams' writes first would delay the hand-over past that step's end.
                     await asyncio.sleep(0)
             if in_flight is not None:  # closing: the last step's tokens come before `close` ends the requests
-                self._emit(self._apply(in_flight[0], await in_flight[1]))
+                self._emit(self._apply(in_flight[0], await in_flight[2]))
                 in_flight = None
         finally:  # after a failure, a step handed over may never be awaited (closing a finished one does nothing)
             for step in (previous, in_flight):
                 if step is not None:
-                    step[1].close()
+                    step[2].close()
+
+    def _needs_tokens_first(self, plan, before) -> bool:
+        """Whether `plan` must wait for the tokens of the step `before` it (in flight): where that step speculated,
+        a row still short of its min_tokens, whose draw bars the stop ids by its token's index, which the host
+        must know exactly."""
+        if not before.speculate:
+            return False
+        counts = self.scheduler.requests
+        return any(self.requests[rid].params.min_tokens > counts[rid].generated
+                   for rid in plan.decode_ids if rid in self.requests)
 
     def _observe_step(self, plan, seconds: float, result: StepResult | None = None, idle: float | None = None) -> None:
         """idle: how long the devices had nothing to run before this step was handed over (None: no step before)."""
@@ -642,8 +647,8 @@ class AsyncEngine:
             finish_snapshots=[(c.slot, c.snapshot, c.keep) for c in plan.finish_snapshots],
         )
         # Requests that finished before this plan were retired by it, so every row here is live. The scheduler
-        # counts a step's tokens when the step is handed over; with overlap the last of them may still be on its
-        # way, and rank 0 fills it in.
+        # counts a step's tokens when the step is handed over (one a row for a speculative step, until its counts
+        # are back); with overlap the last of them may still be on their way, and the ranks fill them in.
         counts = self.scheduler.requests
         for rid in plan.decode_ids:
             req, n = reqs[rid], counts[rid].generated
@@ -652,12 +657,10 @@ class AsyncEngine:
             cmd.decode_token_index.append(n)
         if self.speculative and plan.decode_ids:
             cmd.speculate = plan.speculate
-            promoted = {p.request_id for p in plan.promotions}
-            cmd.verify_accepted = [0 if rid in promoted else reqs[rid].verify_accepted for rid in plan.decode_ids]
-            drafter = self.args.speculative_drafter
-            if drafter is not None:
-                cmd.draft_tokens = [list(drafter(reqs[rid].prompt_ids, list(reqs[rid].output_ids), self.speculative))
-                                    for rid in plan.decode_ids]
+            cmd.verify_accepted = [KEPT_ON_DEVICE if counts[rid].kept_pending else counts[rid].kept
+                                   for rid in plan.decode_ids]
+            if self.args.speculative_drafter is not None:
+                cmd.draft_tokens = [self._host_drafts(reqs[rid], counts[rid]) for rid in plan.decode_ids]
         for w in plan.prefill:
             req = reqs[w.request_id]
             end = w.start + w.length
@@ -674,31 +677,45 @@ class AsyncEngine:
                 self.metrics.queue_time.observe(req.prefill_start - req.arrival)
         return cmd
 
+    def _host_drafts(self, req: _Request, counted) -> list[list[int]]:
+        """The test drafter's drafts for a row (`StepCommand.draft_tokens`). Tokens still on their way stand in
+        its output as UNKNOWN_TOKEN; a row whose speculative step is in flight gets drafts for each count the step
+        may have kept (1 .. k + 1)."""
+        k, drafter = self.speculative, self.args.speculative_drafter
+        unseen = counted.generated - len(req.output_ids)
+        counts = range(1, k + 2) if counted.kept_pending else [1]
+        return [list(drafter(req.prompt_ids, req.output_ids + [UNKNOWN_TOKEN] * (unseen + kept - 1), k))
+                for kept in counts]
+
     def _decide(self, plan) -> None:
         """Whether the plan's decode rows speculate (`runtime.speculation`), before its command is made. A step
         carrying prompt chunks does not where it fuses them with its decode rows: one forward that reads the
-        weights once, overlapped with the step before (a speculative step is neither)."""
+        weights once (a speculative step does not)."""
         plan.speculate = bool(self.speculative and plan.decode_ids) and not (
             plan.prefill and self.replica.spec.fused_mixed_steps) and self.speculation.decide(plan.bucket)
 
-    def _count(self, plan, result: StepResult | None = None) -> None:
-        """The scheduler's bookkeeping of a step: what the next plan depends on. Without speculation none of it
-        is the tokens (overlap scheduling counts before they are back); a speculative step's `result` says how
-        many tokens each row kept."""
-        counts = [1 + len(more) for more in result.decode_more] if result and result.decode_more else None
+    def _count(self, plan, cmd: StepCommand) -> None:
+        """The scheduler's bookkeeping of a step handed over: what the next plan depends on, none of it the tokens
+        (overlap scheduling counts before they are back); a speculative step's rows count one token each until
+        `_count_kept`."""
         self.scheduler.on_prefill_done(plan.prefill)
-        self.scheduler.on_decode_done(plan.decode_ids, counts)
-        if self.speculative and not plan.speculate:
-            for rid in plan.decode_ids:  # a one-token step leaves nothing to roll back (the next may be in flight)
-                if rid in self.requests:
-                    self.requests[rid].verify_accepted = 0
+        self.scheduler.on_decode_done(plan.decode_ids, cmd.seq if plan.speculate else 0)
         self.metrics.count_tokens(sum(w.length for w in plan.prefill),
-                                  sum(counts or [1] * len(plan.decode_ids)) + sum(1 for w in plan.prefill if w.last))
-        if counts and plan.speculate:
-            self.metrics.spec_drafts.inc(self.speculative * len(counts))
-            self.metrics.spec_accepted.inc(sum(counts) - len(counts))
-            for position in range(max(counts) - 1):
-                self.metrics.spec_accepted_at.labels(str(position)).inc(sum(1 for c in counts if c > position + 1))
+                                  (0 if plan.speculate else len(plan.decode_ids)) + sum(w.last for w in plan.prefill))
+
+    def _count_kept(self, plan, cmd: StepCommand, result: StepResult) -> None:
+        """A speculative step's tokens are back: how many each row kept."""
+        if not plan.speculate:
+            return
+        counts = [1 + len(more) for more in result.decode_more]
+        self.scheduler.on_drafts_kept(plan.decode_ids, counts, cmd.seq)
+        # The metrics count live requests' rows: not the step a request that ended before it ran in vain.
+        counts = [c for rid, c in zip(plan.decode_ids, counts) if rid in self.requests]
+        self.metrics.count_tokens(0, sum(counts))
+        self.metrics.spec_drafts.inc(self.speculative * len(counts))
+        self.metrics.spec_accepted.inc(sum(counts) - len(counts))
+        for position in range(max(counts, default=1) - 1):
+            self.metrics.spec_accepted_at.labels(str(position)).inc(sum(1 for c in counts if c > position + 1))
 
     def _apply(self, plan, result: StepResult) -> list:
         """Each token appended, and every request that ends here finished (stop token, stop string, length).
@@ -714,8 +731,6 @@ class AsyncEngine:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if plan.speculate:  # what its next speculative step rolls back to (a one-token step's: `_count`)
-                req.verify_accepted = 1 + len(extra)
             for token in [sampled, *extra]:  # in order, until one ends the request
                 if req.finished:
                     break

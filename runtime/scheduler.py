@@ -58,6 +58,9 @@ class SchedRequest:
     # the last drawn is fed back as the next step's input: what a snapshot at its end holds.
     drawn: list[int] | None = None
     kept: int = 0  # the tokens its last speculative step kept (0: its last step decoded one token)
+    # The number of its last step while that step is speculative and its tokens are not back: `generated` and
+    # `kept` count one token of it until `on_drafts_kept` (0: none such).
+    kept_pending: int = 0
 
     @property
     def lifetime_tokens(self) -> int:
@@ -266,12 +269,28 @@ class Scheduler:
                     self.prefilling.remove(w.request_id)
                     self.ready_for_decode.append(w.request_id)
 
-    def on_decode_done(self, decode_ids: list[str], counts: list[int] | None = None) -> None:
-        """Each decode row drew one token, or `counts[i]` (a speculative step's kept drafts and the token after)."""
-        for i, rid in enumerate(decode_ids):
+    def on_decode_done(self, decode_ids: list[str], speculative_step: int = 0) -> None:
+        """The step is handed over (with overlap, its tokens are on their way): each decode row draws one token,
+        or, in a speculative step (`speculative_step`: its number), at least one; `on_drafts_kept` adds the rest
+        once they are back. Until then the request may be planned further (its next step takes the count on the
+        device) and runs one step past max_tokens at most."""
+        for rid in decode_ids:
             req = self.requests[rid]
-            req.generated += counts[i] if counts else 1
-            req.kept = counts[i] if counts else 0
+            req.generated += 1
+            req.kept = 1 if speculative_step else 0  # what a snapshot rolls back to while the count is unknown
+            req.kept_pending = speculative_step
+            self._finish_at_max_tokens(req)
+
+    def on_drafts_kept(self, decode_ids: list[str], counts: list[int], speculative_step: int) -> None:
+        """The speculative step `speculative_step` is back: row i kept `counts[i]` tokens (its drafts kept and the
+        token after them), one of which `on_decode_done` counted."""
+        for rid, count in zip(decode_ids, counts):
+            req = self.requests.get(rid)
+            if req is None:  # retired meanwhile
+                continue
+            req.generated += count - 1
+            if req.kept_pending == speculative_step:  # no step of it handed over since
+                req.kept, req.kept_pending = count, 0
             self._finish_at_max_tokens(req)
 
     def _finish_at_max_tokens(self, req: SchedRequest) -> None:

@@ -6,11 +6,10 @@ batch grows) and the yield on the text and the head, so the engine measures them
   steps, so a change (the text, the batch's make-up) is seen; once chosen, a kind gives way only to one measured
   `MARGIN` faster (near a tie, the medians' noise would switch it back and forth);
 - a kind's time is the median of its last `WINDOW` decode-only steps on the devices' timeline: the step's device
-  time plus the devices' wait for the host before it. A speculative step runs without overlap scheduling, so the
-  host's routing, outputs and planning between steps are its cost too (at 16 streams through the server, more
-  than a one-token step's device time); a one-token step's are hidden behind the step before. The median keeps a
-  compile or a pause from swaying it; the yield is the mean tokens a row over the last speculative steps of any
-  bucket.
+  time plus the devices' wait for the host before it (overlap scheduling hides the host's routing, outputs and
+  planning behind the step before, unless they take longer than it: many streams, or a wait for a speculative
+  step's tokens, `AsyncEngine._needs_tokens_first`). The median keeps a compile or a pause from swaying it; the
+  yield is the mean tokens a row over the last speculative steps of any bucket.
 
 The ranks keep the MTP head's KV up to date in one-token steps too, so drafts after a stretch of them are as good
 as after speculative steps.

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from helpers import CpuRunner, EagerPrograms, hf_model, rel_err
+from helpers import CpuRunner, EagerPrograms, flagging_every_filtered_row, hf_model, rel_err
 from safetensors.torch import load_file
 
 from deltaserve.kernels.fp8 import Fp8Weight
@@ -182,7 +182,9 @@ def _continuation_drafter(plain, prompts, corrupt_at=()):
     by_prompt = {tuple(p): ids for p, (ids, _, _) in zip(prompts, plain)}
 
     def drafter(prompt, output, k):
-        full = by_prompt[tuple(prompt)] + [0] * (k + 1)
+        # Past the continuation's end: asked for each count a step in flight may keep, it may be asked up to
+        # 2k + 1 tokens beyond what was generated.
+        full = by_prompt[tuple(prompt)] + [0] * (2 * k + 2)
         n = len(output)
         return [(full[n + j] + 1) % 300 if n + j in corrupt_at else full[n + j] for j in range(k)]
     return drafter
@@ -221,6 +223,24 @@ def test_seeded_sampling_draws_the_same_tokens_with_speculation(tiny_tp_ckpt):
                                                    speculative_drafter=drafter))
     assert [o[0] for o in spec] == [o[0] for o in plain]
     assert accepted > 0
+
+
+def test_a_flagged_speculative_draw_keeps_the_drafts_of_its_redrawn_tokens(tiny_tp_ckpt, monkeypatch):
+    """A speculative step's kept counts are computed on the device behind its draw; where the sampler flagged a
+    row (and its first token was wrong), the counts are computed again from the redrawn tokens before the next
+    step, overlapped, takes them: the drafts of the right continuation are kept, and the tokens are those drawn
+    without speculation."""
+    prompts = _prompts()
+
+    def sampled(i):
+        return SamplingParams(temperature=0.9, top_k=30, seed=300 + i, max_tokens=12, ignore_eos=True)
+
+    plain, _ = asyncio.run(_serve(tiny_tp_ckpt, prompts, sampled))
+    flagging_every_filtered_row(monkeypatch)
+    spec, (drafted, accepted) = asyncio.run(_serve(tiny_tp_ckpt, prompts, sampled, speculative_tokens=3,
+                                                   speculative_drafter=_continuation_drafter(plain, prompts)))
+    assert [o[0] for o in spec] == [o[0] for o in plain]
+    assert accepted >= 0.6 * drafted
 
 
 def test_max_tokens_and_stop_ids_hold_on_the_kept_drafts(tiny_tp_ckpt, plain_greedy):
@@ -331,15 +351,57 @@ def test_a_fused_mixed_step_leaves_the_head_what_its_steps_apart_do(tiny_ckpt):
 
 def test_an_emulated_acceptance_keeps_the_drafts_it_says(tiny_tp_ckpt):
     """Benchmarks emulate a trained head's acceptance on random weights: with (1, 1, 0) every step keeps two of
-    its three drafts, whatever they are, and a request ends at max_tokens exactly."""
+    its three drafts, whatever they are, but none past max_tokens, where a request ends exactly."""
     outs, (drafted, accepted) = asyncio.run(_serve(tiny_tp_ckpt, _prompts(), _greedy, speculative_tokens=3,
                                                    speculative_acceptance=(1.0, 1.0, 0.0)))
-    assert drafted > 0 and accepted * 3 == drafted * 2
-    assert [len(ids) for ids, _, _ in outs] == [7 + 5 * i for i in range(len(outs))]
+    lengths = [7 + 5 * i for i in range(len(outs))]
+    assert [len(ids) for ids, _, _ in outs] == lengths
+    steps = sum(-(-(n - 1) // 3) for n in lengths)  # the first token comes from the prefill; 3 tokens a step
+    assert drafted == 3 * steps and accepted == sum(n - 1 for n in lengths) - steps
     with pytest.raises(ValueError, match="speculative_acceptance must hold speculative_tokens \\(3\\)"):
         EngineArgs(speculative_tokens=3, speculative_acceptance=(0.5, 0.5))
     with pytest.raises(ValueError, match="none above the one before"):
         EngineArgs(speculative_tokens=2, speculative_acceptance=(0.5, 0.6))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_speculative_steps_overlap_and_change_no_token(tiny_tp_ckpt, monkeypatch, tp):
+    """Overlap scheduling hands a step over before the speculative step ahead of it is back: its rows take that
+    step's kept count and last token on the device (position, roll-back, token index). With a count that varies
+    row by row and step by step (an emulated acceptance, on coins of each request's seed and token index), greedy,
+    sampled, penalised and min_tokens requests keep the tokens and log-probs of an engine that waits for each
+    step's tokens; the overlapped one ran steps that took counts on the device."""
+    from deltaserve.devices.commands import KEPT_ON_DEVICE
+    from deltaserve.devices.rank import RankRuntime
+
+    prompts = _prompts()
+    launch, pending_rows = RankRuntime.launch, []
+
+    def counting(runtime, cmd, *args):
+        if runtime.rank == 0:
+            pending_rows.append(cmd.verify_accepted.count(KEPT_ON_DEVICE))
+        return launch(runtime, cmd, *args)
+
+    monkeypatch.setattr(RankRuntime, "launch", counting)
+
+    def params(i):
+        kinds = [dict(temperature=0.0), dict(temperature=0.8, top_k=20), dict(temperature=0.7, presence_penalty=0.6),
+                 dict(temperature=0.0, min_tokens=9, stop_token_ids=[prompts[i][0]])]
+        return SamplingParams(max_tokens=9 + 4 * i, seed=40 + i, logprobs=1, ignore_eos=True, **kinds[i % 4])
+
+    runs = []
+    for overlap in (False, True):
+        pending_rows.clear()
+        outs, (drafted, accepted) = asyncio.run(_serve(tiny_tp_ckpt, prompts, params, tp=tp, speculative_tokens=3,
+                                                       speculative_acceptance=(0.9, 0.6, 0.3),
+                                                       async_scheduling=overlap))
+        runs.append((outs, sum(pending_rows)))
+        assert 0 < accepted < drafted
+    (sync, none_pending), (overlapped, pending) = runs
+    assert none_pending == 0 and pending > 0
+    for (ids, lps, reason), (ref_ids, ref_lps, ref_reason) in zip(overlapped, sync):
+        assert ids == ref_ids and reason == ref_reason
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
 
 
 def test_an_emulated_acceptance_is_what_the_metrics_report_per_position(tiny_tp_ckpt):
@@ -505,10 +567,10 @@ def test_adaptive_speculation_runs_both_kinds_of_step_and_changes_no_output(tiny
     assert len(times[True]) > 0 and len(times[False]) > 0
 
 
-def test_the_policy_charges_a_speculative_step_the_host_time_it_exposes(tiny_tp_ckpt, plain_greedy, monkeypatch):
-    """A speculative step runs without overlap scheduling: the host's routing and outputs between steps are its
-    cost too, hidden behind the step before for a one-token step. With slow outputs (0.1 s a step) and every
-    draft kept, one-token steps are the faster per token, and the policy settles on them."""
+def test_the_policy_charges_each_step_the_host_time_it_exposes(tiny_tp_ckpt, plain_greedy, monkeypatch):
+    """Both kinds of step are overlapped with the host's routing and outputs, which the devices wait for where
+    they take longer than a step: each step is charged that wait. With slow outputs (0.1 s a step) and every
+    draft kept, a speculative step's four tokens come for one wait, and the policy settles on speculating."""
     prompts = _prompts()
     emit = AsyncEngine._emit
     monkeypatch.setattr(AsyncEngine, "_emit", lambda self, outputs: (time.sleep(0.1) if outputs else None,
@@ -523,8 +585,7 @@ def test_the_policy_charges_a_speculative_step_the_host_time_it_exposes(tiny_tp_
 
     bucket = asyncio.run(main())
     assert len(bucket.times[True]) >= 3 and len(bucket.times[False]) >= 3
-    assert min(bucket.times[True]) >= 0.1 > statistics.median(bucket.times[False])
-    assert bucket.choice is False
+    assert bucket.choice is True
 
 
 def test_one_token_steps_keep_the_heads_kv_as_speculative_steps_do(tiny_ckpt):

@@ -467,7 +467,7 @@ def test_a_speculative_engines_next_turn_resumes_after_the_answer(tiny_tp_ckpt, 
         return answer, nxt, accepted
 
     greedy, _, _ = asyncio.run(conversation(False, k=0))
-    continuation = greedy.token_ids + [0] * 4
+    continuation = greedy.token_ids + [0] * 8  # asked up to 2k + 1 past the end (a step in flight may keep k + 1)
 
     def drafter(prompt_ids, output, k):
         n = len(output)
@@ -479,6 +479,6 @@ def test_a_speculative_engines_next_turn_resumes_after_the_answer(tiny_tp_ckpt, 
     assert cached.token_ids == plain.token_ids and plain.num_cached_tokens == 0
     for x, y in zip(cached.logprobs, plain.logprobs):
         assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < 1e-5
-    # Every answer token but the last was fed; the last too where a kept draft carried it (the step drew past
-    # max_tokens, and the engine dropped what it drew after).
+    # Every answer token but the last was fed; the last too where a step after the answer's last was planned
+    # before that one's tokens were back (it fed the last token, and its own were dropped).
     assert len(prompt) + len(answer.token_ids) - 1 <= cached.num_cached_tokens <= len(prompt) + len(answer.token_ids)

@@ -182,3 +182,47 @@ def test_a_step_budget_rounds_down_to_a_captured_prefill_size():
     assert (fused.prompt_budget(4), fused.prompt_budget(0)) == (256, 256)
     budget.tokens_now = 200
     assert (fused.prompt_budget(4), fused.prompt_budget(0)) == (128, 192)
+
+
+def test_a_speculative_step_counts_one_token_until_its_counts_are_back():
+    """Handed over, a speculative step counts one token a row (the next plan is made before its tokens are back);
+    its counts add the rest when they come. Until then a snapshot of a request ending there rolls back to that
+    one token; a later step handed over before the counts came leaves nothing to roll back."""
+    from deltaserve.runtime.prefix_cache import PrefixCache
+
+    s = make(lookahead=8, prefill_token_budget=16, prefix_cache=PrefixCache(40, 4, 4))
+    drawn = {rid: [] for rid in "ab"}
+    for rid, first in zip("ab", (1, 2)):
+        s.add(rid, 6, 12, prompt_ids=[first, 2, 3, 4, 5, 6], drawn=drawn[rid])
+    plan = s.schedule()
+    s.on_prefill_done(plan.prefill)
+    for rid in "ab":
+        drawn[rid].append(7)
+    plan = s.schedule()
+    assert plan.decode_ids == ["a", "b"]
+    s.on_decode_done(plan.decode_ids, speculative_step=5)
+    a, b = s.requests["a"], s.requests["b"]
+    assert (a.generated, a.kept, a.kept_pending) == (2, 1, 5)
+    s.on_decode_done(["b"])  # b's next step, handed over before step 5 is back: a one-token step
+    s.on_drafts_kept(["a", "b"], [4, 3], speculative_step=5)
+    assert (a.generated, a.kept, a.kept_pending) == (5, 4, 0)
+    assert (b.generated, b.kept, b.kept_pending) == (5, 0, 0)
+    # A request ending while its speculative step is in flight: its snapshot rolls back to the step's first token.
+    drawn["a"].extend([8, 9, 10, 11])
+    s.on_decode_done(["a"], speculative_step=7)
+    s.finish("a")
+    snapshot = s.schedule().finish_snapshots[0]
+    assert snapshot.keep == 1
+    s.on_drafts_kept(["a"], [3], speculative_step=7)  # retired meanwhile: ignored
+    assert "a" not in s.requests
+
+
+def test_max_tokens_retires_on_the_count_of_a_speculative_step():
+    s = make(lookahead=8)
+    s.add("a", 3, 6)
+    s.on_prefill_done(s.schedule().prefill)
+    plan = s.schedule()
+    s.on_decode_done(plan.decode_ids, speculative_step=2)
+    assert "a" not in s.to_retire  # 2 of 6 counted
+    s.on_drafts_kept(plan.decode_ids, [5], speculative_step=2)
+    assert s.requests["a"].generated == 6 and "a" in s.to_retire

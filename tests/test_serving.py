@@ -20,7 +20,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import CpuRunner, EagerPrograms, hf_model, wait_free
+from helpers import CpuRunner, EagerPrograms, flagging_every_filtered_row, hf_model, wait_free
 
 from deltaserve.devices.commands import UNKNOWN_TOKEN
 from deltaserve.devices.rank import RankRuntime
@@ -239,44 +239,6 @@ def reference_generate(runner: CpuRunner, prompt: list[int], p: SamplingParams, 
         counts[token] += 1
         logits = runner.decode({0: token}, {0: len(prompt) + index})[0]
     return out
-
-
-def flagging_every_filtered_row(monkeypatch) -> list:
-    """Make rank 0's sampler return a wrong token for every sampled row with top-k or top-p and flag it, as the
-    Triton sampler flags a row it cannot draw exactly: the reference must draw it again before anything reads it.
-    A draw also reads as not done for its first 20 looks (about 2 ms of a worker holding it), as a GPU's would,
-    so the next step is launched before this one is finished. Returns rank 0's ("launch" | "finish", seq) log."""
-    import deltaserve.devices.sampling as slot_sampling
-    from deltaserve.devices.rank import RankRuntime
-
-    real = slot_sampling.draw_tokens
-    order = []
-    launch, finish = RankRuntime.launch, RankRuntime.finish
-
-    def logged_launch(runtime, cmd, *args):
-        if runtime.rank == 0:
-            order.append(("launch", cmd.seq))
-        return launch(runtime, cmd, *args)
-
-    def logged_finish(runtime, step):
-        order.append(("finish", step.cmd.seq))
-        return finish(runtime, step)
-
-    def slow_ready(draw):
-        draw.looks = getattr(draw, "looks", 0) + 1
-        return draw.looks > 20
-
-    def draw_tokens(logits, p, num_logprobs=0, **kw):
-        tokens, chosen, top_ids, top_lp, _ = real(logits, p, num_logprobs, **kw)
-        flagged = (p.temperature > 0) & ((p.top_k > 0) | (p.top_p < 1))
-        wrong = torch.where(flagged, (tokens + 1) % logits.shape[1], tokens)
-        return wrong, chosen, top_ids, top_lp, (~flagged).to(torch.int32)
-
-    monkeypatch.setattr(slot_sampling, "draw_tokens", draw_tokens)
-    monkeypatch.setattr(slot_sampling.Draw, "ready", slow_ready)
-    monkeypatch.setattr(RankRuntime, "launch", logged_launch)
-    monkeypatch.setattr(RankRuntime, "finish", logged_finish)
-    return order
 
 
 @pytest.mark.parametrize("overlap,flagged", [(False, False), (True, False), (True, True)],

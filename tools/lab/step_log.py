@@ -1,7 +1,7 @@
 """A server's step log (`deltaserve serve --log-steps`) summed up by kind of step: how many, and the medians and
 90th percentiles of the device time, the time the host saw, the launch's host time and the devices' idle time
-before each step. The idle time is what the host path costs the devices: a speculative step (never overlapped)
-waits there for its tokens' trip to the host, the loop's work and its own launch.
+before each step. The idle time is what the host path costs the devices: overlap scheduling hides it behind the
+step before unless the host takes longer than that step (many streams, a wait for a speculative step's tokens).
 
     python -m deltaserve.tools.lab.step_log SERVER_LOG
 """
