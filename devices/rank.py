@@ -375,7 +375,7 @@ class RankRuntime:
     def launch(self, cmd: StepCommand, on_launched: Callable[[], None] = lambda: None) -> "LaunchedStep | None":
         """Queue one step on the device without waiting for it: rank 0 returns what `finish` reads its tokens
         from, the other ranks None. Overlap scheduling launches step k+1 before finishing step k; step k+1's
-        UNKNOWN_TOKEN rows then take step k's tokens on the device. `on_launched()` once the whole step is queued
+        UNKNOWN_TOKEN rows then take step k's tokens on the device, its KEPT_ON_DEVICE rows step k's kept counts. `on_launched()` once the whole step is queued
         on a GPU (its caller keeps other Python off the GIL until then: every torch call here gives the GIL up and
         waits to get it back), at the start on the CPU, where launching computes the step."""
         if cmd.speculate and not (cmd.decode_tokens and self.can_speculate(cmd.bucket)):
@@ -659,10 +659,11 @@ class RankRuntime:
         distribution is exactly that distribution's rejection sampling. With an emulated acceptance (benchmarks),
         draft j is kept, after draft j - 1 was, with the ratio of their per-position rates: so in its rate's share
         of the steps (on a coin of the row's seed and token index, as its draw: a seeded request keeps the same
-        drafts however it is batched). No row keeps a token past its first stop id or its max_tokens: the request ends there, and its
-        state with it (the step after, planned before this one's tokens are back, feeds its last token; a snapshot
-        of that holds the whole answer). Each row's count and last kept token go to `carried` at its slot (`slots`;
-        -1: released), where the next step's inputs take them, and the counts to the host (`kept.host`)."""
+        drafts however it is batched). No row keeps a token past its first stop id or its max_tokens: the request
+        ends there, and its state with it (the step after, planned before this one's tokens are back, feeds its
+        last token; a snapshot of that holds the whole answer). Each row's count and last kept token go to
+        `carried` at its slot (`slots`; -1: released), where the next step's inputs take them, and the counts to
+        the host (`kept.host`)."""
         drafted, tokens = kept.drafted, drawn.tokens
         n, k = drafted.shape
         free = upload({"free": kept.free}, torch.long, self.device)["free"]
