@@ -375,9 +375,10 @@ class RankRuntime:
     def launch(self, cmd: StepCommand, on_launched: Callable[[], None] = lambda: None) -> "LaunchedStep | None":
         """Queue one step on the device without waiting for it: rank 0 returns what `finish` reads its tokens
         from, the other ranks None. Overlap scheduling launches step k+1 before finishing step k; step k+1's
-        UNKNOWN_TOKEN rows then take step k's tokens on the device, its KEPT_ON_DEVICE rows step k's kept counts. `on_launched()` once the whole step is queued
-        on a GPU (its caller keeps other Python off the GIL until then: every torch call here gives the GIL up and
-        waits to get it back), at the start on the CPU, where launching computes the step."""
+        UNKNOWN_TOKEN rows then take step k's tokens on the device, its KEPT_ON_DEVICE rows step k's kept counts.
+        `on_launched()` once the whole step is queued on a GPU (its caller keeps other Python off the GIL until
+        then: every torch call here gives the GIL up and waits to get it back), at the start on the CPU, where
+        launching computes the step."""
         if cmd.speculate and not (cmd.decode_tokens and self.can_speculate(cmd.bucket)):
             raise SlotProtocolError(f"rank {self.rank}: a speculative step of bucket {cmd.bucket} "
                                     f"({len(cmd.decode_tokens)} rows), which this rank does not speculate")
