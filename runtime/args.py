@@ -51,8 +51,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True  # share cached prompt prefixes (KV pages and recurrent-state snapshots)
     prefix_cache_state_gib: float | None = None  # per rank, for the snapshots; None: a tenth of what the weights leave
     async_scheduling: bool = True  # launch each step before the last one's tokens are back (overlap)
-    # Speculative decoding with the checkpoint's MTP head: k tokens drafted and verified a step (0: off). Its
-    # speculative steps run without overlap scheduling.
+    # Speculative decoding with the checkpoint's MTP head: k tokens drafted and verified a step (0: off).
     speculative_tokens: int = 0
     # Decode steps of more rows than this decode one token a row (a verify step's k + 1 rows a request grow
     # costlier with the batch); None: no limit.

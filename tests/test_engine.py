@@ -485,7 +485,7 @@ def test_step_log_names_what_each_step_carried(tiny_ckpt, caplog, overlap):
         "1 decode rows (bucket 1), 0 prompt tokens in 0 chunks (budget 0)",
     ]
     # Every step after the first says how long the devices waited for it, overlapped or not (the host's work
-    # between steps, which the speculation policy charges a step that runs without overlap).
+    # between steps where it outlasts the step before, which the speculation policy charges the step).
     assert all("devices idle" in line for line in lines[1:]) and "devices idle" not in lines[0]
     device_ms = [float(line.split(": ")[1].split(" ms on the device")[0]) for line in lines]
     assert all(ms > 0 for ms in device_ms)  # rank 0 timed each step (on the CPU: its launch computes it)
