@@ -83,10 +83,13 @@ class DecodeInputs:
         ids = self.input_ids[:bucket]
         ids.copy_(torch.where(ids == UNKNOWN_TOKEN, last_tokens[:bucket], ids))
 
-    def advance(self, offsets: torch.Tensor, bucket: int) -> None:
-        """Move each row's position on by `offsets` [bucket] (on the device), with its sequence length and KV slot."""
+    def advance(self, offsets: torch.Tensor, bucket: int, positions_only: bool = False) -> None:
+        """Move each row's position on by `offsets` [bucket] (on the device), with its sequence length and KV slot
+        unless `positions_only` (a speculative step computes those from the positions itself)."""
         positions = self.positions[:bucket]
         positions.add_(offsets)
+        if positions_only:
+            return
         self.seq_lens[:bucket].copy_(positions + 1)
         page = (positions // self.page_size).clamp(max=self.width - 1)
         pages = self.page_table[:bucket].gather(1, page[:, None]).squeeze(1).long()
@@ -504,7 +507,7 @@ class RankRuntime:
         if not pending:
             return None
         more = self.speculation.take_kept(self.carried[1], cmd.bucket, cmd.draft_tokens is not None)
-        self.inputs.advance(more, cmd.bucket)
+        self.inputs.advance(more, cmd.bucket, positions_only=cmd.speculate)
         return more
 
     def _draw_decode(self, cmd: StepCommand, logits: torch.Tensor, index_offsets: torch.Tensor | None):
@@ -667,7 +670,7 @@ class RankRuntime:
         the host (`kept.host`)."""
         drafted, tokens = kept.drafted, drawn.tokens
         n, k = drafted.shape
-        free = upload({"free": kept.free}, torch.long, self.device)["free"]
+        free, is_free, limits, stops = kept.inputs(self.device)
         chain = tokens[:n, None].repeat(1, k + 1)  # [n, k + 1]: the first token, then the k drawn after it
         chain[free, 1:] = tokens[n:].view(-1, k)
         if self._keep_ratio is not None:  # ids below the vocabulary's: other values than the draw's
@@ -675,9 +678,7 @@ class RankRuntime:
             ok = counter_uniform(drawn.params.seeds[:n], drawn.params.steps[:n], coin_ids) < self._keep_ratio
         else:
             ok = drafted == chain[:, :k]
-        ok &= torch.zeros(n, dtype=torch.bool, device=self.device).index_fill_(0, free, True)[:, None]
-        counts = 1 + ok.long().cumprod(1).sum(1)
-        limits, stops = kept.ends(self.device)
+        counts = 1 + (ok & is_free[:, None]).long().cumprod(1).sum(1)
         if kept.index_offsets is not None:
             limits = limits - kept.index_offsets[:n]
         is_stop = (chain[:, :, None] == stops[:, None, :]).any(-1)  # padding -1 matches no token
@@ -733,14 +734,17 @@ class KeptDrafts:
         self.host: torch.Tensor | None = None
         self.event: torch.cuda.Event | None = None
 
-    def ends(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row, the tokens it may still keep [n] (from the host's token index) and its stop ids [n, S]
-        (padded with -1), on `device`."""
+    def inputs(self, device) -> tuple[torch.Tensor, ...]:
+        """On `device`, in one copy: the free rows' indices, whether each row is free [n], the tokens each row may
+        still keep [n] (from the host's token index) and its stop ids [n, S] (padded with -1)."""
+        n = len(self._ends)
         width = max((len(stops) for _, stops in self._ends), default=0)
         limits = [(2**62 if most is None else most) - index for (most, _), index in zip(self._ends, self.token_index)]
         stops = [t for _, ids in self._ends for t in list(ids) + [-1] * (width - len(ids))]
-        up = upload({"limits": limits, "stops": stops}, torch.long, device)
-        return up["limits"], up["stops"].view(len(self._ends), width)
+        free = set(self.free)
+        up = upload({"free": self.free, "is_free": [i in free for i in range(n)], "limits": limits, "stops": stops},
+                    torch.long, device)
+        return up["free"], up["is_free"].bool(), up["limits"], up["stops"].view(n, width)
 
     def copy_to_host(self, counts: torch.Tensor) -> None:
         if counts.is_cuda:
