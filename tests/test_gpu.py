@@ -673,19 +673,20 @@ def test_prefix_cache_resumes_as_a_cold_prefill_computes(real_geometry_ckpt):
 
 
 def test_speculative_decoding_keeps_the_tokens_of_plain_decoding(real_geometry_ckpt):
-    """At the 4B width on the GPU (the Triton ops, the steps in captured graphs): greedy tokens with the head
-    drafting (random weights: drafts mostly rejected) and with drafts of the model's own continuation (all kept but
-    the last step's), in fp32, equal plain decoding's; the verify path's log-probs within 2e-3 of the decode
-    path's."""
+    """At the 4B width on the GPU (the Triton ops, the steps in captured graphs, overlapped: each step takes the
+    last one's kept counts on the device): greedy tokens with the head drafting (random weights: drafts mostly
+    rejected) and with drafts of the model's own continuation (all kept but the last step's), in fp32, equal plain
+    decoding's; the verify path's log-probs within 2e-3 of the decode path's."""
     from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 
     prompts = [[(7 * i + 13 * j) % 3000 for j in range(40 + 37 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
 
     async def run(k: int, drafter=None):
+        # Prefill graphs off: the decode and speculative graphs are what this checks, and fp32 captures are slow.
         args = EngineArgs(model=real_geometry_ckpt, device="cuda", max_batch=4, max_model_len=1024,
                           load_format="random", dtype="float32", speculative_tokens=k, speculative_drafter=drafter,
-                          speculative_adaptive=False)
+                          speculative_adaptive=False, prefill_graph_tokens=0)
         async with AsyncEngine(args) as engine:
             graphs = engine.replica.ranks[0].backend.graphs
             assert graphs.buckets and not graphs.eager  # the speculative steps replay captured graphs
