@@ -578,8 +578,7 @@ class AsyncEngine:
             while not self._closing:
                 if in_flight is not None and self._needs_tokens_first(in_flight[0]):  # before the plan is made
                     done, in_flight = in_flight, None
-                    if await finish(done):
-                        await asyncio.sleep(0)  # its first tokens' streams write them (see below)
+                    await finish(done)
                 plan = sched.schedule() if sched.has_work else None
                 if plan is not None:
                     self._decide(plan)
@@ -609,13 +608,8 @@ class AsyncEngine:
         """Whether the next plan waits for the tokens of the step `before` it (in flight), and is made after them.
         Where that step speculated: for a row still short of its min_tokens (its draw bars the stop ids by its
         token's index, which the host must then know); and, among few rows, for one that step may take to its
-        max_tokens (else the next step runs for it in vain, and a request arriving meanwhile waits for that step:
-        H100, 4B c1, TTFT 15.4 ms). In a speculative engine, for a step with a first token for few streams, which
-        then reaches its stream before the next step's launch (a speculative one's is longer than a one-token
-        step's) holds the worker that delivers it."""
-        if self.speculative and any(w.last for w in before.prefill) \
-                and len(before.decode_ids) + len(before.prefill) <= FEW_STREAMS:
-            return True
+        max_tokens (else the next step runs for it in vain, and a request arriving meanwhile waits for that step;
+        H100, 4B c1 with k 4: TTFT 15.4 ms against 12.1 plain, before this wait)."""
         if not before.speculate:
             return False
         counts, few = self.scheduler.requests, len(before.decode_ids) <= FEW_STREAMS

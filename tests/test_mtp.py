@@ -404,6 +404,37 @@ def test_speculative_steps_overlap_and_change_no_token(tiny_tp_ckpt, monkeypatch
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
 
 
+def test_no_step_runs_for_a_request_its_last_speculative_step_ended(tiny_tp_ckpt, monkeypatch):
+    """Overlapped, the step after a speculative one is planned before its counts are back; where that step may end
+    a request at max_tokens, the loop waits for them instead, so no step runs for a request already done (a
+    request arriving then would queue behind it)."""
+    from deltaserve.devices.rank import RankRuntime
+
+    launch, decode_steps = RankRuntime.launch, []
+
+    def counting(runtime, cmd, *args):
+        if runtime.rank == 0 and cmd.decode_tokens:
+            decode_steps.append(len(cmd.decode_tokens))
+        return launch(runtime, cmd, *args)
+
+    monkeypatch.setattr(RankRuntime, "launch", counting)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (13, 14, 2)]
+
+    async def main():
+        args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20,
+                          speculative_tokens=3, speculative_acceptance=(1.0, 1.0, 1.0), speculative_adaptive=False,
+                          warmup=False)
+        async with AsyncEngine(args) as engine:
+            for p in params:  # one at a time
+                decode_steps.clear()
+                out = await _collect(engine, _prompts()[1], p)
+                assert len(out[0]) == p.max_tokens
+                # The first token comes from the prefill, then four a step.
+                assert len(decode_steps) == -(-(p.max_tokens - 1) // 4), (p.max_tokens, decode_steps)
+
+    asyncio.run(main())
+
+
 def test_an_emulated_acceptance_is_what_the_metrics_report_per_position(tiny_tp_ckpt):
     """A published profile is per-position rates (the share of steps whose draft j is kept, as vLLM's metrics
     and ours count them): emulated, the engine's per-position counters give it back, and a step keeps 1 + the
