@@ -651,7 +651,7 @@ class RankRuntime:
         token_index = cmd.decode_token_index + [cmd.decode_token_index[i] + j for i in free for j in range(1, k + 1)]
         drawn = self.sampling.draw(logits, self.sampling.prepare(rows, token_index, cmd.step_seed, index_offsets))
         ends = [(self.sampling.settings[i].max_tokens, self.sampling.settings[i].stop_token_ids) for i in slots]
-        kept = KeptDrafts(free, drafted[:n].clone(), cmd.decode_token_index, ends, index_offsets)
+        kept = KeptDrafts(free, drafted[:n].clone(), ends)
         drawn.on_redrawn = lambda d: self._keep_drafts(kept, d, list(d.slots[:n]))
         self._keep_drafts(kept, drawn, slots)
         return drawn, kept
@@ -670,7 +670,7 @@ class RankRuntime:
         the host (`kept.host`)."""
         drafted, tokens = kept.drafted, drawn.tokens
         n, k = drafted.shape
-        free, is_free, limits, stops = kept.inputs(self.device)
+        free, is_free, most, stops = kept.inputs(self.device)
         chain = tokens[:n, None].repeat(1, k + 1)  # [n, k + 1]: the first token, then the k drawn after it
         chain[free, 1:] = tokens[n:].view(-1, k)
         if self._keep_ratio is not None:  # ids below the vocabulary's: other values than the draw's
@@ -679,14 +679,13 @@ class RankRuntime:
         else:
             ok = drafted == chain[:, :k]
         counts = 1 + (ok & is_free[:, None]).long().cumprod(1).sum(1)
-        if kept.index_offsets is not None:
-            limits = limits - kept.index_offsets[:n]
+        limits = most - drawn.params.steps[:n]  # the first rows' token index, on the device
         is_stop = (chain[:, :, None] == stops[:, None, :]).any(-1)  # padding -1 matches no token
         first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, k + 1)
         counts = torch.minimum(counts, torch.minimum(limits.clamp(min=1), first_stop))
         last = chain.gather(1, (counts - 1)[:, None]).squeeze(1)
         live = [(i, s) for i, s in enumerate(slots) if s >= 0]
-        if len(live) == n and slots == list(range(n)):
+        if slots == list(range(n)):
             self.carried[0, :n], self.carried[1, :n] = last, counts
         elif live:
             at = upload({"rows": [i for i, _ in live], "slots": [s for _, s in live]}, torch.long, self.device)
@@ -725,26 +724,23 @@ class KeptDrafts:
     """A speculative step's drafts and what it kept of them: counted on the device behind its draw
     (`RankRuntime._keep_drafts`), read on the host once the copy is there."""
 
-    def __init__(self, free: list[int], drafted: torch.Tensor, token_index: list[int],
-                 ends: list[tuple[int | None, tuple[int, ...]]], index_offsets: torch.Tensor | None) -> None:
-        """free: the rows without penalties; drafted [n, k]; per row, the index of its first token this step (on
-        the host; plus `index_offsets` on the device, None: 0) and its (max_tokens, stop ids)."""
-        self.free, self.drafted = free, drafted
-        self.token_index, self._ends, self.index_offsets = token_index, ends, index_offsets
+    def __init__(self, free: list[int], drafted: torch.Tensor, ends: list[tuple[int | None, tuple[int, ...]]]) -> None:
+        """free: the rows without penalties; drafted [n, k]; per row, its (max_tokens, stop ids)."""
+        self.free, self.drafted, self._ends = free, drafted, ends
         self.host: torch.Tensor | None = None
         self.event: torch.cuda.Event | None = None
 
     def inputs(self, device) -> tuple[torch.Tensor, ...]:
-        """On `device`, in one copy: the free rows' indices, whether each row is free [n], the tokens each row may
-        still keep [n] (from the host's token index) and its stop ids [n, S] (padded with -1)."""
+        """On `device`, in one copy: the free rows' indices, whether each row is free [n], each row's max_tokens [n]
+        and its stop ids [n, S] (padded with -1)."""
         n = len(self._ends)
         width = max((len(stops) for _, stops in self._ends), default=0)
-        limits = [(2**62 if most is None else most) - index for (most, _), index in zip(self._ends, self.token_index)]
+        most = [2**62 if m is None else m for m, _ in self._ends]
         stops = [t for _, ids in self._ends for t in list(ids) + [-1] * (width - len(ids))]
         free = set(self.free)
-        up = upload({"free": self.free, "is_free": [i in free for i in range(n)], "limits": limits, "stops": stops},
+        up = upload({"free": self.free, "is_free": [i in free for i in range(n)], "most": most, "stops": stops},
                     torch.long, device)
-        return up["free"], up["is_free"].bool(), up["limits"], up["stops"].view(n, width)
+        return up["free"], up["is_free"].bool(), up["most"], up["stops"].view(n, width)
 
     def copy_to_host(self, counts: torch.Tensor) -> None:
         if counts.is_cuda:
