@@ -69,7 +69,8 @@ async def open_engine(size: str, layers: int | None, batches: list[int], context
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as folder:
         write_checkpoint(folder, size, layers=layers, weights=False, fp8=fp8)
         args = EngineArgs(model=folder, device="cuda", tp=tp, load_format="random", max_batch=max(batches),
-                          max_model_len=context * 2, buckets=sorted(set(batches)), prefill_slots=1,
+                          # the engine column's requests: a prompt of `context` and up to ~1k tokens out
+                          max_model_len=context + 1280, buckets=sorted(set(batches)), prefill_slots=1,
                           prefill_token_budget=512, kernel_config=kernel_config,
                           async_scheduling=async_scheduling, speculative_tokens=speculative_tokens,
                           speculative_adaptive=False, speculative_draft_vocab=draft_vocab, fp8_kernels=fp8,
