@@ -67,10 +67,6 @@ class KernelConfig:
     few_rows_silu_tile: Tile = Tile(32, 128, 4, 3)
     # Programs an SM that a narrow output's K splits aim at (`launch.k_splits`; 4 as for FP8 decode); 0: no split.
     few_rows_split_programs: int = 4
-    # Whether outputs wider than their inputs (the input projections, gate_up) go to the few-row kernel too, or only
-    # the narrowing ones (out_proj, o_proj, down_proj), whose K it splits and sums in the same kernel where cuBLAS
-    # adds a reduction kernel: cuBLAS read the wide ones 10-30% faster at 4-8 rows (H200, `few_rows_lab`).
-    few_rows_wide: bool = False
 
     # FP8 weights (`kernels.fp8`) up to 64 rows (decode): (BLOCK_N, programs an SM that K splits aim at, warps,
     # stages) of the W8A16 kernel: the fastest of the 27B sweep (`tools/lab/fp8_sweep.py`) on every projection

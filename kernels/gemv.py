@@ -149,9 +149,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, cfg: KernelConfig = DEFAULT, con
 
 def few_rows_takes(x: torch.Tensor, weight: torch.Tensor, cfg: KernelConfig) -> bool:
     """Whether `linear` sends x [M, K] to the few-row kernel: 2 <= M <= cfg.few_rows, bf16 weights (fp16 and fp32
-    models stay on cuBLAS), and an output no wider than K unless cfg.few_rows_wide."""
-    return (2 <= x.shape[0] <= cfg.few_rows and weight.dtype == torch.bfloat16
-            and (cfg.few_rows_wide or weight.shape[0] <= weight.shape[1]))
+    models stay on cuBLAS)."""
+    return 2 <= x.shape[0] <= cfg.few_rows and weight.dtype == torch.bfloat16
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled variant for every row count

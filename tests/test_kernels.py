@@ -488,9 +488,6 @@ def test_few_row_projections_and_their_routing(m, n, k, splits, monkeypatch):
     assert gemv.few_rows_takes(bf, w, on) and not gemv.few_rows_takes(bf, w, KernelConfig(few_rows=0))
     assert not gemv.few_rows_takes(randn(m, k), w.float(), on)  # fp32 models stay on cuBLAS
     assert not gemv.few_rows_takes(randn(17, k, dtype=torch.bfloat16), w, on)
-    widening = randn(k + 1, k, dtype=torch.bfloat16)  # an input projection's shape: cuBLAS unless few_rows_wide
-    assert not gemv.few_rows_takes(bf, widening, on)
-    assert gemv.few_rows_takes(bf, widening, KernelConfig(few_rows=16, few_rows_wide=True))
     calls = []
     monkeypatch.setattr(gemv, "few_rows", lambda x, w, silu_mul_rows=0, cfg=DEFAULT, config=None:
                         calls.append(silu_mul_rows) or torch.zeros(x.shape[0], silu_mul_rows or w.shape[0]))
