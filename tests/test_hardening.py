@@ -388,10 +388,13 @@ class EngineThread:
         self.loop.close()
 
 
-@pytest.fixture(scope="module")
-def fuzz_engine(tiny_ckpt):
+# The speculative engine keeps drafts on an emulated acceptance (random weights accept none), so its overlapped
+# steps take several tokens a row on the device, past stop ids, min_tokens and max_tokens caps.
+@pytest.fixture(scope="module", params=[{}, {"speculative_tokens": 3, "speculative_adaptive": False,
+                                             "speculative_acceptance": (0.9, 0.7, 0.5)}], ids=["plain", "speculative"])
+def fuzz_engine(tiny_ckpt, request):
     runner = EngineThread(EngineArgs(model=tiny_ckpt, max_model_len=96, max_batch=4, prefill_slots=2,
-                                     cpu_memory_bytes=32 << 20))
+                                     cpu_memory_bytes=32 << 20, **request.param))
     yield runner
     runner.close()
 
@@ -468,5 +471,7 @@ def test_fuzzed_sampling_params_and_prompts_never_hurt_the_engine(fuzz_engine):
 
     example()
     assert len(served) >= 20, f"only {len(served)} fuzzed requests were valid: the strategy tests little"
+    if engine.args.speculative_tokens:
+        assert engine.metrics.spec_accepted._value.get() > 0  # drafts were kept, overlapped steps took them
 
     assert fuzz_engine.run(wait_free(engine))
