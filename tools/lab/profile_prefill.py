@@ -5,12 +5,13 @@
 
 Random bf16 weights on a CUDA device, tp = 1, one request at a time through `engine.generate` (max_tokens 1), so
 its time to first token is one prefill step plus the sampler. Per prompt length: the median TTFT (no profiler),
-then under torch.profiler the kernels per request, their summed GPU time, and the kernels launched most. When
-the GPU time is far below the TTFT and the kernel count is high, the step is launch-bound (host time per launch);
-when they are close, it is the math. The profiled requests' wall time is split into the host's part before
-their first kernel, the GPU's idle time between their kernels, and the host's part after the last. `--timeline`
-prints one request's step launches and token reads on the host clock; `--host-profile N` where rank 0's thread
-spends a prefill of N tokens (cProfile, by own time).
+the prefill rate as #30 counts it (the layers' projection FLOPs over the TTFT, against a large bf16 matmul's rate
+measured in the same run), then under torch.profiler the kernels per request, their summed GPU time, and the
+kernels launched most. When the GPU time is far below the TTFT and the kernel count is high, the step is
+launch-bound (host time per launch); when they are close, it is the math. The profiled requests' wall time is
+split into the host's part before their first kernel, the GPU's idle time between their kernels, and the host's
+part after the last. `--timeline` prints one request's step launches and token reads on the host clock;
+`--host-profile N` where rank 0's thread spends a prefill of N tokens (cProfile, by own time).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import collections
 import cProfile
 import io
 import logging
+import math
 import pstats
 import statistics
 import sys
@@ -31,8 +33,18 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from deltaserve.kernels.config import DEFAULT, KernelConfig
+from deltaserve.model.config import load_model_config
 from deltaserve.model.synthetic import write_checkpoint
+from deltaserve.model.weights import expected_shapes
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+from deltaserve.tools.bench_kernels import ceilings
+
+
+def projection_flops_per_token(cfg) -> int:
+    """The matmul FLOPs of a prompt token in the decoder layers' projections (2 per weight element): attention
+    scores, the GDN scan and the lm_head (one row a prompt) left out."""
+    return 2 * sum(math.prod(shape) for name, shape in expected_shapes(cfg).items()
+                   if name.startswith("layers.") and len(shape) == 2)
 
 
 async def first_token_s(engine: AsyncEngine, n: int, seed: int, prefix: int = 0) -> float:
@@ -57,8 +69,10 @@ async def first_token_s(engine: AsyncEngine, n: int, seed: int, prefix: int = 0)
 async def run(ns) -> list[dict]:
     lengths = [int(t) for t in ns.tokens.split(",")]
     rows = []
+    _, matmul_flops = ceilings(torch.device("cuda"))  # before the engine takes the memory
     with tempfile.TemporaryDirectory(prefix="profile_prefill_") as folder:
         write_checkpoint(folder, ns.size, layers=ns.layers, weights=False, fp8=ns.fp8)
+        per_token = projection_flops_per_token(load_model_config(folder))
         args = EngineArgs(model=folder, device="cuda", load_format="random", max_batch=1, buckets=[1],
                           max_model_len=ns.prefix + max(lengths) + 8, prefill_slots=1,
                           prefill_token_budget=max([*lengths, ns.prefix]), warmup=False, stats_interval_s=0,
@@ -83,6 +97,7 @@ async def run(ns) -> list[dict]:
                     busy[e.name[:60]] += e.time_range.elapsed_us() / 3
                 rows.append({
                     "tokens": n, "ttft_ms": ttft * 1e3, "kernels": len(kernels) / 3,
+                    "tflops": n * per_token / ttft / 1e12, "of_matmul": n * per_token / ttft / matmul_flops,
                     "gpu_ms": sum(e.time_range.elapsed_us() for e in kernels) / 3 / 1e3,
                     "top": [(name[:60], count // 3) for name, count in names.most_common(ns.top)],
                     "busiest": busy.most_common(ns.top), **timeline,
@@ -196,13 +211,14 @@ def main(argv=None) -> int:
         print("profile_prefill needs a CUDA device")
         return 2
     rows = asyncio.run(run(ns))
-    print("| prompt tokens | TTFT ms (engine) | kernels per request | GPU busy ms | GPU / TTFT | host before / GPU "
-          "idle between kernels / host after, us (profiled) |")
-    print("|---:|---:|---:|---:|---:|---|")
+    print("| prompt tokens | TTFT ms (engine) | tokens/s | projection TFLOP/s (of the matmul rate) | kernels per "
+          "request | GPU busy ms | GPU / TTFT | host before / GPU idle between kernels / host after, us (profiled) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         split = (f"{r['host_before_us']:.0f} / {r['gpu_idle_us']:.0f} / {r['host_after_us']:.0f}"
                  if "host_before_us" in r else "-")
-        print(f"| {r['tokens']} | {r['ttft_ms']:.2f} | {r['kernels']:.0f} | {r['gpu_ms']:.2f} | "
+        print(f"| {r['tokens']} | {r['ttft_ms']:.2f} | {r['tokens'] / r['ttft_ms'] * 1e3:.0f} | "
+              f"{r['tflops']:.0f} ({r['of_matmul']:.0%}) | {r['kernels']:.0f} | {r['gpu_ms']:.2f} | "
               f"{r['gpu_ms'] / r['ttft_ms']:.2f} | {split} |")
     for r in rows:
         print(f"\n{r['tokens']} tokens, most launched: " + ", ".join(f"{n} x{c}" for n, c in r["top"]))
