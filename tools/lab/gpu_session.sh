@@ -15,7 +15,8 @@
 #         drafts reading an FP8 copy of lm_head (the default) and the bf16 one
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
 # fewrows #30, #32: the few-row kernel's tile sweep, then the batch-8 decode step and the speculative graph (a
-#         five-row verify) with it and without it
+#         five-row verify) with it (the input add-and-norms fused into it) and without it; then batch 8 with it
+#         and the norms apart
 # mixed   #30: what a prompt chunk adds to a step of 60 decode rows (tools/lab/profile_mixed_step.py)
 # turn    #31: a chat turn's prefill (1024 tokens) after cached prefixes of 0 and 7.6k tokens, with the kernels
 #         that take the GPU time (what grows with the prefix), its attention's keys shared out up to 1 and 4 ways
@@ -65,7 +66,10 @@ for stage in ${STAGES//,/ }; do
         timeout 120 python3 -m deltaserve.tools.lab.profile_decode --size 4b --batches 1 --speculative-tokens 4 \
             --few-rows $n > "$DIR/spec-graph-few-rows-$n.txt" 2>&1  # the verify's five rows
         grep "^batch" "$DIR/spec-graph-few-rows-$n.txt" | sed "s/^/few_rows=$n speculative /"
-      done ;;
+      done
+      timeout 120 python3 -m deltaserve.tools.bench_decode --size 4b --batches 8 --few-rows 16 --fused-norm off \
+          > "$DIR/decode-few-rows-16-norms-apart.md" 2>&1
+      grep "^| [0-9]" "$DIR/decode-few-rows-16-norms-apart.md" | sed "s/^/few_rows=16, norms apart /" ;;
     mixed)
       timeout 200 python3 -m deltaserve.tools.lab.profile_mixed_step --size 4b --rows 60 --prompt 256 \
           > "$DIR/mixed-step.txt" 2>&1
