@@ -70,6 +70,7 @@ async def run(ns) -> list[dict]:
     lengths = [int(t) for t in ns.tokens.split(",")]
     rows = []
     _, matmul_flops = ceilings(torch.device("cuda"))  # before the engine takes the memory
+    torch.cuda.empty_cache()  # and handed back for the engine's sizing
     with tempfile.TemporaryDirectory(prefix="profile_prefill_") as folder:
         write_checkpoint(folder, ns.size, layers=ns.layers, weights=False, fp8=ns.fp8)
         per_token = projection_flops_per_token(load_model_config(folder))
