@@ -25,7 +25,7 @@ from deltaserve.model.weights import fp8_copy
 
 from .backend import GraphProgram, StepGraphs
 from .commands import KEPT_ON_DEVICE, UNKNOWN_TOKEN, SampledToken, SlotProtocolError, StepCommand, StepResult
-from .sampling import Draw, SlotSampling
+from .sampling import Draw, SlotSampling, to_host
 
 log = logging.getLogger(__name__)
 
@@ -743,13 +743,7 @@ class KeptDrafts:
         return up["free"], up["is_free"].bool(), up["most"], up["stops"].view(n, width)
 
     def copy_to_host(self, counts: torch.Tensor) -> None:
-        if counts.is_cuda:
-            self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            self.host.copy_(counts, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host, self.event = counts, None
+        (self.host,), self.event = to_host([counts])
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()

@@ -164,12 +164,7 @@ class SlotSampling:
         self.last_tokens[slot_index] = tokens
         if params.output_counts is not None:
             self._count(slot_index, tokens, 1)
-        out = [tokens, chosen, top_ids, top_lp, done]
-        event = None
-        if logits.is_cuda:  # the host copies queue behind the draw; `event` says when they are there
-            out = [None if t is None else _to_pinned(t) for t in out]
-            event = torch.cuda.Event()
-            event.record()
+        out, event = to_host([tokens, chosen, top_ids, top_lp, done])  # the copies queue behind the draw
         flaggable = done is not None and any(may_be_flagged(r) for r in rows)
         d = Draw(rows, slots, logits, tokens, params, k, out, event, settled=not flaggable)
         if flaggable:
@@ -226,7 +221,18 @@ class SlotSampling:
                                       accumulate=True)
 
 
-def _to_pinned(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
+def to_host(tensors: list[torch.Tensor | None]) -> tuple[list, torch.cuda.Event | None]:
+    """The tensors (None kept) copied to pinned host memory behind the work queued so far, and the event that says
+    when the copies are there; on the CPU the tensors themselves and no event."""
+    if not tensors[0].is_cuda:
+        return tensors, None
+    host = []
+    for t in tensors:
+        if t is not None:
+            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            pinned.copy_(t, non_blocking=True)
+            t = pinned
+        host.append(t)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
