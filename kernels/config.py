@@ -48,8 +48,7 @@ class KernelConfig:
 
     # The block's input add-and-norm fused into the one-row projection that reads it (and silu(gate) * up into the
     # MLP's epilogue). Every program reloads the input, the residual and the norm weight, which on wide inputs costs
-    # what the saved launches give back, so only inputs narrower than `wide_input_k` are fused. Also into the
-    # few-row kernel's projections (where `few_rows` sends them there), whose norm weight is folded.
+    # what the saved launches give back, so only inputs narrower than `wide_input_k` are fused.
     fused_norm: bool = True
     # Two rows a program (two gate and two up rows with silu) in four warps: the fastest of the H200 sweep on every
     # node it ran on (two warps won on one node and lost on another).

@@ -144,9 +144,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, cfg: KernelConfig = DEFAULT, con
 # cores (the rows padded to 16, the smallest dot). Bound by the weight read, like the one-row GEMV; cuBLAS picks
 # tiles made for more rows. Narrow outputs split K across programs (`launch.k_splits`), so every SM streams. With
 # SILU_MUL the epilogue applies silu(gate) * up, the MLP's, so the activation is written once (its output is wide:
-# no split). With NORM the block's input add-and-norm comes with it, as in the one-row `norm_gemv`: each program
-# multiplies the summed rows x + residual as they are and scales its sums by each row's 1/rms, found over the same
-# loads (a normed input is never written; K is not split).
+# no split).
 
 
 def few_rows_takes(x: torch.Tensor, weight: torch.Tensor, cfg: KernelConfig) -> bool:
@@ -156,15 +154,13 @@ def few_rows_takes(x: torch.Tensor, weight: torch.Tensor, cfg: KernelConfig) -> 
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled variant for every row count
-def _few_rows_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counters_ptr, res_ptr, res_out_ptr, M, N, K, k_per_split,
-                     x_stride, up_rows, eps, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+def _few_rows_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counters_ptr, M, N, K, k_per_split, x_stride, up_rows,
+                     SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """out [M, N] = x [M, K] @ w.t() for M <= BLOCK_M, as out.t() = w @ x.t(): BLOCK_N weight rows a program, the
     accumulator [BLOCK_N, BLOCK_M]. Program (j, s) sums K in [s * k_per_split, (s + 1) * k_per_split), whole
     BLOCK_K tiles when EVEN_K; SPLIT: through fp32 partial [splits, M, N] (`launch.store_split`). IEEE: fp32
-    operands multiplied in fp32 (an fp32 model's products). NORM (one split): out = rms_norm(x + res) @ w.t(), the
-    norm's (1 + w) folded into w; with HAS_RES program 0 writes x + res [M, K] to res_out."""
+    operands multiplied in fp32 (an fp32 model's products)."""
     wait_for_previous_kernel(PDL)
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ms = tl.arange(0, BLOCK_M)
@@ -172,27 +168,15 @@ def _few_rows_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counters_ptr, res_ptr, 
     w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
     u_rows = w_rows + up_rows.to(tl.int64) * K
     x_rows = x_ptr + ms.to(tl.int64)[:, None] * x_stride
-    r_rows = res_ptr + ms.to(tl.int64)[:, None] * K
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    sq = tl.zeros((BLOCK_M,), tl.float32)
     k_start = tl.program_id(1) * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = (k0 + tl.arange(0, BLOCK_K))[None, :]
         wmask = nmask[:, None] if EVEN_K else nmask[:, None] & (ks < k_end)
         xmask = mmask[:, None] if EVEN_K else mmask[:, None] & (ks < k_end)
-        x = tl.load(x_rows + ks, mask=xmask, other=0.0)
-        if NORM:
-            if HAS_RES:  # the sum rounded to the model dtype, as the reference's is (added in fp32: the
-                # interpreter adds two bf16 tensors as integers)
-                r = tl.load(r_rows + ks, mask=xmask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-                if tl.program_id(0) == 0:
-                    tl.store(res_out_ptr + ms[:, None] * K + ks, x, mask=xmask)
-            xf = x.to(tl.float32)
-            sq += tl.sum(xf * xf, axis=1)
-        xt = tl.trans(x)
+        xt = tl.trans(tl.load(x_rows + ks, mask=xmask, other=0.0))
         w = tl.load(w_rows + ks, mask=wmask, other=0.0)
         if IEEE:
             acc = tl.dot(w, xt, acc, input_precision="ieee")
@@ -208,10 +192,6 @@ def _few_rows_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counters_ptr, res_ptr, 
         store_split(acc, partial_ptr, out_ptr, counters_ptr, ms[None, :] * N + ns[:, None],
                     nmask[:, None] & mmask[None, :], M * N, tl.program_id(1), tl.num_programs(1), tl.program_id(0))
         return
-    if NORM:
-        inv = 1.0 / tl.sqrt(sq / K + eps)
-        acc *= inv[None, :]
-        acc_up *= inv[None, :]
     y = acc.to(out_ptr.dtype.element_ty)
     if SILU_MUL:  # rounded to the model dtype first, as the unfused projection's output is
         g = y.to(tl.float32)
@@ -224,18 +204,6 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul_rows: int = 0, cfg:
              config: Tile | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].t() for 2 <= M <= 16, bf16 or fp32. With silu_mul_rows = I, weight is a fused
     [gate | up] of 2I rows and the output is silu(gate) * up, [M, I]. `config` overrides cfg.few_rows_tile."""
-    return _few_rows(x, weight, silu_mul_rows, cfg, config)[0]
-
-
-def add_rms_norm_few_rows(x: torch.Tensor, residual: torch.Tensor | None, eps: float, weight: torch.Tensor,
-                          silu_mul_rows: int = 0, cfg: KernelConfig = DEFAULT, config: Tile | None = None):
-    """`few_rows` of rms_norm(x + residual), the norm's (1 + w) folded into weight; (its output, x + residual) as
-    `norm_gemv` gives them for one row."""
-    return _few_rows(x, weight, silu_mul_rows, cfg, config, norm=True, residual=residual, eps=eps)
-
-
-def _few_rows(x, weight, silu_mul_rows: int, cfg: KernelConfig, config: Tile | None, norm: bool = False,
-              residual: torch.Tensor | None = None, eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
     if not 1 <= M <= 16 or x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the few-row kernel takes 1 to 16 bf16 or fp32 rows, not {M} of {x.dtype}")
@@ -243,21 +211,16 @@ def _few_rows(x, weight, silu_mul_rows: int, cfg: KernelConfig, config: Tile | N
         x = x.contiguous()
     N = silu_mul_rows or weight.shape[0]
     block_n, block_k, warps, stages = config or (cfg.few_rows_silu_tile if silu_mul_rows else cfg.few_rows_tile)
-    splits, per_split = (1, K) if silu_mul_rows or norm or not cfg.few_rows_split_programs else k_splits(
+    splits, per_split = (1, K) if silu_mul_rows or not cfg.few_rows_split_programs else k_splits(
         triton.cdiv(N, block_n), K, block_k, cfg.few_rows_split_programs * multiprocessors(x.device))
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    has_res = residual is not None
-    if has_res:
-        residual = residual.contiguous()
-    summed = torch.empty(M, K, dtype=x.dtype, device=x.device) if has_res else x
     tiles = triton.cdiv(N, block_n)
     partial, counters = split_buffers(out, splits, tiles)
     _few_rows_kernel[(tiles, splits)](
-        x, weight, out, partial, counters, residual if has_res else x, summed, M, N, K, per_split, x.stride(0),
-        silu_mul_rows, eps, SILU_MUL=silu_mul_rows > 0, NORM=norm, HAS_RES=has_res, BLOCK_M=16, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32, SPLIT=splits > 1,
-        num_warps=warps, num_stages=stages, **pdl_options(x.device, cfg.pdl))
-    return out, summed
+        x, weight, out, partial, counters, M, N, K, per_split, x.stride(0), silu_mul_rows, SILU_MUL=silu_mul_rows > 0,
+        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32,
+        SPLIT=splits > 1, num_warps=warps, num_stages=stages, **pdl_options(x.device, cfg.pdl))
+    return out
 
 
 def linear(x: torch.Tensor, weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
@@ -435,16 +398,9 @@ def _fuses_norm(x: torch.Tensor, cfg: KernelConfig) -> bool:
     return cfg.gemv_one_row and cfg.fused_norm and x.shape[0] == 1 and x.shape[1] < cfg.wide_input_k
 
 
-def _fuses_few_rows_norm(x: torch.Tensor, norm_weight, weight, cfg: KernelConfig) -> bool:
-    """Whether the add-and-norm goes into the few-row kernel: its weight folded into the projection's."""
-    return cfg.fused_norm and norm_weight is None and few_rows_takes(x, weight, cfg)
-
-
 def add_rms_norm_linear(x, residual, norm_weight, eps: float, weight, cfg: KernelConfig = DEFAULT):
     if _fuses_norm(x, cfg) and not isinstance(weight, fp8.Fp8Weight):
         return norm_gemv(x, residual, norm_weight, eps, weight, cfg=cfg)
-    if _fuses_few_rows_norm(x, norm_weight, weight, cfg):
-        return add_rms_norm_few_rows(x, residual, eps, weight, cfg=cfg)
     normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)
     return linear(normed, weight, cfg), residual
 
@@ -452,8 +408,6 @@ def add_rms_norm_linear(x, residual, norm_weight, eps: float, weight, cfg: Kerne
 def add_rms_norm_gate_up(x, residual, norm_weight, eps: float, gate_up, cfg: KernelConfig = DEFAULT):
     if _fuses_norm(x, cfg) and not isinstance(gate_up, fp8.Fp8Weight):
         return norm_gemv(x, residual, norm_weight, eps, gate_up, silu_mul_rows=gate_up.shape[0] // 2, cfg=cfg)
-    if _fuses_few_rows_norm(x, norm_weight, gate_up, cfg):
-        return add_rms_norm_few_rows(x, residual, eps, gate_up, gate_up.shape[0] // 2, cfg)
     normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)
     if few_rows_takes(normed, gate_up, cfg):
         return few_rows(normed, gate_up, gate_up.shape[0] // 2, cfg), residual

@@ -8,7 +8,6 @@ the same checks run at the real 4B/9B/27B shapes in bf16 (marked gpu).
 import contextlib
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
@@ -494,53 +493,9 @@ def test_few_row_projections_and_their_routing(m, n, k, splits, monkeypatch):
                         calls.append(silu_mul_rows) or torch.zeros(x.shape[0], silu_mul_rows or w.shape[0]))
     monkeypatch.setattr(gemv, "add_rms_norm", lambda x, r, nw, eps, cfg: (x, x))
     gemv.linear(bf, w, on)
-    gemv.add_rms_norm_gate_up(bf, None, None, 1e-6, w, replace(on, fused_norm=False))  # the norm apart
+    gemv.add_rms_norm_gate_up(bf, None, None, 1e-6, w, on)
     gemv.linear(bf, w)  # the default: cuBLAS until measured
     assert calls == [0, n]
-
-
-@pytest.mark.parametrize("m", [2, 5, 16])
-@pytest.mark.parametrize("n, k", [(48, 256), (12, 200), (20, 1000)])
-@pytest.mark.parametrize("with_residual", [True, False])
-def test_input_norm_fused_into_the_few_row_projection(m, n, k, with_residual, monkeypatch):
-    """The block's add-and-norm fused into the few-row kernel (and silu(gate) * up into its epilogue), the norm
-    weight folded into the projection as the model runs it, against the reference with norm and projection apart,
-    in fp32 and bf16: whole and ragged K tiles; a narrow output over a long K (20 x 1000), which the plain few-row
-    kernel splits, is not split (every program needs whole rows for its 1/rms). No norm kernel runs; it does with
-    the fusion off, with the norm weight not folded, or where the few-row kernel takes no projections."""
-    tile = Tile(16, 128, 4, 1)
-    on = KernelConfig(few_rows=16, few_rows_tile=tile, few_rows_silu_tile=tile)
-    unfused_norms = []
-    real_add_rms_norm = gemv.add_rms_norm
-    monkeypatch.setattr(gemv, "add_rms_norm", lambda *a: unfused_norms.append(1) or real_add_rms_norm(*a))
-    for dtype, limit in ((torch.float32, REDUCTION), (torch.bfloat16, 2e-2)):
-        x, nw, w = randn(m, k, dtype=dtype), randn(k) * 0.2, randn(2 * n, k) * 0.1
-        res = randn(m, k, dtype=dtype) if with_residual else None
-        folded = (w * (1.0 + nw)).to(dtype)
-        ref, ref_res = gemv.add_rms_norm_linear_reference(x.float(), None if res is None else res.float(), nw,
-                                                          1e-6, w)
-        ref_act = gemv.add_rms_norm_gate_up_reference(x.float(), None if res is None else res.float(), nw, 1e-6,
-                                                      w)[0]
-        with poisoned_outputs():
-            got, got_res = gemv.add_rms_norm_few_rows(x, res, 1e-6, folded, config=tile)
-            act, act_res = gemv.add_rms_norm_few_rows(x, res, 1e-6, folded, n, config=tile)
-        assert rel(got, ref) <= limit and rel(act, ref_act) <= limit, dtype
-        assert rel(got_res, ref_res) <= (ELEMENTWISE if dtype == torch.float32 else 1e-2)
-        assert rel(act_res, ref_res) <= (ELEMENTWISE if dtype == torch.float32 else 1e-2)
-        if dtype == torch.float32:
-            continue  # the model sends only bf16 weights to the few-row kernel (`few_rows_takes`)
-        with poisoned_outputs():
-            routed, routed_res = gemv.add_rms_norm_linear(x, res, None, 1e-6, folded, on)
-            routed_act, _ = gemv.add_rms_norm_gate_up(x, res, None, 1e-6, folded, on)
-        assert not unfused_norms and torch.equal(routed, got) and torch.equal(routed_act, act)
-        assert torch.equal(routed_res, got_res)
-        # Apart, without a residual: the interpreter adds two bf16 tensors as integers (the norm kernel's x + res)
-        ref_alone, _ = gemv.add_rms_norm_linear_reference(x.float(), None, nw, 1e-6, w)
-        for unfused, norm_weight, weight in ((replace(on, fused_norm=False), None, folded),
-                                             (on, nw.to(dtype), w.to(dtype)), (KernelConfig(), None, folded)):
-            got_apart, _ = gemv.add_rms_norm_linear(x, None, norm_weight, 1e-6, weight, unfused)
-            assert unfused_norms and rel(got_apart, ref_alone) <= limit
-            unfused_norms.clear()
 
 
 @pytest.mark.parametrize("k, rows", [(256, 16), (256, 10), (320, 16), (200, 16)])

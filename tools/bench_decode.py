@@ -223,9 +223,8 @@ def add_engine_args(parser: argparse.ArgumentParser, batches: str) -> None:
                         f"(default {'on' if DEFAULT.pdl else 'off'})")
     parser.add_argument("--gemv", **on_off, help="one-row projections by the Triton GEMV, or all by cuBLAS "
                         f"(default {'on' if DEFAULT.gemv_one_row else 'off'}); off also unfuses the norms")
-    parser.add_argument("--fused-norm", **on_off, help="each block's add-and-norm fused into its one-row (and "
-                        "few-row) input projection, or a kernel of its own "
-                        f"(default {'on' if DEFAULT.fused_norm else 'off'})")
+    parser.add_argument("--fused-norm", **on_off, help="each block's add-and-norm fused into its one-row input "
+                        f"projection, or a kernel of its own (default {'on' if DEFAULT.fused_norm else 'off'})")
     parser.add_argument("--whole-rows", **on_off, help="one-row GEMVs over whole weight rows a program where K "
                         f"splits into two spans, or all by the loop over K tiles (default "
                         f"{'on' if DEFAULT.whole_rows else 'off'})")

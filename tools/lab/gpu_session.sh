@@ -66,10 +66,7 @@ for stage in ${STAGES//,/ }; do
         timeout 120 python3 -m deltaserve.tools.lab.profile_decode --size 4b --batches 1 --speculative-tokens 4 \
             --few-rows $n > "$DIR/spec-graph-few-rows-$n.txt" 2>&1  # the verify's five rows
         grep "^batch" "$DIR/spec-graph-few-rows-$n.txt" | sed "s/^/few_rows=$n speculative /"
-      done
-      timeout 120 python3 -m deltaserve.tools.bench_decode --size 4b --batches 8 --few-rows 16 --fused-norm off \
-          > "$DIR/decode-few-rows-16-norms-apart.md" 2>&1
-      grep "^| [0-9]" "$DIR/decode-few-rows-16-norms-apart.md" | sed "s/^/few_rows=16, norms apart /" ;;
+      done ;;
     mixed)
       timeout 200 python3 -m deltaserve.tools.lab.profile_mixed_step --size 4b --rows 60 --prompt 256 \
           > "$DIR/mixed-step.txt" 2>&1
