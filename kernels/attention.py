@@ -83,11 +83,6 @@ def qk_norm_rope_cache_reference(
                           v_cache, slot_mapping)
 
 
-def apply_output_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """Gated attention: o * sigmoid(gate), in fp32, rounded once."""
-    return (o.float() * torch.sigmoid(gate.float())).to(o.dtype)
-
-
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` cached tokens of one request, [length, n_kv, D]."""
     return cache[pages].reshape(-1, *cache.shape[2:])[:length]
@@ -101,10 +96,12 @@ def prefill_attention_reference(
     cu_seqlens: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its cached context plus themselves (paged KV).
+    """Causal attention of each request's new tokens over its cached context plus themselves (paged KV), times
+    sigmoid(gate) when given (gated attention, before the output is rounded).
 
-    q [T, nH, D]; the new tokens' K/V must already be in the cache. context_lens [R]: tokens before this chunk.
+    q, gate [T, nH, D]; the new tokens' K/V must already be in the cache. context_lens [R]: tokens before this chunk.
     """
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
@@ -120,7 +117,10 @@ def prefill_attention_reference(
         query_pos = torch.arange(contexts[r], total, device=q.device)[:, None]
         mask = torch.arange(total, device=q.device)[None, :] > query_pos
         probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
-        out[s:e] = torch.einsum("hts,shd->thd", probs, values).to(q.dtype)
+        o = torch.einsum("hts,shd->thd", probs, values)
+        if gate is not None:
+            o = o * torch.sigmoid(gate[s:e].float())
+        out[s:e] = o.to(q.dtype)
     return out
 
 
@@ -385,18 +385,24 @@ def _prefill_attn_keys(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_row_ptr, n_lo, n_
 
 
 @triton.jit
-def _store_attn_out(out_ptr, acc, l_i, m_idx, q_live, head, NH, d, dmask, D: tl.constexpr):
+def _store_attn_out(out_ptr, acc, l_i, m_idx, q_live, head, NH, d, dmask, gate_ptr, gate_row_stride,
+                    gate_head_stride, D: tl.constexpr, HAS_GATE: tl.constexpr):
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if HAS_GATE:  # gated attention: o * sigmoid(gate)
+        rows = gate_ptr + m_idx.to(tl.int64)[:, None] * gate_row_stride + head * gate_head_stride
+        gate = tl.load(rows + d[None, :], mask=q_live[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        out = out / (1.0 + tl.exp(-gate))
     tl.store(out_ptr + (m_idx.to(tl.int64)[:, None] * NH + head) * D + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_live[:, None] & dmask[None, :])
 
 
 @triton.jit(do_not_specialize=["R", "table_width", "split_keys"])  # they change every step: one variant for all
 def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_ptr, part_o_ptr, part_ml_ptr,
-                         row_splits_ptr, R, NH, NKV, table_width, q_row_stride, scale, split_keys,
-                         GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                         PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+                         row_splits_ptr, gate_ptr, R, NH, NKV, table_width, q_row_stride, gate_row_stride,
+                         gate_head_stride, scale, split_keys, GROUP: tl.constexpr, D: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_R: tl.constexpr,
+                         PRECISION: tl.constexpr, SPLITS: tl.constexpr, HAS_GATE: tl.constexpr):
     """SPLITS > 1: a request with a cached context shares each block's keys out over cdiv(context, split_keys)
     programs, at most SPLITS (a fresh prompt's blocks are short and many: it keeps one); each stores its
     unnormalised output and (max, sum) in natural-log units into the parts, which `_merge_splits_kernel` adds, and
@@ -445,9 +451,11 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_
                 tl.store(part_ml_ptr + base * 2, m_i * 0.6931471805599453, mask=q_live)  # log2 units to natural
                 tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=q_live)
             else:
-                _store_attn_out(out_ptr, acc, l_i, m_idx, q_live, head, NH, d, dmask, D)
+                _store_attn_out(out_ptr, acc, l_i, m_idx, q_live, head, NH, d, dmask, gate_ptr, gate_row_stride,
+                                gate_head_stride, D, HAS_GATE)
         else:
-            _store_attn_out(out_ptr, acc, l_i, m_idx, q_live, head, NH, d, dmask, D)
+            _store_attn_out(out_ptr, acc, l_i, m_idx, q_live, head, NH, d, dmask, gate_ptr, gate_row_stride,
+                            gate_head_stride, D, HAS_GATE)
 
 
 # A request's keys are shared out over one more program for every PREFILL_SPLIT_KEYS cached keys (up to
@@ -457,10 +465,11 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_
 PREFILL_SPLIT_KEYS = 2048
 
 
-def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale: float,
+def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens, scale: float, gate=None,
                       cfg: KernelConfig = DEFAULT, config=None, splits: int | None = None,
                       split_keys: int = PREFILL_SPLIT_KEYS):
-    """Same contract as prefill_attention_reference; no host synchronisation, no score matrix in memory.
+    """Same contract as prefill_attention_reference; no host synchronisation, no score matrix in memory. The gate
+    is applied as the output is stored (apart, in torch, its fp32 passes cost the 4B's 8k-token prefill 4.3 ms).
     `config` overrides cfg.prefill_attention_tile (the benchmark sweeps it). A chunk after a long cached context
     has too few query blocks to fill the GPU, each over the whole context: its blocks' keys are shared out over up
     to `splits` programs (cfg.prefill_attention_splits, then one wherever the grid fills the GPU twice anyway), one
@@ -481,12 +490,19 @@ def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens,
         row_splits = torch.ones(T_, dtype=torch.int32, device=q.device)  # padding rows: nothing to merge
     if q.stride(2) != 1 or q.stride(1) != D:
         q = q.contiguous()
+    if gate is not None and gate.stride(2) != 1:
+        gate = gate.contiguous()
+    gate_row_stride, gate_head_stride = gate.stride()[:2] if gate is not None else (0, 0)
     _prefill_attn_kernel[(T_ // block_m + R, NH, splits)](
-        q, k_cache, v_cache, page_table, cu_seqlens, context_lens, out, part_o, part_ml, row_splits, R, NH, NKV,
-        page_table.shape[1], q.stride(0), scale * 1.4426950408889634, split_keys, GROUP=NH // NKV, D=D, PAGE=PAGE,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(D), BLOCK_R=max(16, _pow2(R + 1)),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, num_warps=warps, num_stages=stages)
+        q, k_cache, v_cache, page_table, cu_seqlens, context_lens, out, part_o, part_ml, row_splits,
+        gate if gate is not None else out, R, NH, NKV, page_table.shape[1], q.stride(0), gate_row_stride,
+        gate_head_stride, scale * 1.4426950408889634, split_keys, GROUP=NH // NKV, D=D, PAGE=PAGE, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=_pow2(D), BLOCK_R=max(16, _pow2(R + 1)),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits, HAS_GATE=gate is not None,
+        num_warps=warps, num_stages=stages)
     if splits > 1:
-        _merge_splits_kernel[(T_ * NH,)](part_o, part_ml, out, out, row_splits, NH, 0, 0, D=D, SPLITS=splits,
-                                         HAS_GATE=False, HAS_COUNTS=True, BLOCK_S=_pow2(splits), BLOCK_D=_pow2(D))
+        _merge_splits_kernel[(T_ * NH,)](part_o, part_ml, out, gate if gate is not None else out, row_splits, NH,
+                                         gate_row_stride, gate_head_stride, D=D, SPLITS=splits,
+                                         HAS_GATE=gate is not None, HAS_COUNTS=True, BLOCK_S=_pow2(splits),
+                                         BLOCK_D=_pow2(D))
     return out

@@ -37,9 +37,8 @@ class ForwardOps:
     gdn_verify: Callable
     roll_back_pool: Callable  # a one-token step's rows back to the GDN state their last verify step kept
     qk_norm_rope_cache: Callable  # q/k norms, RoPE and the paged K/V write, from the fused projection
-    prefill_attention: Callable
-    decode_attention: Callable  # with the sigmoid output gate applied inside
-    apply_output_gate: Callable  # the prefill attention's output gate (torch on both paths)
+    prefill_attention: Callable  # both with the sigmoid output gate applied inside
+    decode_attention: Callable
     rope_tables: Callable  # (rotary_dim, theta, max_positions, device) -> cos, sin
     config: KernelConfig | None = None  # the Triton ops' launch configuration; None for the references
 
@@ -63,7 +62,6 @@ def reference_ops() -> ForwardOps:
         qk_norm_rope_cache=attention.qk_norm_rope_cache_reference,
         prefill_attention=attention.prefill_attention_reference,
         decode_attention=attention.decode_attention_reference,
-        apply_output_gate=attention.apply_output_gate,
         rope_tables=attention.rope_tables,
     )
 
@@ -90,7 +88,6 @@ def triton_ops(config: KernelConfig = DEFAULT) -> ForwardOps:
         qk_norm_rope_cache=bound(attention, "qk_norm_rope_cache"),
         prefill_attention=bound(attention, "prefill_attention"),
         decode_attention=bound(attention, "decode_attention"),
-        apply_output_gate=attention.apply_output_gate,
         rope_tables=attention.rope_tables,
         config=config,
     )

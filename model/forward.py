@@ -235,10 +235,10 @@ class Qwen35Shard:
         return self._attn_output(self._attn_prefill_core(q, gate, state, batch, j), p), residual
 
     def _attn_prefill_core(self, q, gate, state: ModelState, batch: PrefillBatch, j: int) -> torch.Tensor:
-        o = self.ops.prefill_attention(
-            q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.cu_seqlens, batch.context_lens, self.scale
+        return self.ops.prefill_attention(  # the sigmoid output gate is applied inside
+            q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.cu_seqlens, batch.context_lens, self.scale,
+            gate,
         )
-        return self.ops.apply_output_gate(o, gate)
 
     def _attn_decode(self, x, residual, p, state: ModelState, batch: DecodeBatch, j: int):
         q, gate, residual = self._attn_inputs(x, residual, p, state, j, batch.positions, batch.slot_mapping)

@@ -82,9 +82,11 @@ def test_kernels_at_real_shapes_in_bf16(T, size):
     q = torch.randn(sum(lens_p), nh, D, device=dev, dtype=bf)
     cu = torch.tensor([0, 700, 1000, 1001], dtype=torch.int32, device=dev)
     ctx_t = torch.tensor(ctx_p, device=dev)
-    want = attention.prefill_attention_reference(q, kc, vc, table[:3], cu, ctx_t, D**-0.5)
+    gate = torch.randn(sum(lens_p), nh, 2 * D, device=dev, dtype=bf)[..., D:]  # a view, as the model passes it
+    want = attention.prefill_attention_reference(q, kc, vc, table[:3], cu, ctx_t, D**-0.5, gate)
     for splits in (1, 4):  # 4: the chunks after 1500 and 2999 cached keys split 2 and 3 ways, the fresh one not
-        got = attention.prefill_attention(q, kc, vc, table[:3], cu, ctx_t, D**-0.5, splits=splits, split_keys=1024)
+        got = attention.prefill_attention(q, kc, vc, table[:3], cu, ctx_t, D**-0.5, gate, splits=splits,
+                                          split_keys=1024)
         assert rel(got, want) <= BF16_TOL, splits
 
     conv_state = torch.randn(5, 3, C, device=dev, dtype=bf)

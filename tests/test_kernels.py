@@ -227,12 +227,13 @@ def test_chunked_gdn_reference_matches_the_recurrence():
     assert rel(o2, o1) <= REDUCTION and rel(s2, s1) <= REDUCTION
 
 
-@pytest.mark.parametrize("nh,nkv,D,splits", [(6, 2, 32, 1), (4, 4, 16, 1), (8, 1, 64, 1), (6, 2, 32, 3),
-                                             (4, 2, 24, 2)])
-def test_prefill_attention_over_paged_context(nh, nkv, D, splits):
+@pytest.mark.parametrize("nh,nkv,D,splits,gated", [(6, 2, 32, 1, True), (4, 4, 16, 1, False), (8, 1, 64, 1, False),
+                                                   (6, 2, 32, 3, True), (4, 2, 24, 2, True)])
+def test_prefill_attention_over_paged_context(nh, nkv, D, splits, gated):
     """splits: each query block's keys over up to that many programs, one for every 32 cached keys of its request
-    (here 1, 2, 2 and 7, at most `splits`), merged after (some splits of a short block have no keys at all); a head dim below
-    its power-of-two block masks the loads of the unmasked key blocks too."""
+    (here 1, 2, 2 and 7, at most `splits`), merged after (some splits of a short block have no keys at all); a head
+    dim below its power-of-two block masks the loads of the unmasked key blocks too. gated: the output gate, a view
+    into each head's [query | gate] rows as the model passes it, applied as the output is stored or merged."""
     pages = 60
     kc, vc = randn(pages + 1, 16, nkv, D), randn(pages + 1, 16, nkv, D)
     lens, contexts = [5, 130, 17, 1], [0, 33, 64, 200]  # several query and key blocks; chunks after cached pages
@@ -241,9 +242,13 @@ def test_prefill_attention_over_paged_context(nh, nkv, D, splits):
     table = torch.randperm(pages, device=DEVICE)[:56].view(4, 14).to(torch.int32)
     table[0, 1:] = pages  # unused entries point at the trash page
     ctx = torch.tensor(contexts, device=DEVICE)
+    gate = randn(sum(lens), nh, 2 * D)[..., D:] * 3 if gated else None
     with poisoned_outputs():
-        got = attention.prefill_attention(q, kc, vc, table, cu, ctx, D**-0.5, splits=splits, split_keys=32)
-    assert rel(got, attention.prefill_attention_reference(q, kc, vc, table, cu, ctx, D**-0.5)) <= REDUCTION
+        got = attention.prefill_attention(q, kc, vc, table, cu, ctx, D**-0.5, gate, splits=splits, split_keys=32)
+    want = attention.prefill_attention_reference(q, kc, vc, table, cu, ctx, D**-0.5, gate)
+    assert rel(got, want) <= REDUCTION
+    if gated:  # the gate matters: without it the output is another one
+        assert rel(want, attention.prefill_attention_reference(q, kc, vc, table, cu, ctx, D**-0.5)) > 0.1
 
 
 def test_silu_mul_and_strided_projection_views():

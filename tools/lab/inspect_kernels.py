@@ -54,17 +54,20 @@ GDN_DECODE_SIGNATURE = {"mixed_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16"
                         "BLOCK_V": "constexpr", "PDL": "constexpr"}
 PREFILL_ATTENTION_SIGNATURE = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "table_ptr": "*i32",
                                "cu_ptr": "*i32", "ctx_ptr": "*i64", "out_ptr": "*bf16", "part_o_ptr": "*fp32",
-                               "part_ml_ptr": "*fp32", "row_splits_ptr": "*i32", "R": "i32", "NH": "i32",
-                               "NKV": "i32", "table_width": "i32", "q_row_stride": "i32", "scale": "fp32",
+                               "part_ml_ptr": "*fp32", "row_splits_ptr": "*i32", "gate_ptr": "*bf16", "R": "i32",
+                               "NH": "i32", "NKV": "i32", "table_width": "i32", "q_row_stride": "i32",
+                               "gate_row_stride": "i32", "gate_head_stride": "i32", "scale": "fp32",
                                "split_keys": "i32", "GROUP": "constexpr", "D": "constexpr", "PAGE": "constexpr",
                                "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr",
-                               "BLOCK_R": "constexpr", "PRECISION": "constexpr", "SPLITS": "constexpr"}
+                               "BLOCK_R": "constexpr", "PRECISION": "constexpr", "SPLITS": "constexpr",
+                               "HAS_GATE": "constexpr"}
 MERGE_SPLITS_SIGNATURE = {"part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "gate_ptr": "*bf16",
                           "counts_ptr": "*i32", "NH": "i32", "gate_row_stride": "i32", "gate_head_stride": "i32",
                           "D": "constexpr", "SPLITS": "constexpr", "HAS_GATE": "constexpr",
                           "HAS_COUNTS": "constexpr", "BLOCK_S": "constexpr", "BLOCK_D": "constexpr",
                           "PDL": "constexpr"}
-SIXTEEN_DIVISIBLE = {"N", "K", "up_rows", "C", "ab_row_stride", "HV", "q_row_stride"}
+SIXTEEN_DIVISIBLE = {"N", "K", "up_rows", "C", "ab_row_stride", "HV", "q_row_stride", "gate_row_stride",
+                     "gate_head_stride"}
 
 # What one sm90 SM holds: registers (granted 8 a thread at a time), threads, programs, shared memory (a program
 # also takes 1 KB the runtime reserves).
@@ -104,7 +107,7 @@ def cases():
     for splits in (1, 4):
         yield (f"prefill_attention, splits {splits}", attention._prefill_attn_kernel, PREFILL_ATTENTION_SIGNATURE,
                dict(GROUP=4, D=256, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=256, BLOCK_R=16,
-                    PRECISION="tf32", SPLITS=splits), warps, stages, f"(BLOCK_M, BLOCK_N, warps, stages) "
+                    PRECISION="tf32", SPLITS=splits, HAS_GATE=True), warps, stages, f"(BLOCK_M, BLOCK_N, warps, stages) "
                f"{DEFAULT.prefill_attention_tile}")
     for counts in (False, True):  # decode attention's merge (gated), the prefill's (split counts a row)
         yield (f"merge_splits{', counts' if counts else ''}", attention._merge_splits_kernel, MERGE_SPLITS_SIGNATURE,
