@@ -25,17 +25,24 @@ def upload(arrays: dict[str, list[int]], dtype: torch.dtype, device) -> dict[str
     a mixed step, the decode graph just launched), and the prefill's launches with it. Each view starts ALIGN
     elements apart: Triton compiles a kernel again for a pointer that is not 16-byte aligned, which a view at
     an arbitrary offset would be in some steps and not in others."""
-    starts, padded = [], []
-    for values in arrays.values():
+    starts, padded = [], array(_ARRAY_CODES[dtype])  # an array, not a list: a long prompt's lists
+    for values in arrays.values():                     # went into a tensor at ~50 ns an element
         starts.append(len(padded))
         padded.extend(values)
-        padded.extend([0] * (-len(values) % ALIGN))
-    flat = torch.tensor(padded, dtype=dtype)
+        padded.extend(array(padded.typecode, [0]) * (-len(values) % ALIGN))
+    flat = torch.frombuffer(padded, dtype=dtype) if padded else torch.empty(0, dtype=dtype)
     if torch.device(device).type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     else:
         flat = flat.to(device)
     return {name: flat[start : start + len(values)] for (name, values), start in zip(arrays.items(), starts)}
+
+
+def page_slots(out: array, pages, start: int, end: int, page_size: int) -> None:
+    """Append the flat KV slots of positions [start, end) to `out`: a range a page, not a loop over tokens."""
+    for j in range(start // page_size, (end - 1) // page_size + 1):
+        base = pages[j] * page_size - j * page_size
+        out.extend(range(base + max(start, j * page_size), base + min(end, (j + 1) * page_size)))
 
 
 def select_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -76,7 +83,7 @@ class PrefillBatch:
 
     @classmethod
     def build(cls, chunks: list[PrefillChunk], page_size: int, trash_page: int, device) -> "PrefillBatch":
-        ids, positions, slot_mapping, cu, last = [], [], [], [0], []
+        ids, positions, slot_mapping, cu, last = array("q"), array("q"), array("q"), [0], []
         width = max(len(c.pages) for c in chunks)
         table = []
         for c in chunks:
@@ -85,9 +92,8 @@ class PrefillBatch:
                 raise ValueError("a prefill chunk needs at least one token")
             c.check_pages(page_size)
             ids.extend(c.token_ids)
-            pos = range(c.start, c.start + n)
-            positions.extend(pos)
-            slot_mapping.extend(c.pages[p // page_size] * page_size + p % page_size for p in pos)
+            positions.extend(range(c.start, c.start + n))
+            page_slots(slot_mapping, c.pages, c.start, c.start + n, page_size)
             cu.append(cu[-1] + n)
             last.append(cu[-1] - 1)
             table.append(c.pages + [trash_page] * (width - len(c.pages)))
@@ -303,20 +309,15 @@ class PrefillInputs:
             values = array(_ARRAY_CODES[dtype], values)
             host[dtype][offset : offset + len(values)] = values
 
-        def page_slots(pages, start: int, end: int) -> None:  # KV slots of positions [start, end), a page a range
-            for j in range(start // ps, (end - 1) // ps + 1):
-                base = pages[j] * ps - j * ps
-                mapping.extend(range(base + max(start, j * ps), base + min(end, (j + 1) * ps)))
-
         cu, positions, mapping = [0], array("q"), array("q")
         for c in chunks:
             positions.extend(range(c.start, c.start + len(c.token_ids)))
-            page_slots(c.pages, c.start, c.start + len(c.token_ids))
+            page_slots(mapping, c.pages, c.start, c.start + len(c.token_ids), ps)
             cu.append(cu[-1] + len(c.token_ids))
         padding = bucket - cu[-1]
         positions.extend(range(padding))
-        if padding:
-            page_slots([self.trash_page] * -(-padding // ps), 0, padding)  # every padding page is the trash page
+        if padding:  # every padding page is the trash page
+            page_slots(mapping, [self.trash_page] * -(-padding // ps), 0, padding, ps)
         empty = R - len(chunks) - 1  # requests after the padding's, in the trash slot with no tokens
         put("input_ids", [t for c in chunks for t in c.token_ids])
         put("positions", positions)
