@@ -201,26 +201,34 @@ def _request_of(t, cu_ptr, R, BLOCK_R: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "R"])  # they change every step: one compiled variant for all
 def _conv1d_prefill_kernel(x_ptr, w_ptr, state_ptr, cu_ptr, slot_ptr, out_ptr, T, C, R, x_row_stride,
                            K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A tile whose every token is K - 1 or more past its request's first reads only the chunk's inputs: most
+    tiles of a long prompt; the others take each window row from the input or, before the chunk, the conv state."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     live = t < T
     req = _request_of(t, cu_ptr, R, BLOCK_R)
     start = tl.load(cu_ptr + req, mask=live, other=0)
-    slot = tl.load(slot_ptr + req, mask=live, other=0).to(tl.int64)
     acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
     cmask = cols < C
-    for j in tl.static_range(K):  # input j steps back, weight column K-1-j
-        src = t - j
-        inside = src >= start
-        m = live[:, None] & cmask[None, :]
-        xv = tl.load(x_ptr + src.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=m & inside[:, None], other=0.0)
-        row = K - 1 + src - start  # row of the conv state when the input predates the chunk
-        sv = tl.load(state_ptr + (slot * (K - 1) + row)[:, None] * C + cols[None, :], mask=m & ~inside[:, None],
-                     other=0.0).to(xv.dtype)
-        w = tl.load(w_ptr + cols * K + (K - 1 - j), mask=cmask, other=0.0).to(tl.float32)
-        acc += tl.where(inside[:, None], xv, sv).to(tl.float32) * w[None, :]
+    m = live[:, None] & cmask[None, :]
+    x_rows = x_ptr + t.to(tl.int64)[:, None] * x_row_stride + cols[None, :]
+    if tl.min(tl.where(live, t - start, K), axis=0) >= K - 1:
+        for j in tl.static_range(K):  # input j steps back, weight column K-1-j
+            xv = tl.load(x_rows - j * x_row_stride, mask=m, other=0.0)
+            w = tl.load(w_ptr + cols * K + (K - 1 - j), mask=cmask, other=0.0).to(tl.float32)
+            acc += xv.to(tl.float32) * w[None, :]
+    else:
+        slot = tl.load(slot_ptr + req, mask=live, other=0).to(tl.int64)
+        for j in tl.static_range(K):
+            inside = t - j >= start
+            xv = tl.load(x_rows - j * x_row_stride, mask=m & inside[:, None], other=0.0)
+            row = K - 1 + t - j - start  # row of the conv state when the input predates the chunk
+            sv = tl.load(state_ptr + (slot * (K - 1) + row)[:, None] * C + cols[None, :], mask=m & ~inside[:, None],
+                         other=0.0).to(xv.dtype)
+            w = tl.load(w_ptr + cols * K + (K - 1 - j), mask=cmask, other=0.0).to(tl.float32)
+            acc += tl.where(inside[:, None], xv, sv).to(tl.float32) * w[None, :]
     tl.store(out_ptr + t[:, None] * C + cols[None, :], (acc / (1.0 + tl.exp(-acc))).to(out_ptr.dtype.element_ty),
-             mask=live[:, None] & cmask[None, :])
+             mask=m)
 
 
 @triton.jit
@@ -248,10 +256,10 @@ def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tens
     out = torch.empty(T, C, dtype=x.dtype, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
-    BLOCK_T, BLOCK_C = 32, 128
-    _conv1d_prefill_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C))](
+    block_t, block_c, warps = cfg.conv1d_prefill_tile
+    _conv1d_prefill_kernel[(triton.cdiv(T, block_t), triton.cdiv(C, block_c))](
         x, weight, conv_state, cu_seqlens, slots, out, T, C, R, x.stride(0),
-        K=K, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, BLOCK_R=max(16, _pow2(R)))
-    _conv1d_state_kernel[(R, triton.cdiv(C, BLOCK_C))](
-        x, conv_state, cu_seqlens, slots, C, x.stride(0), K=K, BLOCK_K=max(2, _pow2(K - 1)), BLOCK_C=BLOCK_C)
+        K=K, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_R=max(16, _pow2(R)), num_warps=warps)
+    _conv1d_state_kernel[(R, triton.cdiv(C, 128))](
+        x, conv_state, cu_seqlens, slots, C, x.stride(0), K=K, BLOCK_K=max(2, _pow2(K - 1)), BLOCK_C=128)
     return out

@@ -99,7 +99,8 @@ def test_conv1d_decode_updates_state_through_slots():
     assert torch.equal(state[:S], ref_state[:S])  # live slots written exactly; untouched ones unchanged
 
 
-def test_conv1d_prefill_continues_each_request_from_its_slot():
+@pytest.mark.parametrize("tile", [DEFAULT.conv1d_prefill_tile, (4, 64, 4)])  # 4 tokens: tiles inside a request
+def test_conv1d_prefill_continues_each_request_from_its_slot(tile):
     C, K, S = 150, 4, 6
     lens = [1, 2, 5, 40, 3]  # requests shorter than the K-1 state rows read (and keep) part of the old state
     T_ = sum(lens)
@@ -111,7 +112,7 @@ def test_conv1d_prefill_continues_each_request_from_its_slot():
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
     slots = torch.tensor([4, 0, 2, 5, 1], device=DEVICE)
     with poisoned_outputs():
-        got = conv1d.conv1d_prefill(x, w, state, cu, slots)
+        got = conv1d.conv1d_prefill(x, w, state, cu, slots, cfg=KernelConfig(conv1d_prefill_tile=tile))
     ref = conv1d.conv1d_prefill_reference(x, w, ref_state, cu, slots)
     assert rel(got, ref) <= ELEMENTWISE
     assert torch.equal(state, ref_state)  # new states written exactly; slot 3 and trash untouched
