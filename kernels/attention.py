@@ -401,8 +401,8 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_
                          row_splits_ptr, gate_ptr, R, NH, NKV, table_width, q_row_stride, gate_row_stride,
                          gate_head_stride, scale, split_keys, GROUP: tl.constexpr, D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_R: tl.constexpr,
-                         PRECISION: tl.constexpr, SPLITS: tl.constexpr, HAS_GATE: tl.constexpr):
+                         BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
+                         HAS_GATE: tl.constexpr):
     """SPLITS > 1: a request with a cached context shares each block's keys out over cdiv(context, split_keys)
     programs, at most SPLITS (a fresh prompt's blocks are short and many: it keeps one); each stores its
     unnormalised output and (max, sum) in natural-log units into the parts, which `_merge_splits_kernel` adds, and
