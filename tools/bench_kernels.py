@@ -2,7 +2,7 @@
 same run (a large device-to-device copy; a large bf16 matmul), and for GDN the ratio to fla-core.
 
     python -m deltaserve.tools.bench_kernels [--size 4b|9b|27b] [--out FILE] [--only decode,projections,few_rows,fp8,prefill,sampling]
-        [--sweeps decode,scan,prep,attention,sampler,rounds,gemv]
+        [--sweeps decode,scan,prep,attention,conv,sampler,rounds,gemv]
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from deltaserve.model.synthetic import text_config
 
 
 PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)]  # (BLOCK_M, BLOCK_N, warps, stages)
+# (BLOCK_T, BLOCK_C, warps)
+CONV_PREFILL_SWEEP = [(32, 128, 4), (16, 256, 4), (64, 64, 4), (64, 128, 4), (32, 256, 4), (32, 128, 8)]
 GDN_SCAN_SWEEP = [(32, 4, 3), (64, 4, 3), (32, 4, 2), (64, 4, 2), (64, 8, 2)]  # (block of dv, warps, stages)
 GDN_PREP_SWEEP = [(4, 1, 64, 168), (4, 1, 64, None), (4, 1, 64, 128), (8, 1, 64, None),
                   (4, 1, 32, 168)]  # (warps, stages, column block, register cap)
@@ -86,7 +88,7 @@ def ceilings(dev):
     return copy_bw, flops
 
 
-SWEEPS = ("decode", "scan", "prep", "attention", "sampler", "rounds", "gemv", "few_rows")
+SWEEPS = ("decode", "scan", "prep", "attention", "conv", "sampler", "rounds", "gemv", "few_rows")
 
 
 def graph_time_per_call(make_call, weights: list[torch.Tensor]) -> float:
@@ -565,6 +567,10 @@ def prefill(cfg, rows, memory_row, flops, sweeps, A_log, dt_bias, wc):
     cu1, slot1 = torch.tensor([0, L], device=dev, dtype=torch.int32), torch.tensor([1], device=dev)
     memory_row("conv1d_prefill", f"{L} tokens, C {C}", lambda: conv1d.conv1d_prefill(mixed_long, wc, conv_pool, cu1, slot1),
                L * C * 2 * 2, "(input + output)")
+    for tile in CONV_PREFILL_SWEEP if "conv" in sweeps else ():
+        tiled = replace(DEFAULT, conv1d_prefill_tile=tile)
+        memory_row(f"conv1d_prefill tile {tile}", f"{L} tokens, C {C}",
+                   lambda: conv1d.conv1d_prefill(mixed_long, wc, conv_pool, cu1, slot1, cfg=tiled), L * C * 2 * 2, "")
 
     T_ = 4096
     cos, sin = attention.rope_tables(cfg.rotary_dim, cfg.rope_theta, 8192, device=dev)
