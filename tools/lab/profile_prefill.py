@@ -10,8 +10,8 @@ measured in the same run), then under torch.profiler the kernels per request, th
 kernels launched most. When the GPU time is far below the TTFT and the kernel count is high, the step is
 launch-bound (host time per launch); when they are close, it is the math. The profiled requests' wall time is
 split into the host's part before their first kernel, the GPU's idle time between their kernels, and the host's
-part after the last. `--timeline` prints one request's step launches and token reads on the host clock;
-`--host-profile N` where rank 0's thread spends a prefill of N tokens (cProfile, by own time).
+part after the last. `--timeline` prints one request's host events on the host clock (the loop's planning and
+hand-over, rank 0's launches and token reads); `--host-profile N` where rank 0's thread spends a prefill of N tokens (cProfile, by own time).
 """
 
 from __future__ import annotations
@@ -130,10 +130,16 @@ def _timeline(events, kernels) -> dict:
 
 async def request_timeline(engine: AsyncEngine, n: int, ns) -> str:
     """One request's host events in order, us from its start (no profiler: it slows the host several times over):
-    rank 0's step launches and result reads, and when the engine's loop got each result, so a first token that
-    waits for more than its own step shows where."""
+    the loop's planning and hand-over, rank 0's step launches (its forward's launches within) and result reads,
+    and when the loop got each result, so a first token that waits for more than its own step shows where."""
     runtime = engine.replica.ranks[0].runtime
-    launch, finish, apply = runtime.launch, runtime.finish, engine._apply
+    events = [(engine.scheduler, "schedule", "the loop plans a step"),
+              (engine, "_command", "the loop builds the step's command"),
+              (engine.replica, "start_step", "the loop hands it over (waits for the ranks' launch, 2 ms at most)"),
+              (runtime, "launch", "rank 0 launches a step"),
+              (runtime.model, "prefill", "rank 0 launches a prefill forward"),
+              (runtime, "finish", "rank 0 reads its tokens"),
+              (engine, "_apply", "the loop applies a step's tokens")]
     rows = []
 
     def timed(name, fn):
@@ -145,15 +151,17 @@ async def request_timeline(engine: AsyncEngine, n: int, ns) -> str:
                 rows.append((began, time.perf_counter(), name))
         return call
 
-    runtime.launch, runtime.finish = timed("rank 0 launches a step", launch), timed("rank 0 reads its tokens", finish)
-    engine._apply = timed("the loop applies a step's tokens", apply)
+    originals = [(owner, attribute, getattr(owner, attribute)) for owner, attribute, _ in events]
+    for (owner, attribute, name), (_, _, fn) in zip(events, originals):
+        setattr(owner, attribute, timed(name, fn))
     try:
         for i in range(3):
             rows.clear()
             started = time.perf_counter()
             ttft = await first_token_s(engine, n, 40 + i, ns.prefix)
     finally:
-        runtime.launch, runtime.finish, engine._apply = launch, finish, apply
+        for owner, attribute, fn in originals:
+            setattr(owner, attribute, fn)
     rows.append((started, started + ttft, "the request, to its first token"))
     return "\n".join(f"{(a - started) * 1e6:9.0f} {(b - started) * 1e6:9.0f}  {name}" for a, b, name in sorted(rows))
 
