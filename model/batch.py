@@ -25,8 +25,9 @@ def upload(arrays: dict[str, list[int]], dtype: torch.dtype, device) -> dict[str
     a mixed step, the decode graph just launched), and the prefill's launches with it. Each view starts ALIGN
     elements apart: Triton compiles a kernel again for a pointer that is not 16-byte aligned, which a view at
     an arbitrary offset would be in some steps and not in others."""
-    starts, padded = [], array(_ARRAY_CODES[dtype])  # an array, not a list: a long prompt's lists
-    for values in arrays.values():                     # went into a tensor at ~50 ns an element
+    # An array, not a list: a long prompt's list went into a tensor at ~50 ns an element.
+    starts, padded = [], array(_ARRAY_CODES[dtype])
+    for values in arrays.values():
         starts.append(len(padded))
         padded.extend(values)
         padded.extend(array(padded.typecode, [0]) * (-len(values) % ALIGN))

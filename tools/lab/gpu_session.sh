@@ -15,8 +15,7 @@
 #         drafts reading an FP8 copy of lm_head (the default) and the bf16 one
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
 # fewrows #30, #32: the few-row kernel's tile sweep, then the batch-8 decode step and the speculative graph (a
-#         five-row verify) with it (the input add-and-norms fused into it) and without it; then batch 8 with it
-#         and the norms apart
+#         five-row verify) with it and without it
 # mixed   #30: what a prompt chunk adds to a step of 60 decode rows (tools/lab/profile_mixed_step.py)
 # turn    #31: a chat turn's prefill (1024 tokens) after cached prefixes of 0 and 7.6k tokens, with the kernels
 #         that take the GPU time (what grows with the prefix), its attention's keys shared out up to 1 and 4 ways

@@ -107,8 +107,8 @@ def cases():
     for splits in (1, 4):
         yield (f"prefill_attention, splits {splits}", attention._prefill_attn_kernel, PREFILL_ATTENTION_SIGNATURE,
                dict(GROUP=4, D=256, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=256, BLOCK_R=16,
-                    PRECISION="tf32", SPLITS=splits, HAS_GATE=True), warps, stages, f"(BLOCK_M, BLOCK_N, warps, stages) "
-               f"{DEFAULT.prefill_attention_tile}")
+                    PRECISION="tf32", SPLITS=splits, HAS_GATE=True), warps, stages,
+               f"(BLOCK_M, BLOCK_N, warps, stages) {DEFAULT.prefill_attention_tile}")
     for counts in (False, True):  # decode attention's merge (gated), the prefill's (split counts a row)
         yield (f"merge_splits{', counts' if counts else ''}", attention._merge_splits_kernel, MERGE_SPLITS_SIGNATURE,
                dict(D=256, SPLITS=4, HAS_GATE=not counts, HAS_COUNTS=counts, BLOCK_S=4, BLOCK_D=256, PDL=False), 4,

@@ -11,7 +11,8 @@ kernels launched most. When the GPU time is far below the TTFT and the kernel co
 launch-bound (host time per launch); when they are close, it is the math. The profiled requests' wall time is
 split into the host's part before their first kernel, the GPU's idle time between their kernels, and the host's
 part after the last. `--timeline` prints one request's host events on the host clock (the loop's planning and
-hand-over, rank 0's launches and token reads); `--host-profile N` where rank 0's thread spends a prefill of N tokens (cProfile, by own time).
+hand-over, rank 0's launches and token reads); `--host-profile N` where rank 0's thread spends a prefill of N
+tokens (cProfile, by own time).
 """
 
 from __future__ import annotations
