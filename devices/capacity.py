@@ -86,7 +86,10 @@ def plan_capacity(
         index = fitted
     # Everything left after the rows' slots goes to KV pages (so long and short requests share them).
     slots_bytes = (batch + prefill_slots + 1) * bytes_per_slot
-    num_pages = (budget - reserve - slots_bytes) // bytes_per_page - 1
+    if bytes_per_page:
+        num_pages = (budget - reserve - slots_bytes) // bytes_per_page - 1
+    else:  # no attention layer (a truncated checkpoint): pages hold nothing, so each row may take a full context
+        num_pages = (batch + prefill_slots) * pages_per_request
     assert num_pages >= pages_per_request
     state = slots_bytes + (num_pages + 1) * bytes_per_page + snapshots * per_snapshot
     return CapacityPlan(batch, prefill_slots, num_pages, page_size, buckets[index], reserve, state, snapshots)

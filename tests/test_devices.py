@@ -71,6 +71,13 @@ def test_rows_share_the_pages_rather_than_each_reserving_a_full_context():
     assert (600 - 50 - 256 - 70 * 2) * 4 - 2 <= plan.num_pages  # everything else went to pages
 
 
+def test_a_model_without_attention_layers_gets_a_full_context_of_pages_a_row():
+    # A truncated checkpoint of GDN layers alone has no KV: its pages cost nothing and must not divide by zero.
+    plan = capacity(bytes_per_page=0)
+    assert plan.max_batch == 64
+    assert plan.num_pages == (64 + 4) * 1024 // 16
+
+
 def test_refuses_with_numbers_when_not_even_one_request_fits():
     with pytest.raises(CapacityRefused, match=r"not even one request fits: 40 MiB free.*max_model_len 1024"):
         capacity(free_bytes=40 * MiB)
