@@ -338,7 +338,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale: float, ga
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Prefill attention (flash attention over paged KV): packed variable-length chunks, each causal over its cached
-# context plus itself. Program (query block, query head); request r owns program blocks from cu[r] // BLOCK_M + r,
+# context plus itself. Program (query head, query block); request r owns program blocks from cu[r] // BLOCK_M + r,
 # which leaves room for its cdiv(len, BLOCK_M) blocks without a host-side block table.
 
 
@@ -368,16 +368,21 @@ def _prefill_attn_keys(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_row_ptr, n_lo, n_
         else:
             k = tl.load(k_ptrs, mask=dmask[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=dmask[None, :], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # log2 units: scale has log2(e)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # times scale: log2 units (scale has log2(e))
         if MASKED:
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_live[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+            scores = tl.where(visible, scores * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+        else:  # scale > 0: the row maximum scales with the scores, and the scale folds into exp2's argument (FMA)
+            m_new = tl.maximum(m_i, tl.max(scores, 1) * scale)
         m_use = m_new
         if MASKED and SPLITS > 1:  # a split's keys may all lie after a query (no split but the first sees key 0)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
-        probs = tl.exp2(scores - m_use[:, None])
+        if MASKED:
+            probs = tl.exp2(scores - m_use[:, None])
+        else:
+            probs = tl.exp2(scores * scale - m_use[:, None])
         l_i = l_i * alpha + tl.sum(probs, 1)
         acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -407,7 +412,10 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_
     programs, at most SPLITS (a fresh prompt's blocks are short and many: it keeps one); each stores its
     unnormalised output and (max, sum) in natural-log units into the parts, which `_merge_splits_kernel` adds, and
     the first the request's count for its rows (a row of one program is stored whole, and the merge passes it)."""
-    p, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Heads vary fastest and query blocks run last to first: within a request the later blocks see the most keys,
+    # so the heaviest programs start first and the light ones fill the tail, and a block's heads share their keys.
+    head, split = tl.program_id(0), tl.program_id(2)
+    p = tl.num_programs(1) - 1 - tl.program_id(1)
     rs = tl.arange(0, BLOCK_R)
     first_block = tl.load(cu_ptr + rs, mask=rs < R, other=0) // BLOCK_M + rs
     r = tl.sum(((first_block <= p) & (rs < R)).to(tl.int32), 0) - 1
@@ -493,7 +501,7 @@ def prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens, context_lens,
     if gate is not None and gate.stride(2) != 1:
         gate = gate.contiguous()
     gate_row_stride, gate_head_stride = gate.stride()[:2] if gate is not None else (0, 0)
-    _prefill_attn_kernel[(T_ // block_m + R, NH, splits)](
+    _prefill_attn_kernel[(NH, T_ // block_m + R, splits)](
         q, k_cache, v_cache, page_table, cu_seqlens, context_lens, out, part_o, part_ml, row_splits,
         gate if gate is not None else out, R, NH, NKV, page_table.shape[1], q.stride(0), gate_row_stride,
         gate_head_stride, scale * 1.4426950408889634, split_keys, GROUP=NH // NKV, D=D, PAGE=PAGE, BLOCK_M=block_m,

@@ -27,7 +27,8 @@ from deltaserve.model.config import ModelConfig
 from deltaserve.model.synthetic import text_config
 
 
-PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)]  # (BLOCK_M, BLOCK_N, warps, stages)
+PREFILL_ATTN_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 4),  # (BLOCK_M, BLOCK_N,
+                      (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3)]  # warps, stages)
 # (BLOCK_T, BLOCK_C, warps)
 CONV_PREFILL_SWEEP = [(32, 128, 4), (16, 256, 4), (64, 64, 4), (64, 128, 4), (32, 256, 4), (32, 128, 8)]
 GDN_SCAN_SWEEP = [(32, 4, 3), (64, 4, 3), (32, 4, 2), (64, 4, 2), (64, 8, 2)]  # (block of dv, warps, stages)
