@@ -84,7 +84,9 @@ class PrefillBatch:
 
     @classmethod
     def build(cls, chunks: list[PrefillChunk], page_size: int, trash_page: int, device) -> "PrefillBatch":
-        ids, positions, slot_mapping, cu, last = array("q"), array("q"), array("q"), [0], []
+        """The tokens' positions and KV slots are derived on the device from the chunks' starts and page table: on
+        the host, an 8k-token prompt's two lists took over a millisecond before the first kernel could launch."""
+        ids, cu, last = array("q"), [0], []
         width = max(len(c.pages) for c in chunks)
         table = []
         for c in chunks:
@@ -92,22 +94,26 @@ class PrefillBatch:
             if n == 0:
                 raise ValueError("a prefill chunk needs at least one token")
             c.check_pages(page_size)
-            ids.extend(c.token_ids)
-            positions.extend(range(c.start, c.start + n))
-            page_slots(slot_mapping, c.pages, c.start, c.start + n, page_size)
+            ids += array("q", c.token_ids)  # a list into an array at once: half the time of extend
             cu.append(cu[-1] + n)
             last.append(cu[-1] - 1)
             table.append(c.pages + [trash_page] * (width - len(c.pages)))
 
         spans, first = GdnChunks.layout(cu)
-        longs = upload({"input_ids": ids, "positions": positions, "slots": [c.slot for c in chunks],
-                        "context_lens": [c.start for c in chunks], "slot_mapping": slot_mapping, "last_token": last,
+        longs = upload({"input_ids": ids, "slots": [c.slot for c in chunks], "context_lens": [c.start for c in chunks],
+                        "lengths": [len(c.token_ids) for c in chunks], "last_token": last,
                         "fresh_slots": [c.slot for c in chunks if c.start == 0]}, torch.long, device)
         ints = upload({"cu_seqlens": cu, "page_table": [p for row in table for p in row], "spans": spans,
                        "first": first}, torch.int32, device)
+        page_table = ints["page_table"].view(len(chunks), width)
+        T = cu[-1]
+        request = torch.repeat_interleave(torch.arange(len(chunks), device=device), longs.pop("lengths"),
+                                          output_size=T)  # each token's chunk; output_size: no host sync
+        positions = torch.arange(T, device=device) - ints["cu_seqlens"][request] + longs["context_lens"][request]
+        slot_mapping = page_table[request, positions // page_size].long() * page_size + positions % page_size
         return cls(
-            **longs, cu_seqlens=ints["cu_seqlens"], page_table=ints["page_table"].view(len(chunks), width),
-            gdn_chunks=GdnChunks(ints["spans"].view(-1, 2), ints["first"]),
+            **longs, positions=positions, slot_mapping=slot_mapping, cu_seqlens=ints["cu_seqlens"],
+            page_table=page_table, gdn_chunks=GdnChunks(ints["spans"].view(-1, 2), ints["first"]),
         )
 
 

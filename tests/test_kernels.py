@@ -599,6 +599,25 @@ def test_knockout_stand_in_skips_every_launch_of_its_kernel():
     assert rel(norm.gated_rms_norm(o, z, w, 1e-6), norm.gated_rms_norm_reference(o, z, w, 1e-6)) <= REDUCTION
 
 
+def test_an_eager_prefill_batch_places_its_tokens_as_the_graph_inputs_do():
+    """The eager batch derives its tokens' positions and KV slots on the device; the graphs' inputs write them on
+    the host. Packed chunks with cached starts (mid-page too) and shuffled pages get the same ones from both."""
+    from deltaserve.model.batch import PrefillBatch, PrefillChunk, PrefillInputs
+
+    page, pages_used, chunks = 16, iter(torch.randperm(200, generator=torch.Generator().manual_seed(0)).tolist()), []
+    for slot, (start, n) in enumerate([(0, 37), (16, 1), (21, 60), (200, 16)]):
+        pages = [next(pages_used) for _ in range(-(-(start + n) // page))]
+        chunks.append(PrefillChunk(list(range(n)), start, slot, pages))
+    T = sum(len(c.token_ids) for c in chunks)
+    eager = PrefillBatch.build(chunks, page, 255, DEVICE)
+    inputs = PrefillInputs(128, 16, 7, 255, page, DEVICE, requests=4)
+    inputs.fill(chunks, 128)
+    graph = inputs.batch(128)
+    assert eager.positions.tolist() == graph.positions[:T].tolist()
+    assert eager.slot_mapping.tolist() == graph.slot_mapping[:T].tolist()
+    assert eager.positions[36:38].tolist() == [36, 16] and eager.slot_mapping[37].item() == chunks[1].pages[1] * 16
+
+
 # The second pads with an empty GDN chunk; the third fills its bucket (the padding request has no token).
 @pytest.mark.parametrize("start,n,bucket", [(0, 37, 64), (16, 64, 128), (20, 32, 32)])
 def test_a_padded_one_chunk_prefill_equals_the_chunk_alone(tiny_ckpt, start, n, bucket):
