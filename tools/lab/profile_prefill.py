@@ -135,7 +135,9 @@ async def request_timeline(engine: AsyncEngine, n: int, ns) -> str:
     the loop's planning and hand-over, rank 0's step launches (its forward's launches within) and result reads,
     and when the loop got each result, so a first token that waits for more than its own step shows where."""
     runtime = engine.replica.ranks[0].runtime
-    events = [(engine.scheduler, "schedule", "the loop plans a step"),
+    events = [(engine, "_add", "the request is checked and queued"),
+              (engine, "_emit", "the loop hands outputs to their streams"),
+              (engine.scheduler, "schedule", "the loop plans a step"),
               (engine, "_command", "the loop builds the step's command"),
               (engine.replica, "start_step", "the loop hands it over (waits for the ranks' launch, 2 ms at most)"),
               (runtime, "launch", "rank 0 launches a step"),
