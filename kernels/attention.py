@@ -413,7 +413,8 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, cu_ptr, ctx_ptr, out_
     unnormalised output and (max, sum) in natural-log units into the parts, which `_merge_splits_kernel` adds, and
     the first the request's count for its rows (a row of one program is stored whole, and the merge passes it)."""
     # Heads vary fastest and query blocks run last to first: within a request the later blocks see the most keys,
-    # so the heaviest programs start first and the light ones fill the tail, and a block's heads share their keys.
+    # so the heaviest programs start first and the light ones fill the tail; a block's heads of one K/V group run
+    # side by side and read the same keys.
     head, split = tl.program_id(0), tl.program_id(2)
     p = tl.num_programs(1) - 1 - tl.program_id(1)
     rs = tl.arange(0, BLOCK_R)

@@ -93,7 +93,7 @@ class KernelConfig:
     fp8_w8a16_tile: tuple[int, int, int, int] = (128, 128, 8, 3)
 
     # Prefill attention (BLOCK_M, BLOCK_N, warps, stages): the fastest of the H200 sweep at head dim 256 (8k causal
-    # tokens, 4B heads: 1309 us against 1357 with three stages, `bench_kernels --sweeps attention`). An fp32
+    # tokens, 4B heads: 1309 us against 1357 with three stages; `log/gpu-2026-12-06-s18.md`). An fp32
     # model's tiles are twice the bytes: (128, 64, 8, 3) asked for 289 KB of shared memory (an H100 has 227 KB).
     prefill_attention_tile: tuple[int, int, int, int] = (128, 64, 8, 2)
     prefill_attention_tile_fp32: tuple[int, int, int, int] = (32, 32, 4, 2)
