@@ -29,6 +29,8 @@
 #         (FORMATS=fp8 for one)
 # specrows #32: the c16 and c64 serving rows with speculation (the 27B head's acceptance emulated) and without,
 #         each server's graph captures listed (a bucket that ran out of memory runs eagerly)
+# prefill #30: the 4B's 8k-token prefill by kernel, with one request's host timeline; the fused silu(gate) * up
+#         GEMM against cuBLAS + silu_mul (tools/lab/swiglu_gemm_lab.py); our attention against torch's SDPA
 # fused   #30: the decode graph then the prefill (--no-fused-mixed-steps) against a step's decode rows and prompt
 #         chunk as one graphed forward (the default): what a 256-token chunk adds beside 60 rows, then the c64 row
 #         and its step log, each way
@@ -99,6 +101,14 @@ for stage in ${STAGES//,/ }; do
             $flag > "$DIR/prefill-27b$flag.txt" 2>&1
         grep "^| [0-9]" "$DIR/prefill-27b$flag.txt" | sed "s/^/27b (16 layers) prefill ${flag:-bf16} /"
       done ;;
+    prefill)
+      timeout 150 python3 -m deltaserve.tools.lab.profile_prefill --size 4b --tokens 8192 --repeats 3 --top 12 \
+          --timeline > "$DIR/prefill-4b.txt" 2>&1
+      grep -E "^\| 8192|most GPU time|the loop plans|prefill forward|first token" "$DIR/prefill-4b.txt"
+      timeout 120 python3 -m deltaserve.tools.lab.swiglu_gemm_lab --size 4b > "$DIR/swiglu.txt" 2>&1
+      grep -E "cuBLAS|fused" "$DIR/swiglu.txt"
+      timeout 90 python3 -m deltaserve.tools.lab.attention_peers > "$DIR/attention-peers.txt" 2>&1
+      grep -E "SDPA cudnn, GQA|ours|first call" "$DIR/attention-peers.txt" ;;
     serve27)
       for fmt in ${FORMATS:-fp8 bf16}; do
         ck=/tmp/ck27-$fmt
