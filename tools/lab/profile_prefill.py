@@ -11,8 +11,8 @@ kernels launched most. When the GPU time is far below the TTFT and the kernel co
 launch-bound (host time per launch); when they are close, it is the math. The profiled requests' wall time is
 split into the host's part before their first kernel, the GPU's idle time between their kernels, and the host's
 part after the last. `--timeline` prints one request's host events on the host clock (the loop's planning and
-hand-over, rank 0's launches and token reads); `--host-profile N` where rank 0's thread spends a prefill of N
-tokens (cProfile, by own time).
+hand-over, rank 0's launches and token reads); `--host-profile N` where rank 0's thread spends its launch of a
+prefill of N tokens (cProfile, by own time).
 """
 
 from __future__ import annotations
@@ -173,25 +173,26 @@ async def request_timeline(engine: AsyncEngine, n: int, ns) -> str:
 
 
 async def host_profile(engine: AsyncEngine, n: int) -> str:
-    """cProfile of rank 0's `model.prefill` (its thread only) over three prefills of n tokens."""
-    model = engine.replica.ranks[0].runtime.model
-    prefill, profiler = model.prefill, cProfile.Profile()
+    """cProfile of rank 0's launches of prefill steps (its thread only: the step's set-up, then its forward's
+    launches; no wait for the GPU) over three prefills of n tokens."""
+    runtime = engine.replica.ranks[0].runtime
+    launch, profiler = runtime.launch, cProfile.Profile()
 
-    def profiled(*args, **kwargs):
+    def profiled(cmd, *args, **kwargs):
+        if not cmd.prefill:
+            return launch(cmd, *args, **kwargs)
         profiler.enable()
         try:
-            out = prefill(*args, **kwargs)
-            torch.cuda.current_stream().synchronize()
-            return out
+            return launch(cmd, *args, **kwargs)
         finally:
             profiler.disable()
 
-    model.prefill = profiled
+    runtime.launch = profiled
     try:
         for i in range(3):
             await first_token_s(engine, n, 30 + i)
     finally:
-        model.prefill = prefill
+        runtime.launch = launch
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
     return text.getvalue()
