@@ -30,7 +30,8 @@ SWIGLU_TILES = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 4),
 
 @triton.jit
 def _swiglu_gemm_kernel(x_ptr, w_ptr, out_ptr, M, inner, K, x_row_stride, w_row_stride, out_row_stride,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        PRECISION: tl.constexpr):
     """out[m, n] = silu(x[m] . w[n]) * (x[m] . w[inner + n]) for w = [gate | up] rows; programs walk GROUP_M row
     tiles per column tile so the weight tiles they share stay in L2."""
     pid = tl.program_id(0)
@@ -52,8 +53,8 @@ def _swiglu_gemm_kernel(x_ptr, w_ptr, out_ptr, M, inner, K, x_row_stride, w_row_
         k_live = k0 + ks < K
         x = tl.load(x_ptrs + k0, mask=row_live[:, None] & k_live[None, :], other=0.0)
         w_mask = k_live[:, None] & col_live[None, :]
-        gate = tl.dot(x, tl.load(gate_ptrs + k0, mask=w_mask, other=0.0), gate)
-        up = tl.dot(x, tl.load(up_ptrs + k0, mask=w_mask, other=0.0), up)
+        gate = tl.dot(x, tl.load(gate_ptrs + k0, mask=w_mask, other=0.0), gate, input_precision=PRECISION)
+        up = tl.dot(x, tl.load(up_ptrs + k0, mask=w_mask, other=0.0), up, input_precision=PRECISION)
     # The engine's unfused path rounds the GEMM to bf16 before the silu: round alike, so the two agree to the bit
     # where the fp32 sums do.
     gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -71,7 +72,8 @@ def swiglu_gemm(x: torch.Tensor, gate_up: torch.Tensor, tile=SWIGLU_TILES[0]) ->
     out = torch.empty(M, inner, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(M, block_m) * triton.cdiv(inner, block_n),)
     _swiglu_gemm_kernel[grid](x, gate_up, out, M, inner, K, x.stride(0), gate_up.stride(0), out.stride(0),
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps,
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+                              PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps,
                               num_stages=stages)
     return out
 
