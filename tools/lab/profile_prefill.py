@@ -131,9 +131,9 @@ def _timeline(events, kernels) -> dict:
 
 
 async def request_timeline(engine: AsyncEngine, n: int, ns) -> str:
-    """One request's host events in order, us from its start (no profiler: it slows the host several times over):
-    the loop's planning and hand-over, rank 0's step launches (its forward's launches within) and result reads,
-    and when the loop got each result, so a first token that waits for more than its own step shows where."""
+    """One request's host events in order, us from when it is queued (no profiler: it slows the host several times
+    over): the loop's planning and hand-over, rank 0's step launches (its forward's launches within) and result
+    reads, and when the loop got each result, so a first token that waits for more than its own step shows where."""
     runtime = engine.replica.ranks[0].runtime
     events = [(engine, "_add", "the request is checked and queued"),
               (engine, "_emit", "the loop hands outputs to their streams"),
