@@ -18,6 +18,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from deltaserve.kernels.gemv import linear_reference
 from deltaserve.kernels.norm import silu_mul_reference
