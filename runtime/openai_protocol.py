@@ -5,6 +5,7 @@ Every malformed field raises `ApiError` carrying the HTTP status and the OpenAI 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -47,6 +48,8 @@ _SHARED_FIELDS = {  # request field -> (SamplingParams field, expected python ty
     "skip_special_tokens": ("skip_special_tokens", (bool,)),
 }
 
+MAX_CHOICES = 128  # choices a request may ask for in all (n times its prompts), OpenAI's limit on n
+
 _UNSUPPORTED = {"logit_bias", "suffix", "tools", "tool_choice", "functions", "function_call", "response_format",
                 "audio", "modalities", "prediction"}
 
@@ -61,6 +64,14 @@ class ParsedRequest:
     chat_template_kwargs: dict = field(default_factory=dict)
     messages: list | None = None
     return_token_ids: bool = False  # completions (vLLM's field): each choice carries its token ids
+    n: int = 1  # choices a prompt, each a request of its own (`server._start_all`)
+
+    def choice_params(self, j: int) -> SamplingParams:
+        """The j-th choice's sampling: a seeded request's choices take seeds seed + j, so they differ and each
+        is reproducible."""
+        if j == 0 or self.params.seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=(self.params.seed + j) % 2**63)
 
 
 def _typed(body: dict, name: str, types, what: str):
@@ -74,7 +85,7 @@ def _typed(body: dict, name: str, types, what: str):
     return value
 
 
-def _common(body: dict, max_tokens_field: str) -> tuple[dict, bool, tuple[bool, bool], str | None]:
+def _common(body: dict, max_tokens_field: str) -> tuple[dict, bool, tuple[bool, bool], str | None, int]:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     model = body.get("model")  # optional: this server serves one model
@@ -84,11 +95,12 @@ def _common(body: dict, max_tokens_field: str) -> tuple[dict, bool, tuple[bool, 
         if body[name] not in (None, {}, [], ""):
             raise _bad(f"'{name}' is not supported by this server", name)
     n = _typed(body, "n", (int,), "an integer")
-    if n is not None and n != 1:
-        raise _bad("only n=1 is supported", "n")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_CHOICES:
+        raise _bad(f"'n' must be between 1 and {MAX_CHOICES}, got {n}", "n")
     best_of = _typed(body, "best_of", (int,), "an integer")
-    if best_of is not None and best_of != 1:
-        raise _bad("only best_of=1 is supported", "best_of")
+    if best_of is not None and best_of != n:  # more candidates than choices would need ranking them
+        raise _bad(f"'best_of' must equal 'n' ({n}), got {best_of}", "best_of")
     kwargs = {}
     for name, (target, types) in _SHARED_FIELDS.items():
         what = {(bool,): "a boolean", (int,): "an integer", (list,): "a list"}.get(types, "a number")
@@ -119,7 +131,8 @@ def _common(body: dict, max_tokens_field: str) -> tuple[dict, bool, tuple[bool, 
             raise _bad(f"'stream_options.{name}' must be a boolean", "stream_options")
     # continuous_usage_stats (vLLM's): every chunk carries the usage so far, so a client counts tokens exactly even
     # when a token's text is held back as an incomplete UTF-8 sequence.
-    return kwargs, stream, (options.get("include_usage", False), options.get("continuous_usage_stats", False)), model
+    usage_options = (options.get("include_usage", False), options.get("continuous_usage_stats", False))
+    return kwargs, stream, usage_options, model, n
 
 
 def _params(kwargs: dict) -> SamplingParams:
@@ -131,7 +144,7 @@ def _params(kwargs: dict) -> SamplingParams:
 
 
 def parse_completion(body: dict) -> ParsedRequest:
-    kwargs, stream, usage_options, model = _common(body, "max_tokens")
+    kwargs, stream, usage_options, model, n = _common(body, "max_tokens")
     kwargs.setdefault("max_tokens", 16)  # the OpenAI default for completions
     logprobs = _typed(body, "logprobs", (int,), "an integer")
     if logprobs is not None:
@@ -156,8 +169,10 @@ def parse_completion(body: dict) -> ParsedRequest:
         raise _bad("'prompt' must not be empty", "prompt")
     if len(prompts) > 64:
         raise _bad("at most 64 prompts per request", "prompt")
+    if len(prompts) * n > MAX_CHOICES:
+        raise _bad(f"{len(prompts)} prompts x n = {n} asks for more than {MAX_CHOICES} choices", "n")
     return_ids = _typed(body, "return_token_ids", (bool,), "a boolean") or False
-    return ParsedRequest(prompts, _params(kwargs), stream, usage_options, model, return_token_ids=return_ids)
+    return ParsedRequest(prompts, _params(kwargs), stream, usage_options, model, return_token_ids=return_ids, n=n)
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -180,7 +195,7 @@ def _message_text(content, i: int) -> str:
 
 
 def parse_chat(body: dict) -> ParsedRequest:
-    kwargs, stream, usage_options, model = _common(body, "max_completion_tokens")
+    kwargs, stream, usage_options, model, n = _common(body, "max_completion_tokens")
     want_logprobs = _typed(body, "logprobs", (bool,), "a boolean") or False
     top = _typed(body, "top_logprobs", (int,), "an integer")
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
@@ -204,7 +219,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    return ParsedRequest([], _params(kwargs), stream, usage_options, model, dict(template_kwargs), clean)
+    return ParsedRequest([], _params(kwargs), stream, usage_options, model, dict(template_kwargs), clean, n=n)
 
 
 # Responses -----------------------------------------------------------------------------------------------------------

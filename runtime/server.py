@@ -196,12 +196,15 @@ async def _check_prompt(engine: AsyncEngine, prompt, parsed: ParsedRequest) -> l
 
 
 async def _start_all(engine: AsyncEngine, prompts: list, parsed: ParsedRequest) -> list:
-    """Enqueue every prompt, or none: a refusal aborts the ones already queued."""
+    """Enqueue each prompt's n choices (choice i is prompt i // n's), or none: a refusal aborts the ones already
+    queued. A prompt's choices are requests of their own; with the prefix cache on, the scheduler runs one prefill
+    of the prompt and the others resume from its end (`Scheduler._waits_for_a_shared_prefix`)."""
     checked = [await _check_prompt(engine, p, parsed) for p in prompts]
     streams = []
     try:
         for ids in checked:
-            streams.append(engine.generate(ids, parsed.params))
+            for j in range(parsed.n):
+                streams.append(engine.generate(ids, parsed.choice_params(j)))
     except CapacityError as exc:
         _abort(engine, streams)
         raise ApiError(400, str(exc), "max_tokens", "context_length_exceeded") from None
@@ -213,6 +216,13 @@ async def _start_all(engine: AsyncEngine, prompts: list, parsed: ParsedRequest) 
         _abort(engine, streams)
         raise
     return streams
+
+
+def _request_usage(per_choice: list, n: int) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens of a request from each choice's: a prompt counts once for its n
+    choices (its first choice's figures: the one that prefilled it)."""
+    return (sum(c[0] for c in per_choice[::n]), sum(c[1] for c in per_choice),
+            sum(c[2] for c in per_choice[::n]))
 
 
 def _abort(engine: AsyncEngine, streams: list) -> None:
@@ -252,7 +262,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     finally:
         for g in gens:
             await g.aclose()
-    choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
+    choices = []
     for i, out in enumerate(finals):
         _raise_if_failed(out)
         logprobs = None
@@ -261,10 +271,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason})
         if parsed.return_token_ids:
             choices[-1].update(prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids)
-        prompt_tokens += len(out.prompt_token_ids)
-        completion_tokens += out.num_tokens
-        cached_tokens += out.num_cached_tokens
-    request[USAGE_KEY] = (prompt_tokens, completion_tokens, cached_tokens)
+    request[USAGE_KEY] = _request_usage(
+        [(len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens) for out in finals], parsed.n)
     return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
                               "choices": choices, "usage": usage(*request[USAGE_KEY])})
 
@@ -339,7 +347,7 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
             if continuous_usage:
                 chunk["usage"] = usage(*totals[i])
             await sse.send(chunk)
-    request[USAGE_KEY] = tuple(sum(t[j] for t in totals) for j in range(3))
+    request[USAGE_KEY] = _request_usage(totals, parsed.n)
     if include_usage:
         await sse.send({"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
                         "choices": [], "usage": usage(*request[USAGE_KEY])})
@@ -358,50 +366,59 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt = await engine.run_text_work(render) if large else render()
     except Exception as exc:  # the template is the checkpoint's code run on the client's data: any failure is theirs
         raise ApiError(400, f"cannot render the chat template: {exc}", "messages") from None
-    (gen,) = await _start_all(engine, [prompt], parsed)
+    gens = await _start_all(engine, [prompt], parsed)
     rid, created = new_id("chatcmpl"), now()
-    splitter = ReasoningSplitter(prompt_opens_reasoning(prompt))
+    opens_reasoning = prompt_opens_reasoning(prompt)
     try:
-        first = await _first(gen)
+        firsts = [await _first(g) for g in gens]
         if parsed.stream:
-            return await _stream_chat(request, engine, parsed, gen, first, splitter, rid, created)
-        out = await _drain(gen, first)
+            return await _stream_chat(request, engine, parsed, gens, firsts, opens_reasoning, rid, created)
+        finals = [await _drain(g, f) for g, f in zip(gens, firsts)]
     finally:
-        await gen.aclose()
-    _raise_if_failed(out)
-    reasoning, content = splitter.feed(out.text, final=True)
-    message = {"role": "assistant", "content": content}
-    if reasoning or splitter.in_reasoning:
-        message["reasoning_content"] = reasoning
-    logprobs = chat_logprobs(out.logprobs, engine.tokenizer.token_text) if out.logprobs is not None else None
-    request[USAGE_KEY] = (len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens)
+        for g in gens:
+            await g.aclose()
+    choices = []
+    for i, out in enumerate(finals):
+        _raise_if_failed(out)
+        splitter = ReasoningSplitter(opens_reasoning)
+        reasoning, content = splitter.feed(out.text, final=True)
+        message = {"role": "assistant", "content": content}
+        if reasoning or splitter.in_reasoning:
+            message["reasoning_content"] = reasoning
+        logprobs = chat_logprobs(out.logprobs, engine.tokenizer.token_text) if out.logprobs is not None else None
+        choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason})
+    request[USAGE_KEY] = _request_usage(
+        [(len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens) for out in finals], parsed.n)
     return web.json_response({
         "id": rid, "object": "chat.completion", "created": created, "model": engine.model_name,
-        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason}],
-        "usage": usage(*request[USAGE_KEY]),
+        "choices": choices, "usage": usage(*request[USAGE_KEY]),
     })
 
 
-async def _stream_chat(request, engine, parsed, gen, first, splitter, rid, created):
+async def _stream_chat(request, engine, parsed, gens, firsts, opens_reasoning, rid, created):
     sse = _Sse(request)
     await sse.open()
 
     include_usage, continuous_usage = parsed.usage
+    splitters = [ReasoningSplitter(opens_reasoning) for _ in gens]
+    totals = [[0, 0, 0] for _ in gens]
 
-    def chunk(delta: dict, finish=None, logprobs=None) -> dict:
+    def chunk(i: int, delta: dict, finish=None, logprobs=None) -> dict:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+                "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if continuous_usage:
-            body["usage"] = usage(len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens)
+            body["usage"] = usage(*totals[i])
         return body
 
-    out = first
-    await sse.send(chunk({"role": "assistant", "content": ""}))
-    while True:
+    for i, first in enumerate(firsts):
+        totals[i] = [len(first.prompt_token_ids), first.num_tokens, first.num_cached_tokens]
+        await sse.send(chunk(i, {"role": "assistant", "content": ""}))
+    async for i, out in _merged(gens, firsts):
         if out.error:
             await sse.send(_unavailable(engine).body())
             break
-        reasoning, content = splitter.feed(out.delta_text, final=out.finished)
+        totals[i] = [len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens]
+        reasoning, content = splitters[i].feed(out.delta_text, final=out.finished)
         logprobs = None
         if out.logprobs is not None and out.delta_token_ids:
             fresh = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):]
@@ -412,12 +429,10 @@ async def _stream_chat(request, engine, parsed, gen, first, splitter, rid, creat
         if content:
             delta["content"] = content
         if delta or logprobs or (continuous_usage and out.delta_token_ids and not out.finished):
-            await sse.send(chunk(delta, logprobs=logprobs))
+            await sse.send(chunk(i, delta, logprobs=logprobs))
         if out.finished:
-            await sse.send(chunk({}, out.finish_reason))
-            break
-        out = await gen.__anext__()
-    request[USAGE_KEY] = (len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens)
+            await sse.send(chunk(i, {}, out.finish_reason))
+    request[USAGE_KEY] = _request_usage(totals, parsed.n)
     if include_usage:
         await sse.send({"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
                         "choices": [], "usage": usage(*request[USAGE_KEY])})

@@ -114,7 +114,7 @@ OTHER_FIELDS = {
     "include_stop_str_in_output": ['"no"'],
     "stream": ['"true"', "1"],
     "stream_options": ['"x"', '{"include_usage": true}'],
-    "n": ["0", "2", '"1"'],
+    "n": ["0", "129", '"1"'],
     "best_of": ["2"],
     "model": ["5", "[]", '"other"'],
     "logit_bias": ['{"1": 5}'],

@@ -123,7 +123,9 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": "warm"}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": -3}, 400, "top_k"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "n": 65}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 9}, 400, "logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": 7}, 400, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream": "yes"}, 400, "stream"),
@@ -368,6 +370,54 @@ def test_multi_prompt_completions_streamed_and_not(tiny_ckpt):
                         finishes[c["index"]].append(c["finish_reason"])
             assert texts == solo[:2] and finishes == [["length"], ["length"]]
             assert usage["completion_tokens"] == 14
+        return True
+
+    assert with_server(tiny_ckpt, body)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_n_choices_streamed_and_not(tiny_ckpt, path):
+    """n choices of one prompt: greedy ones equal the single answer; seeded sampled ones differ from each other
+    and come back the same when asked again; the prompt counts once in the usage, every choice's tokens count."""
+    def text(part):  # a completion's text, or a chat message's (its reasoning first: the template opens it)
+        return part["text"] if "text" in part else part.get("reasoning_content", "") + (part.get("content") or "")
+
+    def texts_of(got):
+        return [text(c) if "text" in c else text(c["message"]) for c in got["choices"]]
+
+    async def body(engine, url):
+        common = dict(max_tokens=6, ignore_eos=True) if path == "/v1/completions" else \
+            dict(max_completion_tokens=6, ignore_eos=True)
+        async with aiohttp.ClientSession() as session:
+            before = engine.metrics.prompt_tokens._value.get()
+            status, greedy = await post(session, url + path, request_body(path, n=3, temperature=0, **common))
+            prefilled = engine.metrics.prompt_tokens._value.get() - before
+            assert status == 200 and [c["index"] for c in greedy["choices"]] == [0, 1, 2]
+            assert prefilled == greedy["usage"]["prompt_tokens"]  # one prefill; the other choices resume after it
+            _, one = await post(session, url + path, request_body(path, temperature=0, **common))
+            assert texts_of(greedy) == texts_of(one) * 3
+            assert greedy["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+            assert greedy["usage"]["completion_tokens"] == 18
+
+            sampled = [await post(session, url + path, request_body(path, n=4, best_of=4, temperature=1.0, seed=7,
+                                                                     **common)) for _ in range(2)]
+            assert texts_of(sampled[0][1]) == texts_of(sampled[1][1])  # reproducible
+            assert len(set(texts_of(sampled[0][1]))) > 1  # the choices' seeds differ
+
+            texts, finishes, usage = [""] * 4, [[] for _ in range(4)], None
+            async with session.post(url + path, json=request_body(
+                    path, n=4, temperature=1.0, seed=7, stream=True, stream_options={"include_usage": True},
+                    **common)) as r:
+                events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            for event in map(json.loads, events[:-1]):
+                usage = event.get("usage") or usage
+                for c in event["choices"]:
+                    texts[c["index"]] += text(c) if "text" in c else text(c["delta"])
+                    if c["finish_reason"]:
+                        finishes[c["index"]].append(c["finish_reason"])
+            assert texts == texts_of(sampled[0][1]) and finishes == [["length"]] * 4
+            assert usage["completion_tokens"] == 24 and usage["prompt_tokens"] == one["usage"]["prompt_tokens"]
         return True
 
     assert with_server(tiny_ckpt, body)
