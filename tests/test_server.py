@@ -418,6 +418,13 @@ def test_n_choices_streamed_and_not(tiny_ckpt, path):
                         finishes[c["index"]].append(c["finish_reason"])
             assert texts == texts_of(sampled[0][1]) and finishes == [["length"]] * 4
             assert usage["completion_tokens"] == 24 and usage["prompt_tokens"] == one["usage"]["prompt_tokens"]
+        aborted = engine.metrics.finished.labels("abort")._value.get()
+        async with aiohttp.ClientSession() as session:  # a client gone mid-stream takes all its choices with it
+            async with session.post(url + path, json=request_body(path, n=3, stream=True, **{
+                    **common, "max_tokens" if path == "/v1/completions" else "max_completion_tokens": 200})) as r:
+                await r.content.readline()
+        assert await wait_free(engine) and not engine.requests
+        assert engine.metrics.finished.labels("abort")._value.get() - aborted == 3
         return True
 
     assert with_server(tiny_ckpt, body)
