@@ -269,6 +269,13 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, part_o_ptr, p
 
 
 @triton.jit
+def _times_sigmoid_gate(out, gate_ptrs, mask):
+    """Gated attention: out * sigmoid(gate), in fp32 (the gate is a view into the q projection's output)."""
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return out / (1.0 + tl.exp(-gate))
+
+
+@triton.jit
 def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, gate_ptr, counts_ptr, NH, gate_row_stride,
                          gate_head_stride, D: tl.constexpr, SPLITS: tl.constexpr, HAS_GATE: tl.constexpr,
                          HAS_COUNTS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -292,10 +299,9 @@ def _merge_splits_kernel(part_o_ptr, part_ml_ptr, out_ptr, gate_ptr, counts_ptr,
         o = tl.load(part_o_ptr + (rh * SPLITS + s[:, None]) * D + d[None, :], mask=smask[:, None] & dmask[None, :],
                     other=0.0)
         total = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-        if HAS_GATE:  # gated attention: o * sigmoid(gate)
-            gate = tl.load(gate_ptr + (rh // NH) * gate_row_stride + (rh % NH) * gate_head_stride + d, mask=dmask,
-                           other=0.0).to(tl.float32)
-            total = total / (1.0 + tl.exp(-gate))
+        if HAS_GATE:
+            total = _times_sigmoid_gate(
+                total, gate_ptr + (rh // NH) * gate_row_stride + (rh % NH) * gate_head_stride + d, dmask)
         tl.store(out_ptr + rh * D + d, total.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
@@ -393,10 +399,9 @@ def _prefill_attn_keys(acc, m_i, l_i, q, kc_ptr, vc_ptr, table_row_ptr, n_lo, n_
 def _store_attn_out(out_ptr, acc, l_i, m_idx, q_live, head, NH, d, dmask, gate_ptr, gate_row_stride,
                     gate_head_stride, D: tl.constexpr, HAS_GATE: tl.constexpr):
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if HAS_GATE:  # gated attention: o * sigmoid(gate)
+    if HAS_GATE:
         rows = gate_ptr + m_idx.to(tl.int64)[:, None] * gate_row_stride + head * gate_head_stride
-        gate = tl.load(rows + d[None, :], mask=q_live[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        out = out / (1.0 + tl.exp(-gate))
+        out = _times_sigmoid_gate(out, rows + d[None, :], q_live[:, None] & dmask[None, :])
     tl.store(out_ptr + (m_idx.to(tl.int64)[:, None] * NH + head) * D + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_live[:, None] & dmask[None, :])
 
