@@ -6,9 +6,9 @@ the GEMM's writes, if it comes close enough to cuBLAS's rate on the GEMM itself.
 
     python -m deltaserve.tools.lab.swiglu_gemm_lab [--size 4b] [--tokens 2048,8192] [--check]
 
-Per prompt length: cuBLAS + silu_mul (what the engine runs), the fused kernel (pointer loads, then TMA descriptors) at
-each tile of SWIGLU_TILES, and the fused kernel's largest difference from the reference (fp32 silu of the bf16 GEMM, as the engine rounds). `--check`
-runs the correctness check alone on small shapes (also on the CPU under TRITON_INTERPRET=1)."""
+Per prompt length: cuBLAS + silu_mul (what the engine runs), the fused kernel (pointer loads, then TMA descriptors)
+at each tile of SWIGLU_TILES, and its largest difference from the reference (fp32 silu of the bf16 GEMM, as the
+engine rounds). `--check` runs the correctness check alone on small shapes (also on the CPU under TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
