@@ -1,14 +1,14 @@
 """What a prefill step costs beyond its math: kernels launched, GPU busy time and wall time per prompt length.
 
     python -m deltaserve.tools.lab.profile_prefill --size 4b [--layers N] [--tokens 16,512,2048,8192] [--prefix N]
-        [--fp8] [--prefill-attention-splits N]
+        [--fp8] [--prefill-attention-splits N] [--prefill-token-budget N]
 
 Random bf16 weights on a CUDA device, tp = 1, one request at a time through `engine.generate` (max_tokens 1), so
-its time to first token is one prefill step plus the sampler. Per prompt length: the median TTFT (no profiler),
-the prefill rate as #30 counts it (the layers' projection FLOPs over the TTFT, against a large bf16 matmul's rate
-measured in the same run), then under torch.profiler the kernels per request, their summed GPU time, and the
-kernels launched most. When the GPU time is far below the TTFT and the kernel count is high, the step is
-launch-bound (host time per launch); when they are close, it is the math. The profiled requests' wall time is
+its time to first token is one prefill step plus the sampler (or, with `--prefill-token-budget` below the prompt,
+its chunks' steps, as the server runs them). Per prompt length: the median TTFT (no profiler), the prefill rate as
+#30 counts it (the layers' projection FLOPs over the TTFT, against a large bf16 matmul's rate measured in the same
+run), then under torch.profiler the kernels per request, their summed GPU time, and the kernels launched most.
+When the GPU time is far below the TTFT and the kernel count is high, the step is launch-bound (host time per launch); when they are close, it is the math. The profiled requests' wall time is
 split into the host's part before their first kernel, the GPU's idle time between their kernels, and the host's
 part after the last. `--timeline` prints one request's host events on the host clock (the loop's planning and
 hand-over, rank 0's launches and token reads); `--host-profile N` where rank 0's thread spends its launch of a
@@ -78,7 +78,8 @@ async def run(ns) -> list[dict]:
         per_token = projection_flops_per_token(load_model_config(folder))
         args = EngineArgs(model=folder, device="cuda", load_format="random", max_batch=1, buckets=[1],
                           max_model_len=ns.prefix + max(lengths) + 8, prefill_slots=1,
-                          prefill_token_budget=max([*lengths, ns.prefix]), warmup=False, stats_interval_s=0,
+                          prefill_token_budget=ns.prefill_token_budget or max([*lengths, ns.prefix]),
+                          warmup=False, stats_interval_s=0,
                           enable_prefix_caching=ns.enable_prefix_caching or ns.prefix > 0,
                           prefill_graph_tokens=ns.prefill_graph_tokens, fp8_kernels=ns.fp8,
                           kernel_config=KernelConfig(prefill_attention_splits=ns.prefill_attention_splits))
@@ -205,6 +206,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="16,512,2048,8192")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=12, help="kernel names to list, by launches")
+    parser.add_argument("--prefill-token-budget", type=int, default=0, metavar="N",
+                        help=f"prompt tokens a step carries at most (0: the longest prompt's, one step a prompt; "
+                             f"the server's is {EngineArgs.prefill_token_budget}: a longer prompt runs in chunks)")
     parser.add_argument("--prefill-graph-tokens", type=int, default=EngineArgs.prefill_graph_tokens,
                         help="prefill steps of up to this many tokens replay a captured graph (0: none)")
     parser.add_argument("--prefix", type=int, default=0, metavar="N",

@@ -8,7 +8,8 @@ the GEMM's writes, if it comes close enough to cuBLAS's rate on the GEMM itself.
 
 Per prompt length: cuBLAS + silu_mul (what the engine runs), the fused kernel (pointer loads, then TMA descriptors)
 at each tile of SWIGLU_TILES, and its largest difference from the reference (fp32 silu of the bf16 GEMM, as the
-engine rounds). `--check` runs the correctness check alone on small shapes (also on the CPU under TRITON_INTERPRET=1)."""
+engine rounds). `--check` runs the correctness check alone on small shapes (also on the CPU under
+TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
