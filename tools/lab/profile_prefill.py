@@ -10,9 +10,10 @@ its chunks' steps, as the server runs them). Per prompt length: the median TTFT 
 run), then under torch.profiler the kernels per request, their summed GPU time, and the kernels launched most.
 When the GPU time is far below the TTFT and the kernel count is high, the step is launch-bound (host time per
 launch); when they are close, it is the math. The profiled requests' wall time is split into the host's part before
-their first kernel, the GPU's idle time between their kernels, and the host's part after the last. `--timeline` prints one request's host events on the host clock (the loop's planning and
-hand-over, rank 0's launches and token reads); `--host-profile N` where rank 0's thread spends its launch of a
-prefill of N tokens (cProfile, by own time).
+their first kernel, the GPU's idle time between their kernels, and the host's part after the last. `--timeline`
+prints one request's host events on the host clock (the loop's planning and hand-over, rank 0's launches and token
+reads); `--host-profile N` where rank 0's thread spends its launch of a prefill of N tokens (cProfile, by own
+time).
 """
 
 from __future__ import annotations
