@@ -1,7 +1,7 @@
 """What a prefill step costs beyond its math: kernels launched, GPU busy time and wall time per prompt length.
 
     python -m deltaserve.tools.lab.profile_prefill --size 4b [--layers N] [--tokens 16,512,2048,8192] [--prefix N]
-        [--fp8] [--prefill-attention-splits N] [--prefill-token-budget N]
+        [--fp8] [--prefill-attention-splits N] [--prefill-token-budget N] [--kernel FIELD=VALUE]
 
 Random bf16 weights on a CUDA device, tp = 1, one request at a time through `engine.generate` (max_tokens 1), so
 its time to first token is one prefill step plus the sampler (or, with `--prefill-token-budget` below the prompt,
@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import collections
 import cProfile
+import dataclasses
 import io
 import logging
 import math
@@ -39,6 +40,7 @@ from deltaserve.model.config import load_model_config
 from deltaserve.model.synthetic import write_checkpoint
 from deltaserve.model.weights import expected_shapes
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+from deltaserve.tools.bench_decode import kernel_config
 from deltaserve.tools.bench_kernels import ceilings
 
 
@@ -69,6 +71,13 @@ async def first_token_s(engine: AsyncEngine, n: int, seed: int, prefix: int = 0)
     raise RuntimeError("no output")
 
 
+def prefill_kernel_config(ns) -> KernelConfig:
+    cfg = kernel_config(ns)  # the --kernel overrides
+    if ns.prefill_attention_splits is not None:
+        cfg = dataclasses.replace(cfg, prefill_attention_splits=ns.prefill_attention_splits)
+    return cfg
+
+
 async def run(ns) -> list[dict]:
     lengths = [int(t) for t in ns.tokens.split(",")]
     rows = []
@@ -83,7 +92,7 @@ async def run(ns) -> list[dict]:
                           warmup=False, stats_interval_s=0,
                           enable_prefix_caching=ns.enable_prefix_caching or ns.prefix > 0,
                           prefill_graph_tokens=ns.prefill_graph_tokens, fp8_kernels=ns.fp8,
-                          kernel_config=KernelConfig(prefill_attention_splits=ns.prefill_attention_splits))
+                          kernel_config=prefill_kernel_config(ns))
         async with AsyncEngine(args) as engine:
             for n in lengths:
                 for i in range(2):  # compiles
@@ -215,9 +224,11 @@ def main(argv=None) -> int:
     parser.add_argument("--prefix", type=int, default=0, metavar="N",
                         help="time each prompt after a cached prefix of N tokens (a chat's later turn); the "
                              "profile's kernels include the prefix's own prefill")
-    parser.add_argument("--prefill-attention-splits", type=int, default=DEFAULT.prefill_attention_splits,
-                        metavar="N", help="most programs a query block's keys are shared over after a cached "
-                                          "prefix (KernelConfig.prefill_attention_splits)")
+    parser.add_argument("--prefill-attention-splits", type=int, default=None, metavar="N",
+                        help="most programs a query block's keys are shared over after a cached prefix "
+                             f"(KernelConfig.prefill_attention_splits, {DEFAULT.prefill_attention_splits})")
+    parser.add_argument("--kernel", action="append", default=[], metavar="FIELD=VALUE",
+                        help="any KernelConfig field, VALUE a Python literal (a tile as a tuple, None); repeatable")
     parser.add_argument("--fp8", action="store_true",
                         help="an FP8 checkpoint's projections in FP8 (random, block-scaled) on the FP8 kernels")
     parser.add_argument("--enable-prefix-caching", action="store_true",
