@@ -67,10 +67,6 @@ class KernelConfig:
     few_rows_silu_tile: Tile = Tile(32, 128, 4, 3)
     # Programs an SM that a narrow output's K splits aim at (`launch.k_splits`; 4 as for FP8 decode); 0: no split.
     few_rows_split_programs: int = 4
-    # A prefill's MLP input (from `gemv.SWIGLU_GEMM_MIN_ROWS` rows, bf16, sm90): None, cuBLAS's [gate | up] GEMM and
-    # then silu_mul; a tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), one Triton GEMM with silu(gate) * up in its
-    # epilogue (`gemv.swiglu_gemm`). Off until measured in the engine.
-    swiglu_gemm_tile: tuple[int, int, int, int, int] | None = None
 
     # FP8 weights (`kernels.fp8`) up to 64 rows (decode): (BLOCK_N, programs an SM that K splits aim at, warps,
     # stages) of the W8A16 kernel: the fastest of the 27B sweep (`tools/lab/fp8_sweep.py`) on every projection

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from . import fp8
 from .config import DEFAULT, KernelConfig, Tile, WholeRows
-from .launch import (_dot_bf16, k_splits, multiprocessors, pdl_options, sm90_or_later, split_buffers, store_split,
+from .launch import (_dot_bf16, k_splits, multiprocessors, pdl_options, split_buffers, store_split,
                      wait_for_previous_kernel)
 from .norm import add_rms_norm, add_rms_norm_reference, silu_mul, silu_mul_reference
 
@@ -411,63 +411,4 @@ def add_rms_norm_gate_up(x, residual, norm_weight, eps: float, gate_up, cfg: Ker
     normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)
     if few_rows_takes(normed, gate_up, cfg):
         return few_rows(normed, gate_up, gate_up.shape[0] // 2, cfg), residual
-    if swiglu_gemm_takes(normed, gate_up, cfg):
-        return swiglu_gemm(normed, gate_up, cfg.swiglu_gemm_tile), residual
     return silu_mul(linear(normed, gate_up, cfg), cfg), residual
-
-
-# A prefill's MLP input as one GEMM whose epilogue applies silu(gate) * up (`KernelConfig.swiglu_gemm_tile`), in
-# place of cuBLAS's [gate | up] GEMM and a pass that reads both halves back. Its tiles move by TMA descriptors
-# (sm90), so BLOCK_N must divide the gate rows: a gate tile must not reach into the up rows.
-SWIGLU_GEMM_MIN_ROWS = 256  # prefill chunks; decode batches stay on cuBLAS
-
-
-def swiglu_gemm_takes(x: torch.Tensor, gate_up, cfg: KernelConfig) -> bool:
-    tile = cfg.swiglu_gemm_tile
-    return (tile is not None and x.shape[0] >= SWIGLU_GEMM_MIN_ROWS and x.dtype == torch.bfloat16
-            and isinstance(gate_up, torch.Tensor) and gate_up.dtype == torch.bfloat16
-            and gate_up.shape[0] // 2 % tile[1] == 0 and sm90_or_later(x.device))
-
-
-@triton.jit(do_not_specialize=["M"])
-def _swiglu_gemm_kernel(x_desc, w_desc, out_desc, M, inner, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-    """out [M, inner] = silu(x @ gate.t()) * (x @ up.t()) for w = [gate | up] ([2 inner, K]). Programs walk GROUP_M
-    row tiles a column tile, so the weight tiles they share stay in L2; rows and columns past the ends read as
-    zero and are not stored."""
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(inner, BLOCK_N)
-    group_first = pid // (GROUP_M * tiles_n) * GROUP_M
-    group_size = tl.minimum(tiles_m - group_first, GROUP_M)
-    row0 = (group_first + pid % group_size) * BLOCK_M
-    col0 = pid % (GROUP_M * tiles_n) // group_size * BLOCK_N
-    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = x_desc.load([row0, k0])
-        gate = tl.dot(x, w_desc.load([col0, k0]).T, gate, input_precision=PRECISION)
-        up = tl.dot(x, w_desc.load([inner + col0, k0]).T, up, input_precision=PRECISION)
-    # rounded to the model dtype first, as the unfused projection's output is
-    gate = gate.to(out_desc.dtype).to(tl.float32)
-    up = up.to(out_desc.dtype).to(tl.float32)
-    out_desc.store([row0, col0], (gate / (1.0 + tl.exp(-gate)) * up).to(out_desc.dtype))
-
-
-def swiglu_gemm(x: torch.Tensor, gate_up: torch.Tensor, tile: tuple[int, int, int, int, int]) -> torch.Tensor:
-    """silu(x @ gate.t()) * (x @ up.t()), [M, inner], for x [M, K] and gate_up = [gate | up] ([2 inner, K]), bf16
-    (fp32 for the tests); tile (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), BLOCK_N dividing inner."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    M, K = x.shape
-    inner = gate_up.shape[0] // 2
-    block_m, block_n, block_k, warps, stages = tile
-    if inner % block_n:
-        raise ValueError(f"swiglu_gemm_tile's BLOCK_N {block_n} must divide the {inner} gate rows")
-    x = x.contiguous()
-    out = torch.empty(M, inner, dtype=x.dtype, device=x.device)
-    _swiglu_gemm_kernel[(triton.cdiv(M, block_m) * (inner // block_n),)](
-        TensorDescriptor.from_tensor(x, [block_m, block_k]), TensorDescriptor.from_tensor(gate_up, [block_n, block_k]),
-        TensorDescriptor.from_tensor(out, [block_m, block_n]), M, inner, K, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, GROUP_M=8, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps,
-        num_stages=stages)
-    return out

@@ -56,13 +56,13 @@ def _dot_bf16(a, b, acc=None):
 
 
 @functools.cache
-def sm90_or_later(device: torch.device) -> bool:
+def _pdl_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def pdl_options(device: torch.device, enabled: bool) -> dict:
     """Launch options for a kernel with a `PDL` constexpr (one that calls `wait_for_previous_kernel` first)."""
-    return {"PDL": True, "launch_pdl": True} if enabled and sm90_or_later(device) else {}
+    return {"PDL": True, "launch_pdl": True} if enabled and _pdl_capable(device) else {}
 
 
 @triton.jit

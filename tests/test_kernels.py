@@ -504,37 +504,6 @@ def test_few_row_projections_and_their_routing(m, n, k, splits, monkeypatch):
     assert calls == [0, n]
 
 
-def test_the_fused_swiglu_gemm_and_where_the_mlp_takes_it(monkeypatch):
-    """The prefill MLP's GEMM with silu(gate) * up in its epilogue against the reference: ragged row tiles (rows past
-    the end neither read nor stored), K over several tiles, gate and up told apart. The MLP takes it only where
-    configured, from SWIGLU_GEMM_MIN_ROWS bf16 rows, where BLOCK_N divides the gate rows, on sm90."""
-    inner, k = 48, 96
-    w = randn(2 * inner, k) * 0.1
-    for m in (5, 37, 64):
-        x = randn(m, k)
-        with poisoned_outputs():
-            got = gemv.swiglu_gemm(x, w, (32, 16, 32, 4, 2))
-        assert rel(got, norm.silu_mul_reference(gemv.linear_reference(x, w))) <= REDUCTION, m
-    with pytest.raises(ValueError, match="must divide the 48 gate rows"):
-        gemv.swiglu_gemm(x, w, (32, 32, 32, 4, 2))
-    on = KernelConfig(swiglu_gemm_tile=(32, 16, 32, 4, 2))
-    rows = gemv.SWIGLU_GEMM_MIN_ROWS
-    bf, bw = randn(rows, k, dtype=torch.bfloat16), w.to(torch.bfloat16)
-    monkeypatch.setattr(gemv, "sm90_or_later", lambda device: True)
-    assert gemv.swiglu_gemm_takes(bf, bw, on) and not gemv.swiglu_gemm_takes(bf, bw, DEFAULT)
-    assert not gemv.swiglu_gemm_takes(bf[: rows - 1], bw, on)  # decode batches stay on cuBLAS
-    assert not gemv.swiglu_gemm_takes(bf.float(), w, on)  # fp32 models too
-    assert not gemv.swiglu_gemm_takes(bf, bw, KernelConfig(swiglu_gemm_tile=(32, 32, 32, 4, 2)))
-    calls = []
-    monkeypatch.setattr(gemv, "swiglu_gemm", lambda x, w, tile: calls.append(tile) or x[:, :inner])
-    monkeypatch.setattr(gemv, "add_rms_norm", lambda x, r, nw, eps, cfg: (x, x))
-    gemv.add_rms_norm_gate_up(bf, None, None, 1e-6, bw, on)
-    gemv.add_rms_norm_gate_up(bf, None, None, 1e-6, bw)
-    assert calls == [on.swiglu_gemm_tile]
-    monkeypatch.setattr(gemv, "sm90_or_later", lambda device: False)
-    assert not gemv.swiglu_gemm_takes(bf, bw, on)
-
-
 @pytest.mark.parametrize("k, rows", [(256, 16), (256, 10), (320, 16), (200, 16)])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("folded", [False, True])
