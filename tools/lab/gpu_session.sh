@@ -29,8 +29,10 @@
 #         (FORMATS=fp8 for one)
 # specrows #32: the c16 and c64 serving rows with speculation (the 27B head's acceptance emulated) and without,
 #         each server's graph captures listed (a bucket that ran out of memory runs eagerly)
-# prefill #30: the 4B's 8k-token prefill by kernel, with one request's host timeline; the fused silu(gate) * up
-#         GEMM against cuBLAS + silu_mul (tools/lab/swiglu_gemm_lab.py); our attention against torch's SDPA
+# prefill #30: the 4B's 8k-token prefill by kernel, with one request's host timeline
+# budget  #30: the 4B's 8k-token prompts one at a time and eight together, and the c64 row, at the server's chunk
+#         budget (--max-num-batched-tokens) of 2048 tokens (the default) and 8192 (one 8k prompt a step: 120
+#         against 126 ms in the engine on an H100, S19)
 # fused   #30: the decode graph then the prefill (--no-fused-mixed-steps) against a step's decode rows and prompt
 #         chunk as one graphed forward (the default): what a 256-token chunk adds beside 60 rows, then the c64 row
 #         and its step log, each way
@@ -104,11 +106,14 @@ for stage in ${STAGES//,/ }; do
     prefill)
       timeout 150 python3 -m deltaserve.tools.lab.profile_prefill --size 4b --tokens 8192 --repeats 3 --top 12 \
           --timeline > "$DIR/prefill-4b.txt" 2>&1
-      grep -E "^\| 8192|most GPU time|the loop plans|prefill forward|first token" "$DIR/prefill-4b.txt"
-      timeout 120 python3 -m deltaserve.tools.lab.swiglu_gemm_lab --size 4b > "$DIR/swiglu.txt" 2>&1
-      grep -E "cuBLAS|fused" "$DIR/swiglu.txt"
-      timeout 90 python3 -m deltaserve.tools.lab.attention_peers > "$DIR/attention-peers.txt" 2>&1
-      grep -E "SDPA cudnn, GQA|ours|first call" "$DIR/attention-peers.txt" ;;
+      grep -E "^\| 8192|most GPU time|the loop plans|prefill forward|first token" "$DIR/prefill-4b.txt" ;;
+    budget)
+      for tokens in 2048 8192; do  # the server's chunk budget: today's default, then vLLM's and SGLang's
+        ROWS="long burst c64" MODES=on timeout 200 bash tools/lab/prefix_cache_rows.sh /tmp/budget-$tokens \
+            --max-num-batched-tokens $tokens | sed "s/^/budget $tokens: /"
+        mkdir -p "$DIR/budget-$tokens"
+        cp /tmp/budget-$tokens/*.json /tmp/budget-$tokens/server-on.log "$DIR/budget-$tokens/" 2>/dev/null
+      done ;;
     serve27)
       for fmt in ${FORMATS:-fp8 bf16}; do
         ck=/tmp/ck27-$fmt
@@ -155,7 +160,8 @@ for stage in ${STAGES//,/ }; do
         mkdir -p "$DIR/specrows-$mode"
         cp /tmp/specrows-$mode/*.json /tmp/specrows-$mode/server-on.log "$DIR/specrows-$mode/" 2>/dev/null
       done ;;
-    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, turn, fp8, serve27, serve4, fused, specrows)"
+    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, turn, fp8, prefill, budget, serve27, serve4,"\
+            "fused, specrows)"
        exit 2 ;;
   esac
   stamp "$stage done"
