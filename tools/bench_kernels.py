@@ -42,8 +42,12 @@ ROUND_STEPS = 200  # token steps drawn per round count: the share of batches a r
 GEMV_SWEEP = [(2, 4096, 4, 1), (2, 2048, 2, 2), (2, 2048, 4, 2), (2, 1024, 2, 3), (4, 2048, 4, 2),
               (1, 2048, 2, 2), (4, 512, 4, 2), (8, 512, 4, 2), (8, 256, 4, 3), (4, 1024, 4, 1),
               (8, 512, 8, 1)] + [WholeRows(*c) for c in ((1, 2), (1, 4), (1, 8), (2, 4))]
-FEW_ROWS_SWEEP = [(16, 256, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4), (64, 128, 4, 3), (16, 512, 4, 2),
-                  (32, 512, 8, 2), (64, 256, 8, 3)]  # (BLOCK_N, BLOCK_K, warps, stages)
+# ((BLOCK_N, BLOCK_K, warps, stages), programs an SM that a narrow output's K splits aim at), swept at 4 and 8 rows.
+# Fewer stages or a shorter K tile fit more programs an SM (shared memory), so one wave holds the split programs.
+FEW_ROWS_SWEEP = [((16, 256, 4, 3), 4), ((32, 256, 4, 3), 4), ((32, 128, 4, 4), 4), ((64, 128, 4, 3), 4),
+                  ((16, 512, 4, 2), 4), ((32, 512, 8, 2), 4), ((64, 256, 8, 3), 4), ((32, 256, 4, 2), 4),
+                  ((32, 128, 4, 3), 4), ((32, 128, 4, 2), 4), ((64, 128, 4, 2), 4), ((32, 256, 4, 3), 3),
+                  ((32, 256, 4, 3), 2), ((32, 256, 4, 2), 6), ((32, 128, 4, 3), 8)]
 NORM_GEMV_SWEEP = [(8, 512, 4, 2), (4, 512, 4, 2), (4, 512, 4, 3), (8, 256, 4, 3), (8, 256, 2, 3), (4, 1024, 4, 2),
                    (2, 2048, 2, 2), (16, 256, 4, 2), (8, 512, 8, 2), (16, 512, 8, 2)
                    ] + [WholeRows(*c) for c in ((1, 2), (2, 2), (2, 4), (4, 4))]
@@ -262,13 +266,13 @@ def few_row_projections(cfg, rows: list, bw: float, sweep: bool, counts=(2, 4, 8
                 t_whole = graph_time_per_call(ours(split=0), weights)
                 rows.append((f"few-row projection {name}, K not split", f"{m} x {k} -> {n}", t_whole,
                              f"{nbytes / t_whole / 1e12:.2f} TB/s", f"{nbytes / t_whole / bw:.0%} of copy"))
-            for config in FEW_ROWS_SWEEP if sweep else ():
+            for config, split in FEW_ROWS_SWEEP if sweep and m in (4, 8) else ():
                 try:
-                    t = graph_time_per_call(ours(config), weights)
+                    t = graph_time_per_call(ours(config, split), weights)
                 except OutOfResources:
                     continue
-                rows.append((f"few-row projection {name} config {config}", f"{m} x {k} -> {n}", t,
-                             f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy"))
+                rows.append((f"few-row projection {name} config {config}, K split for {split} programs an SM",
+                             f"{m} x {k} -> {n}", t, f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy"))
         del weights
 
 
