@@ -31,17 +31,22 @@ SWIGLU_TILES = [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 4),
 
 
 @triton.jit
-def _swiglu_gemm_kernel(x_ptr, w_ptr, out_ptr, M, inner, K, x_row_stride, w_row_stride, out_row_stride,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                        PRECISION: tl.constexpr):
-    """out[m, n] = silu(x[m] . w[n]) * (x[m] . w[inner + n]) for w = [gate | up] rows; programs walk GROUP_M row
-    tiles per column tile so the weight tiles they share stay in L2."""
+def _grouped_tile(M, inner, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of this program: programs walk GROUP_M row tiles per column tile, so the weight
+    tiles they share stay in L2."""
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(inner, BLOCK_N)
     group_first = pid // (GROUP_M * tiles_n) * GROUP_M
     group_size = tl.minimum(tiles_m - group_first, GROUP_M)
-    pid_m = group_first + pid % group_size
-    pid_n = pid % (GROUP_M * tiles_n) // group_size
+    return group_first + pid % group_size, pid % (GROUP_M * tiles_n) // group_size
+
+
+@triton.jit
+def _swiglu_gemm_kernel(x_ptr, w_ptr, out_ptr, M, inner, K, x_row_stride, w_row_stride, out_row_stride,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    """out[m, n] = silu(x[m] . w[n]) * (x[m] . w[inner + n]) for w = [gate | up] rows."""
+    pid_m, pid_n = _grouped_tile(M, inner, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -71,12 +76,7 @@ def _swiglu_gemm_tma_kernel(x_desc, w_desc, out_desc, M, inner, K, BLOCK_M: tl.c
                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     """`_swiglu_gemm_kernel` with its tiles moved by the tensor memory accelerator (host-made descriptors): no
     address arithmetic or masks in the loop, out-of-range rows and columns read as zero and are not stored."""
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(inner, BLOCK_N)
-    group_first = pid // (GROUP_M * tiles_n) * GROUP_M
-    group_size = tl.minimum(tiles_m - group_first, GROUP_M)
-    pid_m = group_first + pid % group_size
-    pid_n = pid % (GROUP_M * tiles_n) // group_size
+    pid_m, pid_n = _grouped_tile(M, inner, BLOCK_M, BLOCK_N, GROUP_M)
     row0, col0 = pid_m * BLOCK_M, pid_n * BLOCK_N
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
