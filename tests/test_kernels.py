@@ -553,14 +553,20 @@ def test_input_norm_fused_into_the_one_row_projection(k, rows, with_residual, fo
 def test_no_barrier_holds_back_the_fused_norm_gemvs_weight_loads():
     """Compiled offline for sm90, no loop of the add-and-norm GEMV holds a barrier: its weight loads issue with the
     input's instead of after a layout change through shared memory. Every kernel of the tool compiles for sm90,
-    the prefill attention (its unmasked and masked key loops, with and without split keys) and the merges among
-    them: what the interpreter cannot check. The tool runs apart: it compiles, so it imports the kernels without
+    the prefill attention (its unmasked and masked key loops, with and without split keys), the merges and the
+    few-row kernel among them (an SM holds as many few-row programs as a K split aims at): what the interpreter
+    cannot check. The tool runs apart: it compiles, so it imports the kernels without
     the interpreter this process has."""
     table = subprocess.run([sys.executable, "-m", "deltaserve.tools.lab.inspect_kernels"], capture_output=True, text=True,
                            check=True, timeout=300).stderr
     names = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]
-    for name in ("prefill_attention, splits 1", "prefill_attention, splits 4", "merge_splits", "merge_splits, counts"):
+    for name in ("prefill_attention, splits 1", "prefill_attention, splits 4", "merge_splits", "merge_splits, counts",
+                 "few_rows, K split", "few_rows + silu"):
         assert name in names, table
+    # A narrow output's K splits aim at few_rows_split_programs programs an SM: the tile must let an SM hold them,
+    # or the split programs run in more than one wave.
+    (split_row,) = [line.split("|") for line in table.splitlines() if line.startswith("| few_rows, K split")]
+    assert int(split_row[5]) >= DEFAULT.few_rows_split_programs, split_row
     attention_loops = [line.split("|")[4] for line in table.splitlines() if line.startswith("| prefill_attention")]
     assert all(len(loops.split(";")) == 2 for loops in attention_loops), table  # the unmasked keys, then the diagonal
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| norm_gemv")]

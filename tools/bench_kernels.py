@@ -43,7 +43,8 @@ GEMV_SWEEP = [(2, 4096, 4, 1), (2, 2048, 2, 2), (2, 2048, 4, 2), (2, 1024, 2, 3)
               (1, 2048, 2, 2), (4, 512, 4, 2), (8, 512, 4, 2), (8, 256, 4, 3), (4, 1024, 4, 1),
               (8, 512, 8, 1)] + [WholeRows(*c) for c in ((1, 2), (1, 4), (1, 8), (2, 4))]
 # ((BLOCK_N, BLOCK_K, warps, stages), programs an SM that a narrow output's K splits aim at), swept at 4 and 8 rows.
-# Fewer stages or a shorter K tile fit more programs an SM (shared memory), so one wave holds the split programs.
+# Fewer stages or a shorter K tile let an SM hold more programs (`inspect_kernels`: the default holds 4, 48 KB of
+# shared memory each), so more of the weights' loads are in flight.
 FEW_ROWS_SWEEP = [((16, 256, 4, 3), 4), ((32, 256, 4, 3), 4), ((32, 128, 4, 4), 4), ((64, 128, 4, 3), 4),
                   ((16, 512, 4, 2), 4), ((32, 512, 8, 2), 4), ((64, 256, 8, 3), 4), ((32, 256, 4, 2), 4),
                   ((32, 128, 4, 3), 4), ((32, 128, 4, 2), 4), ((64, 128, 4, 2), 4), ((32, 256, 4, 3), 3),
