@@ -555,8 +555,8 @@ def test_no_barrier_holds_back_the_fused_norm_gemvs_weight_loads():
     input's instead of after a layout change through shared memory. Every kernel of the tool compiles for sm90,
     the prefill attention (its unmasked and masked key loops, with and without split keys), the merges and the
     few-row kernel among them (an SM holds as many few-row programs as a K split aims at): what the interpreter
-    cannot check. The tool runs apart: it compiles, so it imports the kernels without
-    the interpreter this process has."""
+    cannot check. The tool runs apart: it compiles, so it imports the kernels without the interpreter this process
+    has."""
     table = subprocess.run([sys.executable, "-m", "deltaserve.tools.lab.inspect_kernels"], capture_output=True, text=True,
                            check=True, timeout=300).stderr
     names = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]

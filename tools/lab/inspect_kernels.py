@@ -81,9 +81,8 @@ SM90_REGISTERS, SM90_THREADS, SM90_PROGRAMS, SM90_SHARED, SHARED_RESERVED = 6553
 
 def cases():
     """(name, kernel, signature, constexprs, warps, stages, tile) of the decode step's GEMVs, the few-row kernel and
-    the GDN decode, and
-    the prefill attention with and without its keys split and the merge of split parts (4B sizes); tile names the
-    launch configuration. The whole-rows GEMVs have no loop."""
+    the GDN decode, and the prefill attention with and without its keys split and the merge of split parts (4B
+    sizes); tile names the launch configuration. The whole-rows GEMVs have no loop."""
     for config in (DEFAULT.gemv_tile, DEFAULT.gemv_narrow_widening_tile):
         block_n, block_k, warps, stages = config
         yield ("gemv", gemv._gemv_kernel, GEMV_SIGNATURE, dict(EVEN_K=True, PDL=True, BLOCK_N=block_n, BLOCK_K=block_k),
@@ -104,8 +103,9 @@ def cases():
         yield ("whole-rows norm_gemv + silu" if silu else "whole-rows norm_gemv", gemv._norm_gemv_whole_rows_kernel,
                WHOLE_ROWS_NORM_GEMV_SIGNATURE, dict(HAS_RES=True, HAS_NW=False, SILU_MUL=silu, ROWS=config.rows,
                                                     K1=k1, K2=k2, PDL=True), config.warps, 1, f"{config}, K 2560")
-    # The few-row kernel: a narrow output's K split across programs (4 an SM aimed at), and the MLP's unsplit
-    # gate_up with silu(gate) * up; whether an SM holds that many is its shared memory's question.
+    # The few-row kernel: a narrow output's K split across programs (`few_rows_split_programs` an SM aimed at),
+    # and the MLP's unsplit gate_up with silu(gate) * up; whether an SM holds that many is its shared memory's
+    # question.
     for silu, config in ((False, DEFAULT.few_rows_tile), (True, DEFAULT.few_rows_silu_tile)):
         block_n, block_k, warps, stages = config
         yield ("few_rows + silu" if silu else "few_rows, K split", gemv._few_rows_kernel, FEW_ROWS_SIGNATURE,
