@@ -218,6 +218,11 @@ async def _start_all(engine: AsyncEngine, prompts: list, parsed: ParsedRequest) 
     return streams
 
 
+def _token_counts(out) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens of one choice's output so far."""
+    return len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens
+
+
 def _request_usage(per_choice: list, n: int) -> tuple[int, int, int]:
     """(prompt, completion, cached) tokens of a request from each choice's: a prompt counts once for its n
     choices (its first choice's figures: the one that prefilled it)."""
@@ -271,8 +276,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason})
         if parsed.return_token_ids:
             choices[-1].update(prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids)
-    request[USAGE_KEY] = _request_usage(
-        [(len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens) for out in finals], parsed.n)
+    request[USAGE_KEY] = _request_usage([_token_counts(out) for out in finals], parsed.n)
     return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
                               "choices": choices, "usage": usage(*request[USAGE_KEY])})
 
@@ -324,7 +328,7 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
     sse = _Sse(request)
     await sse.open()
     offsets = [0] * len(gens)
-    totals = [[0, 0, 0] for _ in gens]
+    totals = [(0, 0, 0)] * len(gens)
     include_usage, continuous_usage = parsed.usage
     async for i, out in _merged(gens, firsts):
         if out.error:
@@ -337,7 +341,7 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
             fresh = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):]
             choice["logprobs"] = completion_logprobs(fresh, engine.tokenizer.token_text, offsets[i])
         offsets[i] += len(out.delta_text)
-        totals[i] = [len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens]
+        totals[i] = _token_counts(out)
         # With per-chunk usage the client is counting tokens: a chunk for every token, its text empty while an
         # incomplete UTF-8 sequence waits (as vLLM streams), so its timing is the token's, not the text's.
         if out.delta_text or out.finished or choice["logprobs"] or (
@@ -387,8 +391,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             message["reasoning_content"] = reasoning
         logprobs = chat_logprobs(out.logprobs, engine.tokenizer.token_text) if out.logprobs is not None else None
         choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason})
-    request[USAGE_KEY] = _request_usage(
-        [(len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens) for out in finals], parsed.n)
+    request[USAGE_KEY] = _request_usage([_token_counts(out) for out in finals], parsed.n)
     return web.json_response({
         "id": rid, "object": "chat.completion", "created": created, "model": engine.model_name,
         "choices": choices, "usage": usage(*request[USAGE_KEY]),
@@ -401,7 +404,7 @@ async def _stream_chat(request, engine, parsed, gens, firsts, opens_reasoning, r
 
     include_usage, continuous_usage = parsed.usage
     splitters = [ReasoningSplitter(opens_reasoning) for _ in gens]
-    totals = [[0, 0, 0] for _ in gens]
+    totals = [(0, 0, 0)] * len(gens)
 
     def chunk(i: int, delta: dict, finish=None, logprobs=None) -> dict:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
@@ -411,13 +414,13 @@ async def _stream_chat(request, engine, parsed, gens, firsts, opens_reasoning, r
         return body
 
     for i, first in enumerate(firsts):
-        totals[i] = [len(first.prompt_token_ids), first.num_tokens, first.num_cached_tokens]
+        totals[i] = _token_counts(first)
         await sse.send(chunk(i, {"role": "assistant", "content": ""}))
     async for i, out in _merged(gens, firsts):
         if out.error:
             await sse.send(_unavailable(engine).body())
             break
-        totals[i] = [len(out.prompt_token_ids), out.num_tokens, out.num_cached_tokens]
+        totals[i] = _token_counts(out)
         reasoning, content = splitters[i].feed(out.delta_text, final=out.finished)
         logprobs = None
         if out.logprobs is not None and out.delta_token_ids:
