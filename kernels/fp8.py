@@ -14,7 +14,9 @@ reference. A decode step reads half the bytes of a bf16 weight.
   the W8A16 kernel's.
 `linear` picks by the row count and `KernelConfig.fp8_prefill`: above `KernelConfig.fp8_few_rows` rows cuBLAS's
 block-scaled FP8 GEMM takes every weight it can (at 64 rows each of our 32-column tiles rereads all rows'
-activations; cuBLAS was 1.2-1.8x faster there).
+activations; cuBLAS was 1.2-1.8x faster there). Its input is quantised by the pass that makes it where one does
+(`add_rms_norm_quantised`, `silu_mul_quantised`; `gemv.mlp`, `gemv.add_rms_norm_linear`), by
+`quantise_activations` elsewhere.
 
 The format (Qwen's FP8 checkpoints, vLLM's "fp8" loader): values [N, K] float8_e4m3fn and scale [ceil(N / B),
 ceil(K / B)] float32 (`weight_scale_inv`), the real weight being each B x B tile of values times its entry.
@@ -219,19 +221,19 @@ def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT
 
 
 @triton.jit
-def _quantise_activations_kernel(x_ptr, q_ptr, s_ptr, M, K, x_row_stride, s_row_stride, s_group_stride,
-                                 GROUP: tl.constexpr):
-    """Row m's group g: its scale (largest magnitude / FP8_MAX) into s[m, g], its values / scale as e4m3. Rows
-    from M on (padding) get zeros."""
-    m, g = tl.program_id(0), tl.program_id(1)
-    k = g * GROUP + tl.arange(0, GROUP)
-    live = k < K
-    x = tl.load(x_ptr + m.to(tl.int64) * x_row_stride + k, mask=k < tl.where(m < M, K, 0), other=0.0)
-    x = x.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0  # FP8_MAX
+def _quantise_activations_kernel(x_ptr, q_ptr, s_ptr, M, R, K, groups, x_row_stride, s_row_stride,
+                                 s_group_stride, ROWS: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    """ROWS rows by GROUPS groups a program: each row's group scaled by its largest magnitude / FP8_MAX (into
+    s[m, g]) and stored as e4m3. Rows from M to R (padding) get zeros. With one group a program (256 bytes of
+    bf16) a prefill's activations went at 0.6 TB/s (H100), a program's start costing more than its loads."""
+    ms = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None, None]
+    gs = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[None, :, None]
+    ks = gs * GROUP + tl.arange(0, GROUP)[None, None, :]
+    x = tl.load(x_ptr + ms.to(tl.int64) * x_row_stride + ks, mask=(ks < K) & (ms < M), other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=2, keep_dims=True), 1e-10) / 448.0  # FP8_MAX
     q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
-    tl.store(q_ptr + m.to(tl.int64) * K + k, q.to(q_ptr.dtype.element_ty), mask=live)
-    tl.store(s_ptr + m * s_row_stride + g * s_group_stride, scale)
+    tl.store(q_ptr + ms.to(tl.int64) * K + ks, q.to(q_ptr.dtype.element_ty), mask=(ks < K) & (ms < R))
+    tl.store(s_ptr + ms * s_row_stride + gs * s_group_stride, scale, mask=(gs < groups) & (ms < R))
 
 
 @triton.jit
@@ -260,8 +262,8 @@ def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, groups, scale_c
              mask=m_live[:, None] & n_live[None, :])
 
 
-def quantise_activations(x: torch.Tensor, group: int, rows: int | None = None,
-                         group_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantise_activations(x: torch.Tensor, group: int, rows: int | None = None, group_major: bool = False,
+                         cfg: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantise_activations_reference` on the Triton kernel. `rows` (>= x's): the result padded with zero rows;
     group_major: the scales [rows, groups] stored group by group (stride (1, rows)), as cuBLAS reads them."""
     M, K = x.shape
@@ -274,14 +276,16 @@ def quantise_activations(x: torch.Tensor, group: int, rows: int | None = None,
         scale = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
-    _quantise_activations_kernel[(rows, groups)](x, values, scale, M, K, x.stride(0), scale.stride(0),
-                                                 scale.stride(1), GROUP=group)
+    tile_rows, tile_groups, warps = cfg.fp8_quantise_tile
+    _quantise_activations_kernel[(triton.cdiv(rows, tile_rows), triton.cdiv(groups, tile_groups))](
+        x, values, scale, M, rows, K, groups, x.stride(0), scale.stride(0), scale.stride(1), ROWS=tile_rows,
+        GROUPS=tile_groups, GROUP=group, num_warps=warps)
     return values, scale
 
 
 def linear_w8a8(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
     """x [T, K] @ weight^T with x quantised to FP8 per token and block (`linear_w8a8_reference`), in x's dtype."""
-    return w8a8_matmul(*quantise_activations(x, weight.block), weight, x.dtype, cfg)
+    return w8a8_matmul(*quantise_activations(x, weight.block, cfg=cfg), weight, x.dtype, cfg)
 
 
 def w8a8_matmul(values: torch.Tensor, scale: torch.Tensor, weight: Fp8Weight, dtype: torch.dtype,
@@ -307,15 +311,130 @@ def cublas_takes(weight: Fp8Weight) -> bool:
     return weight.block == 128 and n % 128 == 0 and k % 128 == 0 and (k // 128) % 4 == 0
 
 
-def linear_cublas(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+def takes_cublas(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> bool:
+    """Whether `linear` runs x @ weight^T on cuBLAS's block-scaled GEMM (`linear_cublas`)."""
+    return x.dtype != torch.float32 and x.shape[0] > cfg.fp8_few_rows and cfg.fp8_prefill == "cublas" \
+        and cublas_takes(weight)
+
+
+def linear_cublas(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
     """`linear_w8a8`'s arithmetic on cuBLAS's block-scaled FP8 GEMM (1 x 128 activation groups, 128 x 128 weight
-    blocks: DeepSeek's scheme, CUDA 12.9+ on sm90), through `torch._scaled_mm`. cuBLAS takes the rows in a
-    multiple of four and the activation scales group-major; the weight's scales are its `weight_scale_inv`,
-    transposed."""
+    blocks: DeepSeek's scheme, CUDA 12.9+ on sm90), through `torch._scaled_mm`."""
     M = x.shape[0]
-    values, scale = quantise_activations(x, weight.block, rows=-(-M // 4) * 4, group_major=True)
-    out = torch._scaled_mm(values, weight.values.t(), scale_a=scale, scale_b=weight.scale.t(), out_dtype=x.dtype)
-    return out[:M]
+    values, scale = quantise_activations(x, weight.block, rows=cublas_rows(M), group_major=True, cfg=cfg)
+    return cublas_matmul(values, scale, weight, M, x.dtype)
+
+
+def cublas_rows(m: int) -> int:
+    """The rows cuBLAS's block-scaled GEMM takes: a multiple of four (the quantised activations are padded)."""
+    return -(-m // 4) * 4
+
+
+def cublas_matmul(values: torch.Tensor, scale: torch.Tensor, weight: Fp8Weight, m: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Quantised activations (rows padded to `cublas_rows(m)`, scales group-major) @ weight^T on cuBLAS, the
+    first m rows, in `dtype`. The weight's scales are its `weight_scale_inv`, transposed."""
+    out = torch._scaled_mm(values, weight.values.t(), scale_a=scale, scale_b=weight.scale.t(), out_dtype=dtype)
+    return out[:m]
+
+
+def add_rms_norm_quantised_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                                     eps: float, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's input add-and-norm (`norm.add_rms_norm_reference`, in the model dtype), quantised per token and
+    `group` columns: (values, scales, new residual)."""
+    from .norm import add_rms_norm_reference
+
+    normed, summed = add_rms_norm_reference(x, residual, norm_weight, eps)
+    return *quantise_activations_reference(normed, group), summed
+
+
+@triton.jit
+def _add_rms_norm_quantised_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, M, n_cols, groups,
+                                   s_group_stride, eps, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
+                                   GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    """Row m: residual += x (stored), its zero-centred norm rounded to x's dtype (as the unfused norm's output
+    is), then each group scaled by its largest magnitude / FP8_MAX into s[m, g] (group-major) and stored as e4m3.
+    Rows from M on (cuBLAS's padding) get zeros."""
+    row = tl.program_id(0).to(tl.int64)
+    gs = tl.arange(0, GROUPS)[:, None]
+    cols = gs * GROUP + tl.arange(0, GROUP)[None, :]
+    live = cols < n_cols
+    load = cols < tl.where(row < M, n_cols, 0)
+    x = tl.load(x_ptr + row * n_cols + cols, mask=load, other=0.0)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + row * n_cols + cols, mask=load, other=0.0)  # in the model dtype
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=load)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(tl.sum(xf * xf, axis=1), axis=0) / n_cols + eps)
+    y = xf * inv
+    if HAS_W:
+        y = y * (tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32) + 1.0)
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=1, keep_dims=True), 1e-10) / 448.0  # FP8_MAX
+    q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+    tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=live)
+    tl.store(s_ptr + row + gs * s_group_stride, scale, mask=gs < groups)
+
+
+def add_rms_norm_quantised(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                           eps: float, group: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_quantised_reference` in one pass, padded to `rows` rows with zeros, the scales group-major
+    (as `cublas_matmul` reads them): the normed activation is never written in bf16 and read back."""
+    M, n_cols = x.shape
+    groups = triton.cdiv(n_cols, group)
+    x = x.contiguous()
+    values = torch.empty(rows, n_cols, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(groups, rows, dtype=torch.float32, device=x.device).t()
+    summed = x if residual is None else torch.empty_like(x)
+    _add_rms_norm_quantised_kernel[(rows,)](
+        x, x if residual is None else residual.contiguous(), x if norm_weight is None else norm_weight, values,
+        scale, summed, M, n_cols, groups, scale.stride(1), eps, HAS_RES=residual is not None,
+        HAS_W=norm_weight is not None, GROUPS=triton.next_power_of_2(groups), GROUP=group, num_warps=8)
+    return values, scale, summed
+
+
+def silu_mul_quantised_reference(gate_up: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MLP activation silu(gate) * up (in the model dtype, as `norm.silu_mul_reference`), quantised per token
+    and `group` columns (`quantise_activations_reference`)."""
+    from .norm import silu_mul_reference
+
+    return quantise_activations_reference(silu_mul_reference(gate_up), group)
+
+
+@triton.jit
+def _silu_mul_quantised_kernel(x_ptr, q_ptr, s_ptr, M, inner, groups, x_row_stride, s_group_stride,
+                               GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    """Row m's GROUPS groups of silu(gate) * up (rounded to x's dtype, as the unfused activation is), each scaled
+    by its largest magnitude / FP8_MAX into s[m, g] (group-major) and stored as e4m3. Rows from M on (cuBLAS's
+    padding) get zeros."""
+    row = tl.program_id(0).to(tl.int64)
+    gs = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[:, None]
+    cols = gs * GROUP + tl.arange(0, GROUP)[None, :]
+    live = cols < inner
+    load = cols < tl.where(row < M, inner, 0)
+    g = tl.load(x_ptr + row * x_row_stride + cols, mask=load, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * x_row_stride + inner + cols, mask=load, other=0.0).to(tl.float32)
+    y = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=1, keep_dims=True), 1e-10) / 448.0  # FP8_MAX
+    q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+    tl.store(q_ptr + row * inner + cols, q.to(q_ptr.dtype.element_ty), mask=live)
+    tl.store(s_ptr + row + gs * s_group_stride, scale, mask=gs < groups)
+
+
+def silu_mul_quantised(gate_up: torch.Tensor, group: int, rows: int,
+                       cfg: KernelConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
+    """`silu_mul_quantised_reference` in one pass, padded to `rows` rows with zeros, the scales group-major (as
+    `cublas_matmul` reads them): the activation is never written in bf16 and read back."""
+    M, two_inner = gate_up.shape
+    inner = two_inner // 2
+    groups = triton.cdiv(inner, group)
+    values = torch.empty(rows, inner, dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scale = torch.empty(groups, rows, dtype=torch.float32, device=gate_up.device).t()
+    tile_groups = cfg.fp8_quantise_tile[1]
+    _silu_mul_quantised_kernel[(rows, triton.cdiv(groups, tile_groups))](
+        gate_up, values, scale, M, inner, groups, gate_up.stride(0), scale.stride(1), GROUPS=tile_groups,
+        GROUP=group, num_warps=cfg.fp8_quantise_tile[2])
+    return values, scale
 
 
 @functools.lru_cache(maxsize=None)
@@ -340,9 +459,8 @@ def linear(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> t
     """The FP8 projection: W8A16 up to DECODE_ROWS rows, above by `KernelConfig.fp8_prefill` ("cublas", "w8a8"
     or "w8a16"; "cublas" falls back to "w8a8" for a weight `cublas_takes` refuses); "cublas" takes every weight it
     can above `KernelConfig.fp8_few_rows` rows; an fp32 model (tests) stays W8A16."""
-    if x.dtype != torch.float32 and x.shape[0] > cfg.fp8_few_rows and cfg.fp8_prefill == "cublas" \
-            and cublas_takes(weight):
-        return linear_cublas(x, weight)
+    if takes_cublas(x, weight, cfg):
+        return linear_cublas(x, weight, cfg)
     if x.shape[0] > DECODE_ROWS and cfg.fp8_prefill != "w8a16" and x.dtype != torch.float32:
         return linear_w8a8(x, weight, cfg)
     return linear_w8a16(x, weight, cfg)

@@ -46,6 +46,16 @@ def add_rms_norm_gate_up_reference(
     return silu_mul_reference(linear_reference(normed, gate_up)), residual
 
 
+def mlp_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+    gate_up: torch.Tensor, down: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MLP block: `add_rms_norm_gate_up_reference`, then down_proj (before a row-parallel all-reduce).
+    Returns (output, new residual)."""
+    act, residual = add_rms_norm_gate_up_reference(x, residual, norm_weight, eps, gate_up)
+    return linear_reference(act, down), residual
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # One-row Triton GEMVs. Two kernels (KernelConfig says which takes what):
 # - whole rows: a program loads its few weight rows in full at once, as two power-of-two spans (K = K1 + K2:
@@ -401,8 +411,18 @@ def _fuses_norm(x: torch.Tensor, cfg: KernelConfig) -> bool:
 def add_rms_norm_linear(x, residual, norm_weight, eps: float, weight, cfg: KernelConfig = DEFAULT):
     if _fuses_norm(x, cfg) and not isinstance(weight, fp8.Fp8Weight):
         return norm_gemv(x, residual, norm_weight, eps, weight, cfg=cfg)
+    if isinstance(weight, fp8.Fp8Weight) and fp8.takes_cublas(x, weight, cfg):
+        return _add_rms_norm_cublas(x, residual, norm_weight, eps, weight)
     normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)
     return linear(normed, weight, cfg), residual
+
+
+def _add_rms_norm_cublas(x, residual, norm_weight, eps: float, weight: fp8.Fp8Weight):
+    """An FP8 projection on cuBLAS (prefill) reading the add-and-norm quantised by the norm's own pass."""
+    M = x.shape[0]
+    values, scale, residual = fp8.add_rms_norm_quantised(x, residual, norm_weight, eps, weight.block,
+                                                         fp8.cublas_rows(M))
+    return fp8.cublas_matmul(values, scale, weight, M, x.dtype), residual
 
 
 def add_rms_norm_gate_up(x, residual, norm_weight, eps: float, gate_up, cfg: KernelConfig = DEFAULT):
@@ -412,3 +432,20 @@ def add_rms_norm_gate_up(x, residual, norm_weight, eps: float, gate_up, cfg: Ker
     if few_rows_takes(normed, gate_up, cfg):
         return few_rows(normed, gate_up, gate_up.shape[0] // 2, cfg), residual
     return silu_mul(linear(normed, gate_up, cfg), cfg), residual
+
+
+def mlp(x, residual, norm_weight, eps: float, gate_up, down, cfg: KernelConfig = DEFAULT):
+    """`mlp_reference` on the kernels. FP8 projections on cuBLAS (prefill) take their inputs quantised by the
+    passes that make them (the add-and-norm, silu(gate) * up): those activations, the widest of the layer, are
+    not written in bf16 and read back."""
+    if isinstance(down, fp8.Fp8Weight) and fp8.takes_cublas(x, down, cfg):
+        if isinstance(gate_up, fp8.Fp8Weight) and fp8.takes_cublas(x, gate_up, cfg):
+            gate_up_out, residual = _add_rms_norm_cublas(x, residual, norm_weight, eps, gate_up)
+        else:
+            normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)
+            gate_up_out = linear(normed, gate_up, cfg)
+        M = x.shape[0]
+        values, scale = fp8.silu_mul_quantised(gate_up_out, down.block, fp8.cublas_rows(M), cfg)
+        return fp8.cublas_matmul(values, scale, down, M, x.dtype), residual
+    act, residual = add_rms_norm_gate_up(x, residual, norm_weight, eps, gate_up, cfg)
+    return linear(act, down, cfg), residual

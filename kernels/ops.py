@@ -26,7 +26,7 @@ from .config import DEFAULT, KernelConfig
 class ForwardOps:
     add_rms_norm: Callable  # (x, residual, weight, eps) -> (normed, new residual): the final norm
     add_rms_norm_linear: Callable  # a block's input add-and-norm and its first projection
-    add_rms_norm_gate_up: Callable  # the MLP's input add-and-norm, gate/up projection and silu(gate) * up
+    mlp: Callable  # the MLP block: its input add-and-norm, gate/up, silu(gate) * up, down (before the all-reduce)
     linear: Callable  # x @ weight.T
     gated_rms_norm: Callable  # the GDN output norm, times silu(z)
     conv1d_prefill: Callable
@@ -49,7 +49,7 @@ def reference_ops() -> ForwardOps:
     return ForwardOps(
         add_rms_norm=norm.add_rms_norm_reference,
         add_rms_norm_linear=gemv.add_rms_norm_linear_reference,
-        add_rms_norm_gate_up=gemv.add_rms_norm_gate_up_reference,
+        mlp=gemv.mlp_reference,
         linear=gemv.linear_reference,
         gated_rms_norm=norm.gated_rms_norm_reference,
         conv1d_prefill=conv1d.conv1d_prefill_reference,
@@ -75,7 +75,7 @@ def triton_ops(config: KernelConfig = DEFAULT) -> ForwardOps:
     return ForwardOps(
         add_rms_norm=bound(norm, "add_rms_norm"),
         add_rms_norm_linear=bound(gemv, "add_rms_norm_linear"),
-        add_rms_norm_gate_up=bound(gemv, "add_rms_norm_gate_up"),
+        mlp=bound(gemv, "mlp"),
         linear=bound(gemv, "linear"),
         gated_rms_norm=bound(norm, "gated_rms_norm"),
         conv1d_prefill=bound(conv1d, "conv1d_prefill"),

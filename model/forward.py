@@ -138,8 +138,8 @@ class Qwen35Shard:
         w, ops = self.w, self.ops
         gate_up = w[p + "mlp.gate_up_proj.weight"]
         norm = w.get(p + "post_attention_layernorm.weight")  # None: folded into gate_up
-        h, residual = ops.add_rms_norm_gate_up(x, residual, norm, self.cfg.rms_norm_eps, gate_up)
-        return self.all_reduce(ops.linear(h, w[p + "mlp.down_proj.weight"])), residual
+        out, residual = ops.mlp(x, residual, norm, self.cfg.rms_norm_eps, gate_up, w[p + "mlp.down_proj.weight"])
+        return self.all_reduce(out), residual
 
     def _input_projection(self, x: torch.Tensor, residual: torch.Tensor | None, p: str, weight: str):
         """The layer's input add-and-norm and the first projection of its mixer; (projected, new residual)."""

@@ -801,6 +801,92 @@ def test_activation_quantisation_pads_rows_and_stores_scales_group_major():
     assert not values[5:].float().any() and (scale[5:] > 0).all()  # zeros, and scales that divide nothing by 0
 
 
+@pytest.mark.parametrize("tile", [(4, 8, 4), (2, 2, 1), (8, 16, 4)])
+def test_activation_quantisation_tiles_cover_every_row_and_group(tile):
+    """Tiles of several rows and groups: the last ones partial along rows, groups and K, rows read at a stride
+    (a slice of a wider tensor), the padding rows zero, at any tile."""
+    from deltaserve.kernels import fp8
+    from deltaserve.kernels.config import KernelConfig
+
+    wide = torch.randn(7, 1400, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
+    x = wide[:, : 128 * 9 + 50]  # ten groups, the last of 50 columns
+    cfg = KernelConfig(fp8_quantise_tile=tile)
+    values, scale = fp8.quantise_activations(x, 128, rows=10, cfg=cfg)
+    ref_values, ref_scale = fp8.quantise_activations_reference(x, 128)
+    assert values.shape == (10, x.shape[1]) and scale.shape == (10, 10)
+    assert torch.equal(scale[:7], ref_scale) and (scale[7:] > 0).all()
+    assert not values[7:].float().any()
+    if DEVICE == "cuda":  # the interpreter's cast to e4m3 does not round to nearest
+        assert torch.equal(values[:7].float(), ref_values.float())
+    else:
+        assert torch.equal(values[:7].float().sign(), ref_values.float().sign())
+
+
+@pytest.mark.parametrize("inner", [128 * 10, 128 * 9 + 40])
+def test_the_fused_silu_mul_quantisation_equals_its_reference(inner):
+    """silu(gate) * up quantised in one pass, as an FP8 down_proj on cuBLAS reads it: the values and group-major
+    scales of the unfused activation quantised (`quantise_activations` of `silu_mul`), the padding rows zero."""
+    from deltaserve.kernels import fp8, norm
+
+    gate_up = torch.randn(6, 2 * inner, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.bfloat16)
+    values, scale = fp8.silu_mul_quantised(gate_up, 128, rows=8)
+    want_values, want_scale = fp8.quantise_activations(norm.silu_mul(gate_up), 128, rows=8, group_major=True)
+    assert scale.stride() == want_scale.stride() and torch.equal(scale, want_scale)
+    assert torch.equal(values.float(), want_values.float()) and not values[6:].float().any()
+    ref_values, ref_scale = fp8.silu_mul_quantised_reference(gate_up, 128)
+    # torch's silu and the kernel's differ in the last bit of a few bf16 activations
+    assert rel(scale[:6], ref_scale) <= 1e-2
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_the_fused_add_norm_quantisation_equals_its_reference(with_residual, with_weight):
+    """A block's input add-and-norm quantised in one pass (the input of an FP8 projection on cuBLAS): the values
+    and group-major scales of the unfused norm's output quantised, the new residual the same, the padding rows
+    zero; 300 columns (three groups, the last partial)."""
+    from deltaserve.kernels import fp8, norm
+
+    g, dtype = torch.Generator().manual_seed(6), torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x = torch.randn(6, 300, generator=g).to(DEVICE, dtype)
+    residual = torch.randn(6, 300, generator=g).to(DEVICE, dtype) if with_residual else None
+    weight = (torch.randn(300, generator=g) * 0.1).to(DEVICE, dtype) if with_weight else None
+    values, scale, summed = fp8.add_rms_norm_quantised(x, residual, weight, 1e-6, 128, rows=8)
+    normed, want_summed = norm.add_rms_norm(x, residual, weight, 1e-6)
+    want_values, want_scale = fp8.quantise_activations(normed, 128, rows=8, group_major=True)
+    assert torch.equal(summed, want_summed)
+    assert scale.stride() == want_scale.stride() and rel(scale, want_scale) <= 1e-2  # a last bit of the rms
+    assert not values[6:].float().any() and (scale[6:] > 0).all()
+    ref_values, ref_scale, ref_summed = fp8.add_rms_norm_quantised_reference(x, residual, weight, 1e-6, 128)
+    assert torch.equal(summed, ref_summed) and rel(scale[:6], ref_scale) <= 1e-2
+    if DEVICE == "cuda":  # the interpreter's cast to e4m3 does not round to nearest
+        assert (values[:6].float() != ref_values.float()).float().mean() <= 0.01
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="cuBLAS's block-scaled FP8 GEMM is a CUDA op")
+@pytest.mark.parametrize("rows", [20, 130])
+def test_the_mlp_with_an_fp8_down_proj_on_cublas_equals_its_reference(rows):
+    """The MLP block with FP8 gate_up and down_proj above `fp8_few_rows` rows: down_proj reads the activation
+    quantised by the silu(gate) * up pass (`gemv.mlp`), within W8A8's rounding of the reference."""
+    from deltaserve.kernels import fp8, gemv
+
+    if not fp8.cublas_block_scaled_works(torch.device(DEVICE)):
+        pytest.skip("this GPU or CUDA has no block-scaled FP8 GEMM (sm90, CUDA 12.9+)")
+    gate_up, g = _fp8_weight(2 * 1024, 512, rows)
+    down, _ = _fp8_weight(512, 1024, rows + 1)
+    x = torch.randn(rows, 512, generator=g).to(DEVICE, torch.bfloat16)
+    residual = torch.randn(rows, 512, generator=g).to(DEVICE, torch.bfloat16)
+    norm_weight = (torch.randn(512, generator=g) * 0.1).to(DEVICE, torch.bfloat16)
+    out, summed = gemv.mlp(x, residual, norm_weight, 1e-6, gate_up, down)
+    want, want_summed = gemv.mlp_reference(x, residual, norm_weight, 1e-6, gate_up, down)
+    assert torch.equal(summed, want_summed)
+    assert rel(out.float(), want.float()) <= 0.05  # the activations' FP8 rounding
+    act, _ = gemv.add_rms_norm_gate_up(x, residual, norm_weight, 1e-6, gate_up)
+    assert rel(out.float(), fp8.linear_cublas(act, down).float()) <= 1e-2  # as quantising apart
+    projected, projected_summed = gemv.add_rms_norm_linear(x, residual, norm_weight, 1e-6, gate_up)  # one pass too
+    want, _ = gemv.add_rms_norm_linear_reference(x, residual, norm_weight, 1e-6, gate_up)
+    assert torch.equal(projected_summed, want_summed) and rel(projected.float(), want.float()) <= 0.05
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="cuBLAS's block-scaled FP8 GEMM is a CUDA op")
 @pytest.mark.parametrize("rows", [20, 65, 130, 2048])
 def test_the_cublas_fp8_projection_equals_its_reference(rows):

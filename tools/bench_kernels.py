@@ -234,7 +234,7 @@ def _cublas_transposed(x: torch.Tensor, weight) -> torch.Tensor:
     from deltaserve.kernels import fp8
 
     M = x.shape[0]
-    values, scale = fp8.quantise_activations(x, weight.block, rows=-(-M // 4) * 4, group_major=True)
+    values, scale = fp8.quantise_activations(x, weight.block, rows=fp8.cublas_rows(M), group_major=True)
     out = torch._scaled_mm(weight.values, values.t(), scale_a=weight.scale.t(), scale_b=scale, out_dtype=x.dtype)
     return out.t()[:M].contiguous()
 
