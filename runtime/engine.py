@@ -303,7 +303,7 @@ class AsyncEngine:
         longer = SamplingParams(temperature=0.0, max_tokens=max(1, min(24, self.max_model_len - 2)), ignore_eos=True)
         waves = [
             [([1], greedy)], [([1] * 16, sampled)], [([1] * 37, nucleus)], [([1] * chunked, greedy)],
-            *[[([1] * n, greedy)] for n in (64, 128, 256, 512, 1024, 2048, 4096) if n < chunked],
+            *[[([1] * n, greedy)] for n in (64, 128, 256, 512, 1024) if n < chunked],
             [([1] * n, greedy) for n in (5, 16, 29, 64)],  # prompts packed into one prefill step
             [([1] * 3, sampled if i % 2 else nucleus) for i in range(min(8, self.replica.plan.max_batch))],
             # The whole batch decoding: the step budget's decode times up to the largest bucket (`seeded`).
