@@ -13,6 +13,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
+PREFILL_TOKEN_BUDGET = 8192  # prompt tokens a step carries by default (vLLM's and SGLang's)
+MIN_DEFAULT_PREFILL_TOKEN_BUDGET = 2048
+PREFILL_SCRATCH_SHARE = 8  # the default budget's activations take at most 1 / this of the memory after weights
+
+
+def default_prefill_token_budget(free_bytes: int, activation_bytes: Callable[[int], int]) -> int:
+    """The prompt tokens a step carries when the user sets none: PREFILL_TOKEN_BUDGET, halved (down to
+    MIN_DEFAULT_PREFILL_TOKEN_BUDGET) while its prefill activations (`activation_bytes(tokens)`) would take more
+    than 1 / PREFILL_SCRATCH_SHARE of `free_bytes`, which KV pages and state slots share: a bf16 27B on an
+    80 GB GPU keeps room for several long requests instead of a few more prompt tokens a step."""
+    tokens = PREFILL_TOKEN_BUDGET
+    while tokens > MIN_DEFAULT_PREFILL_TOKEN_BUDGET and activation_bytes(tokens) * PREFILL_SCRATCH_SHARE > free_bytes:
+        tokens //= 2
+    return tokens
+
+
 class CapacityRefused(ValueError):
     """Not even one request of full context length fits; the message carries the numbers."""
 

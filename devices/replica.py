@@ -24,7 +24,8 @@ from deltaserve.model.state import ModelState, StateSizes, decode_activation_byt
 from deltaserve.model.weights import bytes_by_dtype, load_rank_weights, random_rank_weights
 
 from .backend import device_backend
-from .capacity import CapacityPlan, plan_capacity
+from .capacity import (PREFILL_SCRATCH_SHARE, PREFILL_TOKEN_BUDGET, CapacityPlan, default_prefill_token_budget,
+                       plan_capacity)
 from .commands import StepCommand, StepResult, positions_past_end
 from .rank import RankRuntime, draft_head
 from .worker import WorkerGroup
@@ -47,7 +48,7 @@ class ReplicaSpec:
     max_batch: int
     max_model_len: int
     prefill_slots: int
-    prefill_token_budget: int
+    prefill_token_budget: int | None  # None: `capacity.default_prefill_token_budget`
     buckets: list[int]
     cuda_graph: bool
     memory_fraction: float
@@ -144,6 +145,7 @@ class Replica:
         self.collective = None
         self.group: WorkerGroup | None = None
         self.plan: CapacityPlan | None = None
+        self.prefill_token_budget: int | None = None  # prompt tokens a step carries at most: set by `start`
         self.sizes = StateSizes.of(spec.cfg, self.local, self.dtype, speculative_tokens=spec.speculative_tokens)
 
     # Start-up -------------------------------------------------------------------------------------------------------
@@ -155,6 +157,7 @@ class Replica:
         free = await self.group.call(self._load, timeout_s=3600)
         log.info("weights loaded on %d rank(s) in %.1f s", spec.tp, time.perf_counter() - started)
         snapshot_bytes = int(SNAPSHOT_FRACTION * min(free)) if spec.snapshot_bytes is None else spec.snapshot_bytes
+        self.prefill_token_budget = self._prefill_token_budget(min(free))
         self.plan = plan_capacity(
             free_bytes=min(free),
             bytes_per_slot=self.sizes.bytes_per_request_slot,
@@ -165,7 +168,7 @@ class Replica:
             requested_batch=spec.max_batch,
             prefill_slots=spec.prefill_slots,
             # The CPU budget counts state only; on a GPU the prefill activations come out of the same memory.
-            prefill_scratch_bytes=prefill_activation_bytes(spec.cfg, self.local, self.dtype, spec.prefill_token_budget)
+            prefill_scratch_bytes=prefill_activation_bytes(spec.cfg, self.local, self.dtype, self.prefill_token_budget)
             if spec.device == "cuda" else 0,
             buckets=spec.buckets,
             # A pool each: one-token decode steps, speculative ones, prefill steps (mixed steps in the prefill
@@ -242,12 +245,27 @@ class Replica:
         most = self.plan.max_batch
         return sorted({min(b, most) for b in self.spec.buckets if b <= self.plan.largest_bucket})
 
+    def _prefill_token_budget(self, free_bytes: int) -> int:
+        """The spec's budget, or where it sets none the default that fits the memory left after the weights (on
+        the CPU, whose budget counts state only, the default)."""
+        if self.spec.prefill_token_budget is not None:
+            return self.spec.prefill_token_budget
+        if self.spec.device != "cuda":
+            return PREFILL_TOKEN_BUDGET
+        tokens = default_prefill_token_budget(
+            free_bytes, lambda t: prefill_activation_bytes(self.spec.cfg, self.local, self.dtype, t))
+        if tokens < PREFILL_TOKEN_BUDGET:
+            log.info("max_num_batched_tokens %d (not %d): its prefill activations take at most 1/%d of the %.1f "
+                     "GiB left after the weights", tokens, PREFILL_TOKEN_BUDGET, PREFILL_SCRATCH_SHARE,
+                     free_bytes / 2**30)
+        return tokens
+
     @property
     def prefill_buckets(self) -> list[int]:
         """Captured prefill sizes in tokens (none without graphs): at most a step's prompt tokens."""
         if not self._graphs:
             return []
-        return prefill_graph_buckets(min(self.spec.prefill_graph_tokens, self.spec.prefill_token_budget))
+        return prefill_graph_buckets(min(self.spec.prefill_graph_tokens, self.prefill_token_budget))
 
     @property
     def mixed_token_buckets(self) -> list[int]:

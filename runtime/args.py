@@ -32,10 +32,12 @@ class EngineArgs:
     # made a mixed step host-bound (22 ms against 12.9 apart).
     fused_mixed_steps: bool | None = None
     seed: int = 0
-    # Prompt tokens a step carries at most (chunked prefill; vLLM's and SGLang's 8192). An 8k prompt in one step:
-    # TTFT 128.1 against 132.5 ms in 2048-token chunks, c64 6178 against 5883 tok/s (4B, H100); it reserves more
-    # activation memory on a GPU (4B 1.5 GiB, 27B 2.9 GiB more than 2048), which KV pages then lack.
-    prefill_token_budget: int = 8192
+    # Prompt tokens a step carries at most (chunked prefill). None: 8192 (vLLM's and SGLang's), halved down to 2048
+    # where its prefill activations would take more than an eighth of the GPU memory left after the weights
+    # (`devices.capacity.default_prefill_token_budget`; at 8192 they take 2.3 GiB at 4B, 4.1 GiB at 27B): an 8k
+    # prompt in one step had TTFT 128.1 against 132.5 ms in 2048-token chunks, c64 6178 against 5883 tok/s (4B,
+    # H100), but a bf16 27B on an 80 GB GPU would lose room for several long requests' KV.
+    prefill_token_budget: int | None = None
     # A step carrying prompt tokens beside decode rows takes at most this many times a decode-only step, the
     # chunk's part scaled by 1 + waiting / decoding requests (`runtime.step_budget`); 0: every step carries up to
     # prefill_token_budget.
@@ -98,6 +100,8 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         for name in ("tp", "max_batch", "prefill_token_budget", "prefill_slots", "max_waiting", "cpu_memory_bytes"):
             value = getattr(self, name)
+            if value is None and name == "prefill_token_budget":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

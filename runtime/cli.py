@@ -103,7 +103,10 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=_int_in(1, 4096), metavar="N",
                         default=defaults.max_batch, help="requests decoding at once (lowered if memory is short)")
     parser.add_argument("--max-num-batched-tokens", dest="prefill_token_budget", type=_int_in(1), metavar="N",
-                        default=defaults.prefill_token_budget, help="prompt tokens prefilled per step at most")
+                        default=defaults.prefill_token_budget,
+                        help="prompt tokens prefilled per step at most; default 8192, halved down to 2048 where its "
+                             "prefill activations would take more than an eighth of the GPU memory left after the "
+                             "weights")
     parser.add_argument("--step-latency-ratio", type=_ratio, metavar="R", default=defaults.step_latency_ratio,
                         help="a step that prefills beside running requests takes at most R times a decode-only "
                              "step, its prompt tokens' share widened by the requests waiting for a first token "

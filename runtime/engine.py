@@ -263,7 +263,7 @@ class AsyncEngine:
         plan = self.replica.plan
         self.scheduler = Scheduler(
             num_pages=plan.num_pages, page_size=plan.page_size, max_batch=plan.max_batch,
-            max_prefill_slots=plan.prefill_slots, prefill_token_budget=args.prefill_token_budget,
+            max_prefill_slots=plan.prefill_slots, prefill_token_budget=self.replica.prefill_token_budget,
             max_model_len=self.max_model_len, buckets=self.replica.buckets,
             step_budget=self._step_budget(),
             prefix_cache=PrefixCache(plan.num_pages, plan.page_size, plan.snapshots, args.enable_prefix_caching),
@@ -283,7 +283,7 @@ class AsyncEngine:
                  self.max_model_len)
 
     def _step_budget(self) -> StepBudget:
-        return StepBudget(self.args.prefill_token_budget, self.args.step_latency_ratio)
+        return StepBudget(self.replica.prefill_token_budget, self.args.step_latency_ratio)
 
     async def _warm_up(self) -> None:
         """Serve requests that reach every shape class and sampler path the server will meet, so each Triton
@@ -295,7 +295,7 @@ class AsyncEngine:
         times."""
         started = time.perf_counter()
         longest = self.max_model_len - 4
-        chunked = min(self.args.prefill_token_budget + 19, longest)
+        chunked = min(self.replica.prefill_token_budget + 19, longest)
         sampled = SamplingParams(temperature=1.0, top_k=20, top_p=0.8, max_tokens=3, ignore_eos=True)
         nucleus = SamplingParams(temperature=0.7, top_k=0, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3,
                                  repetition_penalty=1.1, min_tokens=2, logprobs=5, max_tokens=3, ignore_eos=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import CpuRunner
 
-from deltaserve.devices.capacity import CapacityRefused, plan_capacity
+from deltaserve.devices.capacity import CapacityRefused, default_prefill_token_budget, plan_capacity
 from deltaserve.devices.commands import PrefillCommand, RowSampling, StepCommand
 from deltaserve.devices.rank import RankRuntime
 from deltaserve.devices.worker import ReplicaPoisoned, WorkerGroup
@@ -81,6 +81,17 @@ def test_a_model_without_attention_layers_gets_a_full_context_of_pages_a_row():
 def test_refuses_with_numbers_when_not_even_one_request_fits():
     with pytest.raises(CapacityRefused, match=r"not even one request fits: 40 MiB free.*max_model_len 1024"):
         capacity(free_bytes=40 * MiB)
+
+
+def test_the_default_prompt_budget_halves_until_its_activations_take_an_eighth_of_the_memory():
+    GiB = 1 << 30
+    # A 27B's prefill activations: 0.5 MiB a token plus 288 MiB (`model.state.prefill_activation_bytes`).
+    def activations(tokens):
+        return tokens * (GiB // 2048) + 288 * MiB
+
+    assert default_prefill_token_budget(60 * GiB, activations) == 8192  # an FP8 27B or a 4B on an 80 GB GPU
+    assert default_prefill_token_budget(24 * GiB, activations) == 4096  # a bf16 27B on one: 4.3 GiB would be 18%
+    assert default_prefill_token_budget(2 * GiB, activations) == 2048  # never below, however short the memory
 
 
 def make_runtime(ckpt, max_batch=4):

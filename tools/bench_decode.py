@@ -104,7 +104,7 @@ async def engine_step_time(engine, rows: int, context: int,
     """Seconds per decode step seen through `engine.generate` by `rows` concurrent greedy requests with prompts
     of `context` tokens, over the window in which all of them decode (from the last one's first token to the
     first one's last token), and that window's start and end (`time.perf_counter`)."""
-    prefill_steps = rows * -(-context // engine.args.prefill_token_budget)  # admissions come one after another
+    prefill_steps = rows * -(-context // engine.replica.prefill_token_budget)  # admissions come one after another
     params = SamplingParams(max_tokens=prefill_steps + window_tokens, temperature=0, ignore_eos=True)
     prompt = [5 + i % 1000 for i in range(context)]
 

@@ -35,6 +35,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from deltaserve.devices.capacity import PREFILL_TOKEN_BUDGET
 from deltaserve.kernels.config import DEFAULT, KernelConfig
 from deltaserve.model.config import load_model_config
 from deltaserve.model.synthetic import write_checkpoint
@@ -218,7 +219,8 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=12, help="kernel names to list, by launches")
     parser.add_argument("--prefill-token-budget", type=int, default=0, metavar="N",
                         help=f"prompt tokens a step carries at most (0: the longest prompt's, one step a prompt; "
-                             f"the server's is {EngineArgs.prefill_token_budget}: a longer prompt runs in chunks)")
+                             f"the server's is {PREFILL_TOKEN_BUDGET} where memory allows: a longer prompt runs in "
+                             f"chunks)")
     parser.add_argument("--prefill-graph-tokens", type=int, default=EngineArgs.prefill_graph_tokens,
                         help="prefill steps of up to this many tokens replay a captured graph (0: none)")
     parser.add_argument("--prefix", type=int, default=0, metavar="N",
