@@ -97,6 +97,20 @@ def test_a_batch_lowered_to_fit_memory_fills_its_last_bucket(tiny_ckpt):
     assert [c.token_ids for c in crowded] == [a.token_ids for a in alone]
 
 
+def test_the_prompt_budget_is_the_users_or_the_resolved_default_everywhere(tiny_ckpt):
+    """`prefill_token_budget` None resolves once (the CPU: the 8192 default) and the scheduler and the step
+    budget take the replica's value; a value the user sets is kept as given."""
+    from deltaserve.devices.capacity import PREFILL_TOKEN_BUDGET
+
+    async def main(budget):
+        async with AsyncEngine(engine_args(tiny_ckpt, prefill_token_budget=budget)) as engine:
+            return (engine.replica.prefill_token_budget, engine.scheduler.prefill_token_budget,
+                    engine.scheduler.step_budget.max_tokens)
+
+    assert run(main(None)) == (PREFILL_TOKEN_BUDGET,) * 3
+    assert run(main(48)) == (48, 48, 48)
+
+
 def test_64_concurrent_streams_with_cancellations_free_everything(tiny_ckpt):
     async def consume(engine, i):
         params = SamplingParams(max_tokens=4 + (i * 7) % 29, temperature=0.8, seed=i, ignore_eos=True)
