@@ -194,6 +194,31 @@ def norm_projections(cfg, rows: list, bw: float, sweep: bool) -> None:
         del weights
 
 
+def fp8_activations(cfg, memory_row, tokens: int = 8192) -> None:
+    """A prefill's activations quantised for the FP8 projections on cuBLAS, against their bytes (bf16 in, e4m3 and
+    scales out): apart (`fp8.quantise_activations`, at each input width), and in the passes that make them, the
+    add-and-norm (hidden width) and silu(gate) * up (against `norm.silu_mul` then the quantisation)."""
+    from deltaserve.kernels import fp8
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    rows = fp8.cublas_rows(tokens)
+    widths = sorted({k for _, k in projection_shapes(cfg).values()})
+    for k in widths:
+        x = torch.randn(tokens, k, device=dev, dtype=bf)
+        memory_row("fp8 activation quantisation", f"{tokens}x{k}",
+                   lambda: fp8.quantise_activations(x, 128, rows=rows, group_major=True), tokens * k * 3)
+    H, inner = cfg.hidden_size, cfg.intermediate_size
+    x, r, w = (torch.randn(tokens, H, device=dev, dtype=bf), torch.randn(tokens, H, device=dev, dtype=bf),
+               torch.randn(H, device=dev, dtype=bf))
+    memory_row("fp8 add-and-norm, quantised in the pass", f"{tokens}x{H}",
+               lambda: fp8.add_rms_norm_quantised(x, r, w, 1e-6, 128, rows), tokens * H * 7)
+    gate_up = torch.randn(tokens, 2 * inner, device=dev, dtype=bf)
+    t_apart = bench(lambda: fp8.quantise_activations(norm.silu_mul(gate_up), 128, rows=rows, group_major=True))
+    memory_row("fp8 silu(gate) * up, quantised in the pass", f"{tokens}x{2 * inner}",
+               lambda: fp8.silu_mul_quantised(gate_up, 128, rows), tokens * inner * 5,
+               f"; silu_mul then the quantisation {t_apart * 1e6:.1f} us")
+
+
 def fp8_projections(cfg, rows: list, bw: float, flops: float, counts=(1, 5, 8, 64, 2048)) -> None:
     """The FP8 projections (`kernels.fp8`) on every shape of the model: at decode row counts (to 64) W8A16 against
     its bytes over the copy bandwidth; at 64 and 2048 rows W8A8 beside it, against the bytes or the bf16 FLOPs. Each beside
@@ -306,6 +331,7 @@ def run(size: str, sweeps=SWEEPS, sections=SECTIONS) -> list[tuple]:
     if "few_rows" in sections:
         few_row_projections(cfg, rows, bw, "few_rows" in sweeps)
     if "fp8" in sections:
+        fp8_activations(cfg, memory_row)
         fp8_projections(cfg, rows, bw, flops)
     N, S = 64, 64
     mixed = torch.randn(N, C, device=dev, dtype=bf)
