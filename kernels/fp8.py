@@ -221,6 +221,14 @@ def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT
 
 
 @triton.jit
+def _scaled_groups(x, AXIS: tl.constexpr):
+    """x's groups along AXIS (fp32) as (values in the e4m3 range, scales): each group divided by its largest
+    magnitude / FP8_MAX, as `quantise_activations_reference`; the scales keep AXIS (size 1)."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=AXIS, keep_dims=True), 1e-10) / 448.0  # FP8_MAX
+    return tl.minimum(tl.maximum(x / scale, -448.0), 448.0), scale
+
+
+@triton.jit
 def _quantise_activations_kernel(x_ptr, q_ptr, s_ptr, M, R, K, groups, x_row_stride, s_row_stride,
                                  s_group_stride, ROWS: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
     """ROWS rows by GROUPS groups a program: each row's group scaled by its largest magnitude / FP8_MAX (into
@@ -230,8 +238,7 @@ def _quantise_activations_kernel(x_ptr, q_ptr, s_ptr, M, R, K, groups, x_row_str
     gs = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[None, :, None]
     ks = gs * GROUP + tl.arange(0, GROUP)[None, None, :]
     x = tl.load(x_ptr + ms.to(tl.int64) * x_row_stride + ks, mask=(ks < K) & (ms < M), other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=2, keep_dims=True), 1e-10) / 448.0  # FP8_MAX
-    q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+    q, scale = _scaled_groups(x, 2)
     tl.store(q_ptr + ms.to(tl.int64) * K + ks, q.to(q_ptr.dtype.element_ty), mask=(ks < K) & (ms < R))
     tl.store(s_ptr + ms * s_row_stride + gs * s_group_stride, scale, mask=(gs < groups) & (ms < R))
 
@@ -370,8 +377,7 @@ def _add_rms_norm_quantised_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_
     if HAS_W:
         y = y * (tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32) + 1.0)
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(y), axis=1, keep_dims=True), 1e-10) / 448.0  # FP8_MAX
-    q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+    q, scale = _scaled_groups(y, 1)
     tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=live)
     tl.store(s_ptr + row + gs * s_group_stride, scale, mask=gs < groups)
 
@@ -415,8 +421,7 @@ def _silu_mul_quantised_kernel(x_ptr, q_ptr, s_ptr, M, inner, groups, x_row_stri
     g = tl.load(x_ptr + row * x_row_stride + cols, mask=load, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * x_row_stride + inner + cols, mask=load, other=0.0).to(tl.float32)
     y = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(y), axis=1, keep_dims=True), 1e-10) / 448.0  # FP8_MAX
-    q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+    q, scale = _scaled_groups(y, 1)
     tl.store(q_ptr + row * inner + cols, q.to(q_ptr.dtype.element_ty), mask=live)
     tl.store(s_ptr + row + gs * s_group_stride, scale, mask=gs < groups)
 

@@ -439,11 +439,7 @@ def mlp(x, residual, norm_weight, eps: float, gate_up, down, cfg: KernelConfig =
     passes that make them (the add-and-norm, silu(gate) * up): those activations, the widest of the layer, are
     not written in bf16 and read back."""
     if isinstance(down, fp8.Fp8Weight) and fp8.takes_cublas(x, down, cfg):
-        if isinstance(gate_up, fp8.Fp8Weight) and fp8.takes_cublas(x, gate_up, cfg):
-            gate_up_out, residual = _add_rms_norm_cublas(x, residual, norm_weight, eps, gate_up)
-        else:
-            normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)
-            gate_up_out = linear(normed, gate_up, cfg)
+        gate_up_out, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, cfg)
         M = x.shape[0]
         values, scale = fp8.silu_mul_quantised(gate_up_out, down.block, fp8.cublas_rows(M), cfg)
         return fp8.cublas_matmul(values, scale, down, M, x.dtype), residual
