@@ -221,6 +221,65 @@ def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT
 
 
 @triton.jit
+def _w8a8_decode_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, partial_ptr, counters_ptr, M, N, K, k_per_split,
+                        x_row_stride, scale_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        QBLOCK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+    """out[m, n] as `linear_w8a8_reference` for few rows, the weight read as stored: each program quantises the
+    activations' block of QBLOCK columns itself (a few rows, from L2) and multiplies it on the FP8 tensor cores
+    as the second operand, out^T = w . x^T (the weight's BLOCK_N rows fill the MMA's wide side), so no weight is
+    widened in registers. Program (j, s) sums K in [s * k_per_split, (s + 1) * k_per_split), whole QBLOCKs;
+    SPLIT: through fp32 partial [splits, M, N] (`launch.store_split`)."""
+    wait_for_previous_kernel(PDL)
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, QBLOCK)
+    m_live, n_live = rm < M, rn < N
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    ws_row = (rn // QBLOCK).to(tl.int64) * scale_cols
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    for k0 in range(k_start, k_end, QBLOCK):
+        k = k0 + rk
+        k_live = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_live[:, None] & k_live[None, :], other=0.0)
+        x = tl.load(x_ptr + rm[:, None] * x_row_stride + k[None, :], mask=m_live[:, None] & k_live[None, :],
+                    other=0.0).to(tl.float32)
+        q, x_scale = _scaled_groups(x, 1)
+        w_scale = tl.load(ws_ptr + ws_row + k0 // QBLOCK, mask=n_live, other=0.0)
+        acc += tl.dot(w, tl.trans(q.to(w.dtype))) * w_scale[:, None] * tl.trans(x_scale)
+    out_mask = n_live[:, None] & m_live[None, :]
+    at = rm.to(tl.int64)[None, :] * N + rn[:, None]
+    if SPLIT:
+        store_split(acc, partial_ptr, out_ptr, counters_ptr, at, out_mask, M * N, pid_k, tl.num_programs(1), pid_n)
+    else:
+        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def linear_w8a8_decode(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
+    """`linear_w8a8_reference` for up to `KernelConfig.fp8_few_rows` rows in one kernel (`_w8a8_decode_kernel`):
+    the activations quantised in it, the weight tiles `KernelConfig.fp8_w8a8_decode_tile` (BLOCK_N, programs an
+    SM that K splits aim at, warps, stages)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > 64:
+        raise ValueError(f"the W8A8 decode kernel takes up to 64 rows, not {M}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_n, per_sm, warps, stages = cfg.fp8_w8a8_decode_tile
+    tiles = triton.cdiv(N, block_n)
+    splits, per_split = k_splits(tiles, K, weight.block, per_sm * multiprocessors(x.device))
+    partial, counters = split_buffers(out, splits, tiles)
+    _w8a8_decode_kernel[(tiles, splits)](
+        x, weight.values, weight.scale, out, partial, counters, M, N, K, per_split, x.stride(0),
+        weight.scale.shape[1], BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, QBLOCK=weight.block,
+        SPLIT=splits > 1, num_warps=warps, num_stages=stages, **pdl_options(x.device, cfg.pdl))
+    return out
+
+
+@triton.jit
 def _scaled_groups(x, AXIS: tl.constexpr):
     """x's groups along AXIS (fp32) as (values in the e4m3 range, scales): each group divided by its largest
     magnitude / FP8_MAX, as `quantise_activations_reference`; the scales keep AXIS (size 1)."""
@@ -461,11 +520,14 @@ def cublas_block_scaled_works(device: torch.device) -> bool:
 
 
 def linear(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
-    """The FP8 projection: W8A16 up to DECODE_ROWS rows, above by `KernelConfig.fp8_prefill` ("cublas", "w8a8"
+    """The FP8 projection: up to `KernelConfig.fp8_few_rows` rows as `KernelConfig.fp8_decode` says, W8A16 up to
+    DECODE_ROWS rows, above by `KernelConfig.fp8_prefill` ("cublas", "w8a8"
     or "w8a16"; "cublas" falls back to "w8a8" for a weight `cublas_takes` refuses); "cublas" takes every weight it
     can above `KernelConfig.fp8_few_rows` rows; an fp32 model (tests) stays W8A16."""
     if takes_cublas(x, weight, cfg):
         return linear_cublas(x, weight, cfg)
+    if cfg.fp8_decode == "w8a8" and x.shape[0] <= cfg.fp8_few_rows and x.dtype != torch.float32:
+        return linear_w8a8_decode(x, weight, cfg)
     if x.shape[0] > DECODE_ROWS and cfg.fp8_prefill != "w8a16" and x.dtype != torch.float32:
         return linear_w8a8(x, weight, cfg)
     return linear_w8a16(x, weight, cfg)

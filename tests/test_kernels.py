@@ -788,6 +788,33 @@ def test_the_w8a8_projection_equals_its_reference(rows):
     assert rel(ref.float(), fp8.linear_reference(x, weight).float()) <= 0.05
 
 
+@pytest.mark.parametrize("rows, tile", [(1, (64, 4, 4, 4)), (5, (64, 4, 4, 4)), (16, (128, 1, 4, 3)),
+                                        (3, (64, 0, 4, 2))])
+def test_the_w8a8_decode_projection_equals_its_reference(rows, tile):
+    """FP8 decode with the activations quantised inside the kernel (`KernelConfig.fp8_decode` "w8a8"): N and K
+    not multiples of the tiles or the 128-blocks; K of six blocks split across programs (three splits on the
+    interpreter's four SMs) or not (0 programs an SM: one split). `linear` sends only decode rows there."""
+    from deltaserve.kernels import fp8
+
+    weight, g = _fp8_weight(200, 700, rows)
+    cfg = KernelConfig(fp8_decode="w8a8", fp8_w8a8_decode_tile=tile)
+    # Activations the quantisation keeps exactly (each group e4m3 values times a power of two, one of them +-448),
+    # so the interpreter, whose cast to e4m3 does not round to nearest, checks the kernel's tiling and scales too.
+    values = torch.randn(rows, 768, generator=g).mul(100).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    values.view(rows, 6, 128)[:, :, 0] = 448.0
+    exact = values * 2.0 ** torch.randint(-12, 4, (rows, 6, 1), generator=g).float().repeat_interleave(128, 2).view(rows, 768)
+    for x, bound in ((exact[:, :700], 1e-2), (torch.randn(rows, 700, generator=g), 1e-2 if DEVICE == "cuda" else 0.1)):
+        x = x.to(DEVICE, torch.bfloat16)
+        with poisoned_outputs():
+            out = fp8.linear(x, weight, cfg)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 200)
+        assert rel(out.float(), fp8.linear_w8a8_reference(x, weight).float()) <= bound
+    wide = torch.randn(cfg.fp8_few_rows + 1, 700, generator=g).to(DEVICE, torch.bfloat16)
+    assert rel(fp8.linear(wide, weight, cfg).float(), fp8.linear_reference(wide, weight).float()) <= 0.05
+    with pytest.raises(ValueError, match="fp8_decode"):
+        KernelConfig(fp8_decode="w4a16")
+
+
 def test_activation_quantisation_pads_rows_and_stores_scales_group_major():
     """The layout cuBLAS's block-scaled GEMM reads: rows padded to a multiple of four with zeros, the scales [rows,
     groups] stored group by group; the live rows as the plain layout has them."""
