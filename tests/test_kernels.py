@@ -798,12 +798,9 @@ def test_the_w8a8_decode_projection_equals_its_reference(rows, tile):
 
     weight, g = _fp8_weight(200, 700, rows)
     cfg = KernelConfig(fp8_decode="w8a8", fp8_w8a8_decode_tile=tile)
-    # Activations the quantisation keeps exactly (each group e4m3 values times a power of two, one of them +-448),
-    # so the interpreter, whose cast to e4m3 does not round to nearest, checks the kernel's tiling and scales too.
-    values = torch.randn(rows, 768, generator=g).mul(100).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-    values.view(rows, 6, 128)[:, :, 0] = 448.0
-    exact = values * 2.0 ** torch.randint(-12, 4, (rows, 6, 1), generator=g).float().repeat_interleave(128, 2).view(rows, 768)
-    for x, bound in ((exact[:, :700], 1e-2), (torch.randn(rows, 700, generator=g), 1e-2 if DEVICE == "cuda" else 0.1)):
+    # On activations the quantisation keeps exactly the interpreter checks the kernel's tiling and scales too.
+    for x, bound in ((_exactly_quantisable(rows, 700, g), 1e-2),
+                     (torch.randn(rows, 700, generator=g), 1e-2 if DEVICE == "cuda" else 0.1)):
         x = x.to(DEVICE, torch.bfloat16)
         with poisoned_outputs():
             out = fp8.linear(x, weight, cfg)
@@ -813,6 +810,57 @@ def test_the_w8a8_decode_projection_equals_its_reference(rows, tile):
     assert rel(fp8.linear(wide, weight, cfg).float(), fp8.linear_reference(wide, weight).float()) <= 0.05
     with pytest.raises(ValueError, match="fp8_decode"):
         KernelConfig(fp8_decode="w4a16")
+
+
+def _exactly_quantisable(rows: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """[rows, k] whose 128-column groups the FP8 quantisation keeps exactly: e4m3 values times a power of two a
+    group, one of them +-448 (the interpreter's cast to e4m3 does not round to nearest)."""
+    groups = -(-k // 128)
+    values = torch.randn(rows, groups * 128, generator=g).mul(100).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    values.view(rows, groups, 128)[:, :, 0] = 448.0
+    powers = 2.0 ** torch.randint(-12, 4, (rows, groups, 1), generator=g).float()
+    return (values.view(rows, groups, 128) * powers).view(rows, -1)[:, :k]
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_the_w8a8_decode_kernel_reads_an_add_and_norm_or_silu_mul_itself(rows, with_residual):
+    """The W8A8 decode kernel's prologues against the unfused arithmetic: a block's add-and-norm (the sum stored
+    once, though K is split across programs; the norm's 1 / rms applied after the dot) and silu(gate) * up; and
+    `gemv.mlp` / `gemv.add_rms_norm_linear`, which take them at decode rows. fp32 on the interpreter (its bf16
+    arithmetic is unreliable), on activations the quantisation keeps exactly."""
+    from deltaserve.kernels import fp8, gemv, norm
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    weight, g = _fp8_weight(200, 700, rows)
+    down, _ = _fp8_weight(150, 100, rows + 1)
+    cfg = KernelConfig(fp8_decode="w8a8", fp8_w8a8_decode_tile=(64, 4, 4, 3))
+    summed_want = _exactly_quantisable(rows, 700, g)
+    residual = (summed_want / 2).to(DEVICE, dtype) if with_residual else None
+    x = (summed_want / 2 if with_residual else summed_want).to(DEVICE, dtype)
+    # (1 + w) a power of two a group keeps the product exactly quantisable
+    norm_weight = (2.0 ** torch.randint(-1, 2, (6, 1), generator=g).float()).expand(6, 128).reshape(-1)[:700] - 1
+    norm_weight = norm_weight.to(DEVICE, dtype)
+    with poisoned_outputs():
+        out, summed = fp8.linear_w8a8_decode(x, weight, cfg, norm=(residual, norm_weight, 1e-6))
+    normed, summed_ref = norm.add_rms_norm_reference(x, residual, norm_weight, 1e-6)
+    assert torch.equal(summed, summed_ref)
+    assert out.dtype == dtype and rel(out.float(), fp8.linear_w8a8_reference(normed, weight).float()) <= 1e-2
+    gate_up = torch.cat([torch.randn(rows, 100, generator=g), _exactly_quantisable(rows, 100, g)], 1)
+    gate_up = gate_up.to(DEVICE, dtype)
+    with poisoned_outputs():
+        out = fp8.linear_w8a8_decode(gate_up, down, cfg, silu_mul=True)
+    want = fp8.linear_w8a8_reference(norm.silu_mul_reference(gate_up), down)
+    assert rel(out.float(), want.float()) <= (1e-2 if DEVICE == "cuda" else 0.1)  # silu(gate) * up rounds
+    if dtype == torch.bfloat16:  # the dispatch (an fp32 model stays W8A16)
+        gate_up_w, _ = _fp8_weight(200, 700, rows + 2)
+        down_w, _ = _fp8_weight(700, 100, rows + 3)
+        got, got_res = gemv.mlp(x, residual, norm_weight, 1e-6, gate_up_w, down_w, cfg)
+        want, want_res = gemv.mlp_reference(x, residual, norm_weight, 1e-6, gate_up_w, down_w)
+        assert torch.equal(got_res, want_res) and rel(got.float(), want.float()) <= 0.05
+        got, _ = gemv.add_rms_norm_linear(x, residual, norm_weight, 1e-6, weight, cfg)
+        want, _ = gemv.add_rms_norm_linear_reference(x, residual, norm_weight, 1e-6, weight)
+        assert rel(got.float(), want.float()) <= 0.05
 
 
 def test_activation_quantisation_pads_rows_and_stores_scales_group_major():
