@@ -49,7 +49,8 @@ class KernelConfig:
 
     # The block's input add-and-norm fused into the one-row projection that reads it (and silu(gate) * up into the
     # MLP's epilogue). Every program reloads the input, the residual and the norm weight, which on wide inputs costs
-    # what the saved launches give back, so only inputs narrower than `wide_input_k` are fused.
+    # what the saved launches give back, so only inputs narrower than `wide_input_k` are fused. With `fp8_decode`
+    # "w8a8" it also fuses the add-and-norm and silu(gate) * up into the FP8 decode kernel (at any width).
     fused_norm: bool = True
     # Two rows a program (two gate and two up rows with silu) in four warps: the fastest of the H200 sweep on every
     # node it ran on (two warps won on one node and lost on another).

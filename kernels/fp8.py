@@ -248,8 +248,8 @@ def _w8a8_decode_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, ws_ptr, out_
     if PROLOGUE == 1:
         sum_rows = tl.where((pid_n == 0) & (pid_k == 0), M, 0)  # program (0, 0) stores the residual's sum
         squares = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, QBLOCK):
-            k = k0 + rk
+        for k0 in range(0, K, 4 * QBLOCK):  # wide tiles: few dependent round trips before the first weight tile
+            k = k0 + tl.arange(0, 4 * QBLOCK)
             live = m_live[:, None] & (k < K)[None, :]
             v = tl.load(x_rows + k[None, :], mask=live, other=0.0)
             if HAS_RES:
