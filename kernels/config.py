@@ -25,7 +25,6 @@ class WholeRows(NamedTuple):
 
 
 GDN_FACTOR_MODES = ("fp32", "bf16")
-FP8_DECODE_MODES = ("w8a16", "w8a8")
 
 
 @dataclass(frozen=True)
@@ -49,8 +48,7 @@ class KernelConfig:
 
     # The block's input add-and-norm fused into the one-row projection that reads it (and silu(gate) * up into the
     # MLP's epilogue). Every program reloads the input, the residual and the norm weight, which on wide inputs costs
-    # what the saved launches give back, so only inputs narrower than `wide_input_k` are fused. With `fp8_decode`
-    # "w8a8" it also fuses the add-and-norm and silu(gate) * up into the FP8 decode kernel (at any width).
+    # what the saved launches give back, so only inputs narrower than `wide_input_k` are fused.
     fused_norm: bool = True
     # Two rows a program (two gate and two up rows with silu) in four warps: the fastest of the H200 sweep on every
     # node it ran on (two warps won on one node and lost on another).
@@ -79,13 +77,6 @@ class KernelConfig:
     # it beat on every 9B and 27B projection (H100, `tools/lab/fp8_sweep.py`): the 9B batch-1 step 4.09 -> 3.68
     # ms, the 27B's 11.61 -> 11.17. None: the tile above.
     fp8_gemv_tile: Tile | None = Tile(8, 1024, 4, 2)
-    # How FP8 projections of up to `fp8_few_rows` rows (decode) read their weights: "w8a16" widens each FP8 weight
-    # to bf16 in registers (the CUDA-core GEMV at one row, the tile above at more); "w8a8" quantises the few
-    # activation rows per 128 columns inside the kernel and feeds the weight as stored to the FP8 tensor cores
-    # (`fp8.linear_w8a8_decode`; the arithmetic of the prefill's W8A8 and of vLLM's block-FP8 decode), with
-    # `fp8_w8a8_decode_tile` (BLOCK_N, programs an SM that K splits aim at, warps, stages).
-    fp8_decode: str = "w8a16"
-    fp8_w8a8_decode_tile: tuple[int, int, int, int] = (64, 4, 4, 4)
     # Above `fp8_few_rows` rows (batch-32 and batch-64 steps) every column tile rereads all rows' activations, which
     # wider tiles share out: BLOCK_N 128 was the fastest at 64 rows on every 27B projection (H100, `fp8_sweep
     # --decode-rows 64`), and cuBLAS's block-scaled FP8 GEMM (W8A8, as `fp8_prefill` "cublas") faster still where
@@ -141,8 +132,6 @@ class KernelConfig:
     def __post_init__(self) -> None:
         if self.gdn_factors not in GDN_FACTOR_MODES:
             raise ValueError(f"gdn_factors must be one of {GDN_FACTOR_MODES}, got {self.gdn_factors!r}")
-        if self.fp8_decode not in FP8_DECODE_MODES:
-            raise ValueError(f"fp8_decode must be one of {FP8_DECODE_MODES}, got {self.fp8_decode!r}")
 
 
 DEFAULT = KernelConfig()

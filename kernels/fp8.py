@@ -220,111 +220,6 @@ def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT
     return out
 
 
-PLAIN, ADD_RMS_NORM, SILU_MUL = 0, 1, 2  # what `_w8a8_decode_kernel` does to its input before quantising it
-
-
-@triton.jit
-def _w8a8_decode_kernel(x_ptr, res_ptr, nw_ptr, res_out_ptr, w_ptr, ws_ptr, out_ptr, partial_ptr, counters_ptr,
-                        M, N, K, k_per_split, x_row_stride, scale_cols, eps, PROLOGUE: tl.constexpr,
-                        HAS_RES: tl.constexpr, HAS_NW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        QBLOCK: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
-    """out[m, n] as `linear_w8a8_reference` for few rows, the weight read as stored: each program quantises the
-    activations' block of QBLOCK columns itself (a few rows, from L2) and multiplies it on the FP8 tensor cores
-    as the second operand, out^T = w . x^T (the weight's BLOCK_N rows fill the MMA's wide side), so no weight is
-    widened in registers. Program (j, s) sums K in [s * k_per_split, (s + 1) * k_per_split), whole QBLOCKs;
-    SPLIT: through fp32 partial [splits, M, N] (`launch.store_split`).
-    PROLOGUE ADD_RMS_NORM: the input is a block's x (plus the residual, whose sum program (0, 0) stores), and
-    what is quantised is its zero-centred norm: each program sums the squares over the whole row first, quantises
-    the sum times (1 + w) and scales its result by 1 / rms (a group's quantised values do not change with a
-    positive factor). SILU_MUL: the input is [gate | up] of 2K columns and what is quantised silu(gate) * up,
-    rounded to the input dtype as the unfused activation is."""
-    wait_for_previous_kernel(PDL)
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, QBLOCK)
-    m_live, n_live = rm < M, rn < N
-    x_rows = x_ptr + rm[:, None] * x_row_stride
-    if PROLOGUE == 1:
-        sum_rows = tl.where((pid_n == 0) & (pid_k == 0), M, 0)  # program (0, 0) stores the residual's sum
-        squares = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, 4 * QBLOCK):  # wide tiles: few dependent round trips before the first weight tile
-            k = k0 + tl.arange(0, 4 * QBLOCK)
-            live = m_live[:, None] & (k < K)[None, :]
-            v = tl.load(x_rows + k[None, :], mask=live, other=0.0)
-            if HAS_RES:
-                v = v + tl.load(res_ptr + rm[:, None] * K + k[None, :], mask=live, other=0.0)  # in the model dtype
-                tl.store(res_out_ptr + rm[:, None] * K + k[None, :], v,
-                         mask=(rm < sum_rows)[:, None] & (k < K)[None, :])
-            v = v.to(tl.float32)
-            squares += tl.sum(v * v, axis=1)
-        inv_rms = 1.0 / tl.sqrt(squares / K + eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    ws_row = (rn // QBLOCK).to(tl.int64) * scale_cols
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    for k0 in range(k_start, k_end, QBLOCK):
-        k = k0 + rk
-        k_live = k < K
-        live = m_live[:, None] & k_live[None, :]
-        w = tl.load(w_rows + k[None, :], mask=n_live[:, None] & k_live[None, :], other=0.0)
-        if PROLOGUE == 2:
-            g = tl.load(x_rows + k[None, :], mask=live, other=0.0).to(tl.float32)
-            u = tl.load(x_rows + K + k[None, :], mask=live, other=0.0).to(tl.float32)
-            x = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            x = tl.load(x_rows + k[None, :], mask=live, other=0.0)
-            if PROLOGUE == 1 and HAS_RES:
-                x = x + tl.load(res_ptr + rm[:, None] * K + k[None, :], mask=live, other=0.0)
-            x = x.to(tl.float32)
-            if PROLOGUE == 1 and HAS_NW:
-                x = x * (tl.load(nw_ptr + k, mask=k_live, other=0.0).to(tl.float32) + 1.0)[None, :]
-        q, x_scale = _scaled_groups(x, 1)
-        w_scale = tl.load(ws_ptr + ws_row + k0 // QBLOCK, mask=n_live, other=0.0)
-        acc += tl.dot(w, tl.trans(q.to(w.dtype))) * w_scale[:, None] * tl.trans(x_scale)
-    if PROLOGUE == 1:
-        acc = acc * inv_rms[None, :]
-    out_mask = n_live[:, None] & m_live[None, :]
-    at = rm.to(tl.int64)[None, :] * N + rn[:, None]
-    if SPLIT:
-        store_split(acc, partial_ptr, out_ptr, counters_ptr, at, out_mask, M * N, pid_k, tl.num_programs(1), pid_n)
-    else:
-        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-def linear_w8a8_decode(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT, *,
-                       norm: tuple[torch.Tensor | None, torch.Tensor | None, float] | None = None,
-                       silu_mul: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`linear_w8a8_reference` for up to 64 rows in one kernel (`_w8a8_decode_kernel`): the activations
-    quantised in it, the weight tiles `KernelConfig.fp8_w8a8_decode_tile` (BLOCK_N, programs an SM that K splits
-    aim at, warps, stages). norm (residual, norm weight, eps): x is a block's input and the projection reads its
-    add-and-norm (`norm.add_rms_norm_reference`); returns (projected, new residual). silu_mul: x is [gate | up]
-    and the projection reads silu(gate) * up."""
-    M, K = x.shape
-    if silu_mul:
-        K //= 2
-    N = weight.shape[0]
-    if M > 64:
-        raise ValueError(f"the W8A8 decode kernel takes up to 64 rows, not {M}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    residual, norm_weight, eps = norm or (None, None, 0.0)
-    summed = torch.empty_like(x) if residual is not None else x
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_n, per_sm, warps, stages = cfg.fp8_w8a8_decode_tile
-    tiles = triton.cdiv(N, block_n)
-    splits, per_split = k_splits(tiles, K, weight.block, per_sm * multiprocessors(x.device))
-    partial, counters = split_buffers(out, splits, tiles)
-    _w8a8_decode_kernel[(tiles, splits)](
-        x, x if residual is None else residual.contiguous(), x if norm_weight is None else norm_weight, summed,
-        weight.values, weight.scale, out, partial, counters, M, N, K, per_split, x.stride(0), weight.scale.shape[1],
-        eps, PROLOGUE=SILU_MUL if silu_mul else ADD_RMS_NORM if norm else PLAIN, HAS_RES=residual is not None,
-        HAS_NW=norm_weight is not None, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
-        QBLOCK=weight.block, SPLIT=splits > 1, num_warps=warps, num_stages=stages, **pdl_options(x.device, cfg.pdl))
-    return (out, summed) if norm else out
-
-
 @triton.jit
 def _scaled_groups(x, AXIS: tl.constexpr):
     """x's groups along AXIS (fp32) as (values in the e4m3 range, scales): each group divided by its largest
@@ -565,20 +460,12 @@ def cublas_block_scaled_works(device: torch.device) -> bool:
     return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()))
 
 
-def decodes_w8a8(x: torch.Tensor, cfg: KernelConfig = DEFAULT) -> bool:
-    """Whether an FP8 projection of x runs on `linear_w8a8_decode` (`KernelConfig.fp8_decode`)."""
-    return cfg.fp8_decode == "w8a8" and x.shape[0] <= cfg.fp8_few_rows and x.dtype != torch.float32
-
-
 def linear(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
-    """The FP8 projection: up to `KernelConfig.fp8_few_rows` rows as `KernelConfig.fp8_decode` says, W8A16 up to
-    DECODE_ROWS rows, above by `KernelConfig.fp8_prefill` ("cublas", "w8a8"
+    """The FP8 projection: W8A16 up to DECODE_ROWS rows, above by `KernelConfig.fp8_prefill` ("cublas", "w8a8"
     or "w8a16"; "cublas" falls back to "w8a8" for a weight `cublas_takes` refuses); "cublas" takes every weight it
     can above `KernelConfig.fp8_few_rows` rows; an fp32 model (tests) stays W8A16."""
     if takes_cublas(x, weight, cfg):
         return linear_cublas(x, weight, cfg)
-    if decodes_w8a8(x, cfg):
-        return linear_w8a8_decode(x, weight, cfg)
     if x.shape[0] > DECODE_ROWS and cfg.fp8_prefill != "w8a16" and x.dtype != torch.float32:
         return linear_w8a8(x, weight, cfg)
     return linear_w8a16(x, weight, cfg)

@@ -413,8 +413,6 @@ def add_rms_norm_linear(x, residual, norm_weight, eps: float, weight, cfg: Kerne
         return norm_gemv(x, residual, norm_weight, eps, weight, cfg=cfg)
     if isinstance(weight, fp8.Fp8Weight) and fp8.takes_cublas(x, weight, cfg):
         return _add_rms_norm_cublas(x, residual, norm_weight, eps, weight)
-    if isinstance(weight, fp8.Fp8Weight) and fp8.decodes_w8a8(x, cfg) and cfg.fused_norm:
-        return fp8.linear_w8a8_decode(x, weight, cfg, norm=(residual, norm_weight, eps))
     normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)
     return linear(normed, weight, cfg), residual
 
@@ -439,15 +437,11 @@ def add_rms_norm_gate_up(x, residual, norm_weight, eps: float, gate_up, cfg: Ker
 def mlp(x, residual, norm_weight, eps: float, gate_up, down, cfg: KernelConfig = DEFAULT):
     """`mlp_reference` on the kernels. FP8 projections on cuBLAS (prefill) take their inputs quantised by the
     passes that make them (the add-and-norm, silu(gate) * up): those activations, the widest of the layer, are
-    not written in bf16 and read back. On the W8A8 decode kernel the projections quantise them themselves, so
-    the block is two kernels."""
+    not written in bf16 and read back."""
     if isinstance(down, fp8.Fp8Weight) and fp8.takes_cublas(x, down, cfg):
         gate_up_out, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, cfg)
         M = x.shape[0]
         values, scale = fp8.silu_mul_quantised(gate_up_out, down.block, fp8.cublas_rows(M), cfg)
         return fp8.cublas_matmul(values, scale, down, M, x.dtype), residual
-    if isinstance(down, fp8.Fp8Weight) and fp8.decodes_w8a8(x, cfg) and cfg.fused_norm:
-        gate_up_out, residual = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up, cfg)
-        return fp8.linear_w8a8_decode(gate_up_out, down, cfg, silu_mul=True), residual
     act, residual = add_rms_norm_gate_up(x, residual, norm_weight, eps, gate_up, cfg)
     return linear(act, down, cfg), residual

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deltaserve.kernels import attention, conv1d, gdn, gemv, launch, norm  # noqa: F401
-from deltaserve.kernels.config import DEFAULT, FP8_DECODE_MODES, GDN_FACTOR_MODES, KernelConfig
+from deltaserve.kernels.config import DEFAULT, GDN_FACTOR_MODES, KernelConfig
 from deltaserve.kernels.ops import triton_ops
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.synthetic import text_config, write_checkpoint
@@ -715,12 +715,11 @@ def test_speculative_decoding_keeps_the_tokens_of_plain_decoding(real_geometry_c
             assert accepted >= len(prompts) * (24 - 1 - -(-23 // (k + 1)))
 
 
-@pytest.mark.parametrize("decode", FP8_DECODE_MODES)
 @pytest.mark.parametrize("size", ["9b", "27b"])
-def test_fp8_kernels_pass_the_accuracy_gate_at_real_widths(size, decode):
-    """Random block-scaled FP8 projections at the 9B and 27B widths (four layers) on the FP8 kernels (decode with
-    bf16 activations or quantised ones, `KernelConfig.fp8_decode`), against the same weights dequantised to fp32:
-    top-8 log-probs of a 96-token prefill and three decode steps within the gate (mean <= 0.06, p99 <= 0.2)."""
+def test_fp8_kernels_pass_the_accuracy_gate_at_real_widths(size):
+    """Random block-scaled FP8 projections at the 9B and 27B widths (four layers) on the FP8 kernel with bf16
+    activations, against the same weights dequantised to fp32: top-8 log-probs of a 96-token prefill and three
+    decode steps within the gate (mean <= 0.06, p99 <= 0.2)."""
     from helpers import top8_logprob_gaps
 
     from deltaserve.kernels.fp8 import Fp8Weight
@@ -736,8 +735,7 @@ def test_fp8_kernels_pass_the_accuracy_gate_at_real_widths(size, decode):
     kept = random_rank_weights(cfg, device=dev, dtype=torch.bfloat16, seed=2, progress=False, fp8_block=128)
     assert isinstance(kept["layers.0.mlp.up_proj.weight"], Fp8Weight)
     full = {n: w.dequantise() if isinstance(w, Fp8Weight) else w.float().clone() for n, w in kept.items()}
-    ops = triton_ops(KernelConfig(fp8_decode=decode))
-    models = [Qwen35Shard(cfg, weights, local, ops=ops) for weights in (kept, full)]
+    models = [Qwen35Shard(cfg, weights, local, ops=triton_ops()) for weights in (kept, full)]
     states = [ModelState(cfg, local, 2, 16, dtype, dev) for dtype in (torch.bfloat16, torch.float32)]
     ids = torch.randint(0, 248320, (96,), generator=torch.Generator().manual_seed(1)).tolist()
     pages = list(range(8))
@@ -750,6 +748,5 @@ def test_fp8_kernels_pass_the_accuracy_gate_at_real_widths(size, decode):
                   for m, s in zip(models, states)]
         gaps.append(top8_logprob_gaps(*logits))
     d = torch.cat(gaps)
-    logging.getLogger(__name__).info("FP8 %s (decode %s): top-8 |Δ log-prob| mean %.4f, p99 %.4f; decode steps "
-                                     "mean %.4f", size, decode, d.mean(), d.quantile(0.99), torch.cat(gaps[1:]).mean())
+    logging.getLogger(__name__).info("FP8 %s: top-8 |Δ log-prob| mean %.4f, p99 %.4f", size, d.mean(), d.quantile(0.99))
     assert d.mean() <= 0.06 and d.quantile(0.99) <= 0.2

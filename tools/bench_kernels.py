@@ -220,8 +220,8 @@ def fp8_activations(cfg, memory_row, tokens: int = 8192) -> None:
 
 
 def fp8_projections(cfg, rows: list, bw: float, flops: float, counts=(1, 5, 8, 64, 2048)) -> None:
-    """The FP8 projections (`kernels.fp8`) on every shape of the model: at decode row counts (to 64) W8A16 (up to
-    `fp8_few_rows` rows also W8A8 quantised in the kernel) against its bytes over the copy bandwidth; at 64 and 2048 rows W8A8 beside it, against the bytes or the bf16 FLOPs. Each beside
+    """The FP8 projections (`kernels.fp8`) on every shape of the model: at decode row counts (to 64) W8A16 against
+    its bytes over the copy bandwidth; at 64 and 2048 rows W8A8 beside it, against the bytes or the bf16 FLOPs. Each beside
     the bf16 projection the engine runs otherwise (`gemv.linear`), timed as `projections` does."""
     from deltaserve.kernels import fp8
     from deltaserve.model.weights import quantise_fp8
@@ -238,8 +238,6 @@ def fp8_projections(cfg, rows: list, bw: float, flops: float, counts=(1, 5, 8, 6
             t_bf16 = graph_time_per_call(lambda w: lambda: gemv.linear(x, w), plain)
             # W8A8 from the largest decode batch up: where FP8 tensor cores could beat widening the weights
             kinds = [("w8a16", fp8.linear_w8a16)] + ([("w8a8", fp8.linear_w8a8)] if m >= fp8.DECODE_ROWS else [])
-            if m <= DEFAULT.fp8_few_rows:  # the decode rows quantised inside the kernel, the weight as stored
-                kinds.append(("w8a8 decode", fp8.linear_w8a8_decode))
             if m > fp8.DECODE_ROWS and fp8.cublas_takes(weights[0]) and fp8.cublas_block_scaled_works(dev):
                 kinds += [("w8a8 on cuBLAS", fp8.linear_cublas), ("w8a8 on cuBLAS, as W x^T", _cublas_transposed)]
             for kind, fn in kinds:
