@@ -175,8 +175,8 @@ for stage in ${STAGES//,/ }; do
         mkdir -p "$DIR/specrows-$mode"
         cp /tmp/specrows-$mode/*.json /tmp/specrows-$mode/server-on.log "$DIR/specrows-$mode/" 2>/dev/null
       done ;;
-    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, turn, fp8, gemvsplit, prefill, budget, serve27, serve4,"\
-            "fused, specrows)"
+    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, turn, fp8, gemvsplit, prefill, budget,"\
+            "serve27, serve4, fused, specrows)"
        exit 2 ;;
   esac
   stamp "$stage done"
