@@ -153,6 +153,12 @@ class CudaRankBackend:
         gc.collect()  # tensors of an engine closed earlier may wait in reference cycles
         torch.cuda.empty_cache()  # torch's cached blocks are fragments: the pools we allocate next need whole ones
         free, total = torch.cuda.mem_get_info(self.device)
+        allocated, reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+        # Where the rest of the card went: torch's cache left after empty_cache sits in part-used segments (not
+        # counted free), so a large figure means the load fragmented memory the KV pages then lack.
+        log.info("rank %d: %.1f GiB of %.1f free after the weights; torch holds %.1f GiB allocated and %.1f GiB cached "
+                 "beyond that; %.1f GiB kept back (memory_fraction %.2f)", self.rank, free / 2**30, total / 2**30,
+                 allocated / 2**30, (reserved - allocated) / 2**30, (1.0 - fraction) * total / 2**30, fraction)
         return max(0, int(free - (1.0 - fraction) * total))
 
     def warm_up_collective(self) -> None:
