@@ -422,4 +422,8 @@ def random_rank_weights(
         else:
             weights[name] = _as_model_tensor(name, full, device, dtype)
         del full
+    if generator.device.type == "cuda":
+        # Return the fp32 temporaries' cached segments now: left cached, the model's fused projections (smaller)
+        # would be carved out of them, stranding the rest of each where no later empty_cache can free it.
+        torch.cuda.empty_cache()
     return _tie(cfg, weights)
