@@ -236,7 +236,9 @@ def test_a_handed_step_starts_while_the_loop_thread_is_still_busy():
     from deltaserve.tools.bench_engine_overhead import handoff_delay
 
     default = sys.getswitchinterval()
-    assert asyncio.run(handoff_delay(busy_s=0.02)) < 2.5e-3
+    # The fastest of the trials: a loaded CI host can delay any wake-up, but with the default interval every
+    # trial waits at least 5 ms for the GIL.
+    assert asyncio.run(handoff_delay(busy_s=0.02, statistic=min)) < 2.5e-3
     assert sys.getswitchinterval() == default  # restored when the workers stop
 
     first, second = WorkerGroup(1), WorkerGroup(1)

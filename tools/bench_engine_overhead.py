@@ -82,8 +82,9 @@ async def measure(ckpt: str, batch: int, steps: int) -> float:
 RESULTS: list[tuple[float, float]] = []
 
 
-async def handoff_delay(busy_s: float = 0.02, trials: int = 7) -> float:
-    """Median seconds from a hand-off to the rank's start while the loop thread stays busy for busy_s."""
+async def handoff_delay(busy_s: float = 0.02, trials: int = 7, statistic=statistics.median) -> float:
+    """Seconds from a hand-off to the rank's start while the loop thread stays busy for busy_s: the median of
+    `trials` (or another `statistic` of them)."""
     group = WorkerGroup(1)
     delays = []
     for _ in range(trials):
@@ -93,7 +94,7 @@ async def handoff_delay(busy_s: float = 0.02, trials: int = 7) -> float:
             pass
         delays.append((await group.gather(futures))[0] - handed)
     group.stop()
-    return statistics.median(delays)
+    return statistic(delays)
 
 
 async def launch_time(wait_first: bool, calls: int = 40, busy_s: float = 0.004, trials: int = 7) -> float:
