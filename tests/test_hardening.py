@@ -285,8 +285,10 @@ def test_auth_scheme_is_case_insensitive_and_a_full_queue_says_when_to_retry(tin
             status, _, _ = await raw_request(port, post(COMPLETIONS, good, auth=False,
                                                         headers={"Authorization": f"{scheme} {KEY}"}))
             assert status == 200, scheme
-        replies = await asyncio.gather(*[raw_request(port, post(COMPLETIONS, {**base(COMPLETIONS), "max_tokens": 30}))
-                                         for _ in range(12)])
+        # The three admitted requests run one after another: on a loaded host that can take longer than the
+        # default reply timeout, which bounds the harness, not the server.
+        replies = await asyncio.gather(*[raw_request(port, post(COMPLETIONS, {**base(COMPLETIONS), "max_tokens": 30}),
+                                                     timeout=120) for _ in range(12)])
         full = [(h, b) for s, h, b in replies if s == 503]
         assert full and all(h.get("retry-after") == "1" and json.loads(b)["error"]["code"] == "queue_full"
                             for h, b in full)
