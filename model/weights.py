@@ -417,13 +417,16 @@ def random_rank_weights(
         plan = shard_plan(name, cfg, rank, tp)
         if plan is not None:
             full = torch.cat([full.narrow(plan.dim, a, b - a) for a, b in plan.ranges], dim=plan.dim)
+        if generator.device.type == "cuda":
+            # The kept tensor gets segments of its own, not a part of a freed fp32 temporary's: once the model
+            # fuses its projections and frees the parts, such a segment stays part-used and no empty_cache can
+            # return it (27B bf16 on an H100: 13.5 GiB stranded with one empty_cache after the loop, S22).
+            torch.cuda.empty_cache()
         if fp8_block and name.endswith(FP8_PROJECTIONS):
             weights[name] = Fp8Weight(*quantise_fp8(full, fp8_block), fp8_block)
         else:
             weights[name] = _as_model_tensor(name, full, device, dtype)
         del full
     if generator.device.type == "cuda":
-        # Return the fp32 temporaries' cached segments now: left cached, the model's fused projections (smaller)
-        # would be carved out of them, stranding the rest of each where no later empty_cache can free it.
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # the last temporaries
     return _tie(cfg, weights)
