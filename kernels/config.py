@@ -79,8 +79,8 @@ class KernelConfig:
     fp8_gemv_tile: Tile | None = Tile(8, 1024, 4, 2)
     # Programs an SM that the one-row GEMV's K range is split to reach (`launch.k_splits`; 0: no split). The narrow
     # outputs have few programs for their bytes (27B down_proj 17408 -> 5120: 640 programs of 8 rows read at 59% of
-    # DRAM bandwidth, its issue slots 29% busy, under ncu on an H100), so splitting K may keep more SMs streaming.
-    # 0 until the step with it is measured (`bench_decode --fp8 --kernel fp8_gemv_split_programs=8`).
+    # DRAM bandwidth, its issue slots 29% busy, under ncu on an H100), so splitting K might keep more SMs streaming.
+    # Off: 8 an SM made the batch-1 step slower (H100, S22: 9B 3.912 against 3.704 ms, 27B 11.250 against 11.188).
     fp8_gemv_split_programs: int = 0
     # Above `fp8_few_rows` rows (batch-32 and batch-64 steps) every column tile rereads all rows' activations, which
     # wider tiles share out: BLOCK_N 128 was the fastest at 64 rows on every 27B projection (H100, `fp8_sweep
