@@ -420,7 +420,7 @@ def random_rank_weights(
         if generator.device.type == "cuda":
             # The kept tensor gets segments of its own, not a part of a freed fp32 temporary's: once the model
             # fuses its projections and frees the parts, such a segment stays part-used and no empty_cache can
-            # return it (27B bf16 on an H100: 13.5 GiB stranded with one empty_cache after the loop, S22).
+            # return it (27B bf16: 13.5 GiB stranded with a single empty_cache after the loop).
             torch.cuda.empty_cache()
         if fp8_block and name.endswith(FP8_PROJECTIONS):
             weights[name] = Fp8Weight(*quantise_fp8(full, fp8_block), fp8_block)
