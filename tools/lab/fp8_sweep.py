@@ -1,6 +1,5 @@
 """Launch choices of the FP8 projections (`kernels.fp8`), swept on one model's shapes: the W8A16 decode tile
-(`KernelConfig.fp8_decode_tile`), the CUDA-core GEMV's (`fp8_gemv_tile`) and its K split
-(`fp8_gemv_split_programs`) at one row, and the prefill tiles of
+(`KernelConfig.fp8_decode_tile`) and the CUDA-core GEMV's (`fp8_gemv_tile`) at one row, and the prefill tiles of
 W8A8 and W8A16 at 2048 rows, each timed as `bench_kernels` times projections (a CUDA graph cycling through
 weights larger than L2). `--decode-rows 64` sweeps the decode tile at that many rows instead (a batch-64 step)
 beside cuBLAS's block-scaled FP8 GEMM, the bf16 weight on cuBLAS, and the FP8 bytes' time at `--bandwidth`.
@@ -30,9 +29,7 @@ GEMV_TILES = [Tile(*t) for t in ((4, 1024, 2, 2), (8, 1024, 4, 2), (8, 1024, 8, 
                                  (8, 2048, 8, 2), (16, 512, 4, 2), (8, 512, 4, 2), (8, 512, 2, 3), (4, 4096, 4, 1),
                                  (2, 4096, 2, 1), (8, 1024, 4, 3), (32, 256, 4, 3), (8, 2048, 4, 2),
                                  (4, 2048, 4, 2), (16, 1024, 4, 2), (8, 4096, 8, 1), (16, 2048, 8, 1))]
-GEMV_SPLITS = [0, 2, 4, 8, 16]
-FIELDS = ("fp8_decode_tile", "fp8_gemv_tile", "fp8_gemv_split_programs", "fp8_w8a8_tile",
-          "fp8_w8a16_tile")  # what a sweep may cover
+FIELDS = ("fp8_decode_tile", "fp8_gemv_tile", "fp8_w8a8_tile", "fp8_w8a16_tile")  # what a sweep may cover
 PREFILL_TILES = [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4),
                  (128, 256, 8, 3), (64, 256, 4, 3), (128, 64, 4, 4)]
 
@@ -41,13 +38,12 @@ def sweep(size: str, top: int, decode_rows: int = 0, bandwidth: float = 3.35e12,
           fields: tuple[str, ...] = FIELDS) -> None:
     cfg, dev = ModelConfig.from_dict(text_config(size, 248320)), torch.device("cuda")
     for name, (n, k) in projection_shapes(cfg).items():
-        if name == "lm_head" and not {"fp8_decode_tile", "fp8_gemv_tile", "fp8_gemv_split_programs"} & set(fields):
+        if name == "lm_head" and not {"fp8_decode_tile", "fp8_gemv_tile"} & set(fields):
             continue  # an FP8 lm_head is the drafts' (one-row and few-row decode)
         copies = max(2, -(-(512 << 20) // (n * k)))
         weights = [fp8.Fp8Weight(*quantise_fp8(torch.randn(n, k, device=dev) * 0.02, 128)) for _ in range(copies)]
         cases = ((1, "fp8_decode_tile", DECODE_TILES, fp8.linear_w8a16),
                  (1, "fp8_gemv_tile", GEMV_TILES, fp8.linear_w8a16),
-                 (1, "fp8_gemv_split_programs", GEMV_SPLITS, fp8.linear_w8a16),
                  (2048, "fp8_w8a8_tile", PREFILL_TILES, fp8.linear_w8a8),
                  (2048, "fp8_w8a16_tile", PREFILL_TILES, fp8.linear_w8a16))
         if decode_rows:

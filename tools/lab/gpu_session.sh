@@ -23,8 +23,6 @@
 # fp8     #33: the FP8 kernels' tests and the accuracy gate at the 9B and 27B widths, the FP8 projections per
 #         shape, then the 27B decode step with FP8 projections (batch 1 and 64) against bf16 (batch 1; the FP8
 #         floor counts the FP8 bytes), the 9B's at batch 1, and an 8k-token 27B prefill with FP8 and bf16 weights
-# gemvsplit #33: the one-row FP8 GEMV's K split (`fp8_gemv_split_programs`, off): per projection at the 27B and 9B
-#         shapes, then their batch-1 FP8 steps with it (8 programs an SM) and without
 # serve4  #30: the 4B start-up (cold and warm compile cache: ready time, first request against steady TTFT), an
 #         8k-token prompt's prefill rate and eight of them arriving together
 # serve27 #30, #33: the 27B serving rows of the issues (8192 in, 1024 out; c1 and c16), FP8 then bf16 checkpoints
@@ -116,19 +114,6 @@ for stage in ${STAGES//,/ }; do
         mkdir -p "$DIR/budget-$tokens"
         cp /tmp/budget-$tokens/*.json /tmp/budget-$tokens/server-on.log "$DIR/budget-$tokens/" 2>/dev/null
       done ;;
-    gemvsplit)
-      for size in 27b 9b; do
-        timeout 120 python3 -m deltaserve.tools.lab.fp8_sweep --size $size --fields fp8_gemv_split_programs --top 5 \
-            --bandwidth 3.0e12 > "$DIR/gemvsplit-$size.txt" 2>&1
-        grep "fp8_gemv_split_programs" "$DIR/gemvsplit-$size.txt" | sed "s/^/$size /"
-      done
-      for size in 9b 27b; do
-        for split in 0 8; do
-          timeout 150 python3 -m deltaserve.tools.bench_decode --size $size --batches 1 --fp8 \
-              --kernel fp8_gemv_split_programs=$split > "$DIR/gemvsplit-step-$size-$split.md" 2>&1
-          grep "^| 1 " "$DIR/gemvsplit-step-$size-$split.md" | sed "s/^/$size split $split: /"
-        done
-      done ;;
     serve27)
       for fmt in ${FORMATS:-fp8 bf16}; do
         ck=/tmp/ck27-$fmt
@@ -175,8 +160,8 @@ for stage in ${STAGES//,/ }; do
         mkdir -p "$DIR/specrows-$mode"
         cp /tmp/specrows-$mode/*.json /tmp/specrows-$mode/server-on.log "$DIR/specrows-$mode/" 2>/dev/null
       done ;;
-    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, turn, fp8, gemvsplit, prefill, budget,"\
-            "serve27, serve4, fused, specrows)"
+    *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, turn, fp8, prefill, budget, serve27, serve4,"\
+            "fused, specrows)"
        exit 2 ;;
   esac
   stamp "$stage done"
