@@ -77,11 +77,6 @@ class KernelConfig:
     # it beat on every 9B and 27B projection (H100, `tools/lab/fp8_sweep.py`): the 9B batch-1 step 4.09 -> 3.68
     # ms, the 27B's 11.61 -> 11.17. None: the tile above.
     fp8_gemv_tile: Tile | None = Tile(8, 1024, 4, 2)
-    # Programs an SM that the one-row GEMV's K range is split to reach (`launch.k_splits`; 0: no split). The narrow
-    # outputs have few programs for their bytes (27B down_proj 17408 -> 5120: 640 programs of 8 rows read at 59% of
-    # DRAM bandwidth, its issue slots 29% busy, under ncu on an H100), so splitting K might keep more SMs streaming.
-    # Off: 8 an SM made the batch-1 step slower (H100, S22: 9B 3.912 against 3.704 ms, 27B 11.250 against 11.188).
-    fp8_gemv_split_programs: int = 0
     # Above `fp8_few_rows` rows (batch-32 and batch-64 steps) every column tile rereads all rows' activations, which
     # wider tiles share out: BLOCK_N 128 was the fastest at 64 rows on every 27B projection (H100, `fp8_sweep
     # --decode-rows 64`), and cuBLAS's block-scaled FP8 GEMM (W8A8, as `fp8_prefill` "cublas") faster still where

@@ -144,14 +144,11 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counters_ptr, M, N,
 
 
 @triton.jit
-def _w8a16_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counters_ptr, N, K, k_per_split, scale_cols,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QBLOCK: tl.constexpr, EVEN_K: tl.constexpr,
-                       SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+def _w8a16_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, scale_cols, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       QBLOCK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False):
     """out [N] = x @ (w * scale).t() for one row x, on the CUDA cores, as the bf16 `gemv._gemv_kernel`: BLOCK_N
     rows a program, all in one QBLOCK row block (BLOCK_N divides QBLOCK), so each column has one scale a program:
-    x times its columns' scales once a tile, then one FMA a widened weight; reduced once, at the end. Program
-    (j, s) sums K in [s * k_per_split, (s + 1) * k_per_split) (whole BLOCK_K tiles); SPLIT: through fp32 partial
-    [splits, N] (`launch.store_split`)."""
+    x times its columns' scales once a tile, then one FMA a widened weight; reduced once, at the end."""
     wait_for_previous_kernel(PDL)
     n0 = tl.program_id(0) * BLOCK_N
     ns = n0 + tl.arange(0, BLOCK_N)
@@ -159,20 +156,14 @@ def _w8a16_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, partial_ptr, counters_ptr, 
     w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
     s_row = s_ptr + (n0 // QBLOCK) * scale_cols
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    k_start = tl.program_id(1) * k_per_split
-    for k0 in range(k_start, tl.minimum(K, k_start + k_per_split), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
         wmask = nmask[:, None] if EVEN_K else nmask[:, None] & kmask[None, :]
         xs = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32) * \
             tl.load(s_row + ks // QBLOCK, mask=kmask, other=0.0)
         acc += tl.load(w_rows + ks[None, :], mask=wmask, other=0.0).to(tl.float32) * xs[None, :]
-    total = tl.sum(acc, axis=1)
-    if SPLIT:
-        store_split(total, partial_ptr, out_ptr, counters_ptr, ns, nmask, N, tl.program_id(1), tl.num_programs(1),
-                    tl.program_id(0))
-    else:
-        tl.store(out_ptr + ns, total.to(out_ptr.dtype.element_ty), mask=nmask)
+    tl.store(out_ptr + ns, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 def decode_tiles(m: int, n: int, k: int, block: int, programs: int, block_n: int = 32) -> tuple[int, int, int]:
@@ -203,14 +194,10 @@ def linear_w8a16(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT
             raise ValueError(f"fp8_gemv_tile's {block_n} rows a program must divide the {weight.block}-row blocks")
         while K % block_k and block_k > 128:  # unmasked tiles where K allows (an FP8 lm_head's 2560: 512)
             block_k //= 2
-        tiles = triton.cdiv(N, block_n)
-        splits, per_split = k_splits(tiles, K, block_k, cfg.fp8_gemv_split_programs * multiprocessors(x.device)) \
-            if cfg.fp8_gemv_split_programs else (1, K)
-        partial, counters = split_buffers(out, splits, tiles)
-        _w8a16_gemv_kernel[(tiles, splits)](
-            x, weight.values, weight.scale, out, partial, counters, N, K, per_split, weight.scale.shape[1],
-            BLOCK_N=block_n, BLOCK_K=block_k, QBLOCK=weight.block, EVEN_K=K % block_k == 0, SPLIT=splits > 1,
-            num_warps=warps, num_stages=stages, **pdl_options(x.device, cfg.pdl))
+        _w8a16_gemv_kernel[(triton.cdiv(N, block_n),)](
+            x, weight.values, weight.scale, out, N, K, weight.scale.shape[1], BLOCK_N=block_n, BLOCK_K=block_k,
+            QBLOCK=weight.block, EVEN_K=K % block_k == 0, num_warps=warps, num_stages=stages,
+            **pdl_options(x.device, cfg.pdl))
         return out
     block_k = min(128, weight.block)
     common = dict(BLOCK_K=block_k, QBLOCK=weight.block, FP32=x.dtype == torch.float32)

@@ -739,22 +739,16 @@ def test_the_w8a16_projection_equals_its_reference(rows, dtype):
 
 @pytest.mark.parametrize("tile", [Tile(2, 256, 2, 2), Tile(8, 128, 4, 1), Tile(128, 512, 4, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("split_programs", [0, 64])
-def test_the_one_row_fp8_gemv_equals_its_reference(tile, dtype, split_programs):
+def test_the_one_row_fp8_gemv_equals_its_reference(tile, dtype):
     """The CUDA-core one-row FP8 GEMV (`KernelConfig.fp8_gemv_tile`): a program's rows in one 128-row block, K
-    not a multiple of the tile or the blocks (masked), N not of the tile's rows, K whole or split across programs
-    (`fp8_gemv_split_programs`; 64 splits it in three with 128-column tiles); a tile whose rows straddle two
+    not a multiple of the tile or the blocks (masked), N not of the tile's rows; a tile whose rows straddle two
     blocks is refused."""
-    from deltaserve.kernels import fp8, launch
+    from deltaserve.kernels import fp8
 
     weight, g = _fp8_weight(200, 700, tile.block_n)
     x = torch.randn(1, 700, generator=g).to(DEVICE, dtype)
-    cfg = KernelConfig(fp8_gemv_tile=tile, fp8_gemv_split_programs=split_programs)
-    if split_programs and tile.block_k == 128:
-        programs = split_programs * launch.multiprocessors(torch.device(DEVICE))
-        assert launch.k_splits(-(-200 // tile.block_n), 700, tile.block_k, programs)[0] == 3
     with poisoned_outputs():
-        out = fp8.linear_w8a16(x, weight, cfg)
+        out = fp8.linear_w8a16(x, weight, KernelConfig(fp8_gemv_tile=tile))
     assert out.dtype == dtype and out.shape == (1, 200)
     assert rel(out.float(), fp8.linear_reference(x, weight).float()) <= (1e-5 if dtype == torch.float32 else 1e-2)
     with pytest.raises(ValueError, match="fp8_gemv_tile"):
