@@ -6,6 +6,7 @@ to the target device, so host memory never holds more than one tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -409,24 +410,30 @@ def random_rank_weights(
     """
     weights: dict[str, torch.Tensor] = {}
     generator = torch.Generator(device=device)
+    # On a GPU the fp32 temporaries come from a pool of their own, given back whole at the end, and each kept tensor
+    # is copied out of it: in the shared cache, kept tensors were carved from freed temporaries' segments, whose
+    # free rest no empty_cache could then return (27B bf16 on an H100: 8-13.5 GiB stranded).
+    scratch = torch.cuda.MemPool() if generator.device.type == "cuda" else None
     shapes = model_shapes(cfg, mtp)
     for i, (name, shape) in enumerate(tqdm(shapes.items(), desc=f"random weights (rank {rank}/{tp})",
                                            disable=not progress, leave=False)):
         generator.manual_seed(seed * 1_000_003 + i)
-        full = random_tensor(name, shape, cfg.num_hidden_layers, generator)
-        plan = shard_plan(name, cfg, rank, tp)
-        if plan is not None:
-            full = torch.cat([full.narrow(plan.dim, a, b - a) for a, b in plan.ranges], dim=plan.dim)
-        if generator.device.type == "cuda":
-            # The kept tensor gets segments of its own, not a part of a freed fp32 temporary's: once the model
-            # fuses its projections and frees the parts, such a segment stays part-used and no empty_cache can
-            # return it (27B bf16: 13.5 GiB stranded with a single empty_cache after the loop).
-            torch.cuda.empty_cache()
-        if fp8_block and name.endswith(FP8_PROJECTIONS):
-            weights[name] = Fp8Weight(*quantise_fp8(full, fp8_block), fp8_block)
-        else:
-            weights[name] = _as_model_tensor(name, full, device, dtype)
-        del full
-    if generator.device.type == "cuda":
-        torch.cuda.empty_cache()  # the last temporaries
+        with torch.cuda.use_mem_pool(scratch) if scratch is not None else contextlib.nullcontext():
+            full = random_tensor(name, shape, cfg.num_hidden_layers, generator)
+            plan = shard_plan(name, cfg, rank, tp)
+            if plan is not None:
+                full = torch.cat([full.narrow(plan.dim, a, b - a) for a, b in plan.ranges], dim=plan.dim)
+            if fp8_block and name.endswith(FP8_PROJECTIONS):
+                kept = Fp8Weight(*quantise_fp8(full, fp8_block), fp8_block)
+            else:
+                kept = _as_model_tensor(name, full, device, dtype)
+            del full
+        if scratch is not None:
+            kept = Fp8Weight(kept.values.clone(), kept.scale.clone(), kept.block) if isinstance(kept, Fp8Weight) \
+                else kept.clone()
+        weights[name] = kept
+        del kept
+    if scratch is not None:
+        del scratch
+        torch.cuda.empty_cache()
     return _tie(cfg, weights)
