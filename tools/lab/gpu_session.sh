@@ -33,6 +33,8 @@
 # budget  #30: the 4B's 8k-token prompts one at a time and eight together, and the c64 row, at the server's chunk
 #         budget (--max-num-batched-tokens) of 2048 tokens (the default) and 8192 (one 8k prompt a step: 120
 #         against 126 ms in the engine on an H100, S19)
+# table   the decode and 4B serving rows of docs/performance.md's H200 table: bench_decode (4B at 1, 8, 64 rows;
+#         27B bf16 at 1; 27B FP8 at 1, 64; 9B FP8 at 1), then the c1 and c64 rows (`serve27` has the 27B ones)
 # fused   #30: the decode graph then the prefill (--no-fused-mixed-steps) against a step's decode rows and prompt
 #         chunk as one graphed forward (the default): what a 256-token chunk adds beside 60 rows, then the c64 row
 #         and its step log, each way
@@ -114,6 +116,15 @@ for stage in ${STAGES//,/ }; do
         mkdir -p "$DIR/budget-$tokens"
         cp /tmp/budget-$tokens/*.json /tmp/budget-$tokens/server-on.log "$DIR/budget-$tokens/" 2>/dev/null
       done ;;
+    table)
+      for args in "--size 4b --batches 1,8,64" "--size 27b --batches 1" "--size 27b --batches 1,64 --fp8" \
+          "--size 9b --batches 1 --fp8"; do
+        name=decode-$(echo $args | sed 's/--size //; s/ --batches /-b/; s/ --/-/')
+        timeout 150 python3 -m deltaserve.tools.bench_decode $args > "$DIR/$name.md" 2>&1
+        grep "^| [0-9]" "$DIR/$name.md" | sed "s/^/$args: /"
+      done
+      ROWS="c1 c64" MODES=on timeout 200 bash tools/lab/prefix_cache_rows.sh /tmp/table
+      cp /tmp/table/*.json /tmp/table/server-on.log "$DIR/" 2>/dev/null ;;
     serve27)
       for fmt in ${FORMATS:-fp8 bf16}; do
         ck=/tmp/ck27-$fmt
@@ -161,7 +172,7 @@ for stage in ${STAGES//,/ }; do
         cp /tmp/specrows-$mode/*.json /tmp/specrows-$mode/server-on.log "$DIR/specrows-$mode/" 2>/dev/null
       done ;;
     *) echo "unknown stage $stage (tests, spec, prefix, fewrows, mixed, turn, fp8, prefill, budget, serve27, serve4,"\
-            "fused, specrows)"
+            "table, fused, specrows)"
        exit 2 ;;
   esac
   stamp "$stage done"
