@@ -221,8 +221,8 @@ def fp8_activations(cfg, memory_row, tokens: int = 8192) -> None:
 
 def fp8_projections(cfg, rows: list, bw: float, flops: float, counts=(1, 5, 8, 64, 2048)) -> None:
     """The FP8 projections (`kernels.fp8`) on every shape of the model: at decode row counts (to 64) W8A16 against
-    its bytes over the copy bandwidth; at 64 and 2048 rows W8A8 beside it, against the bytes or the bf16 FLOPs. Each beside
-    the bf16 projection the engine runs otherwise (`gemv.linear`), timed as `projections` does."""
+    its bytes over the copy bandwidth; at 64 and 2048 rows W8A8 beside it, against the bytes or the bf16 FLOPs.
+    Each beside the bf16 projection the engine runs otherwise (`gemv.linear`), timed as `projections` does."""
     from deltaserve.kernels import fp8
     from deltaserve.model.weights import quantise_fp8
 
