@@ -7,6 +7,7 @@ to the target device, so host memory never holds more than one tensor.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -413,7 +414,13 @@ def random_rank_weights(
     # On a GPU the fp32 temporaries come from a pool of their own, given back whole at the end, and each kept tensor
     # is copied out of it: in the shared cache, kept tensors were carved from freed temporaries' segments, whose
     # free rest no empty_cache could then return (27B bf16 on an H100: 8-13.5 GiB stranded).
-    scratch = torch.cuda.MemPool() if generator.device.type == "cuda" else None
+    # That pool cannot take blocks cached in the shared one (an engine closed earlier in the process leaves its
+    # memory there), so the cache goes back to the driver first.
+    scratch = None
+    if generator.device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        scratch = torch.cuda.MemPool()
     shapes = model_shapes(cfg, mtp)
     for i, (name, shape) in enumerate(tqdm(shapes.items(), desc=f"random weights (rank {rank}/{tp})",
                                            disable=not progress, leave=False)):
