@@ -756,9 +756,10 @@ def test_fp8_kernels_pass_the_accuracy_gate_at_real_widths(size):
 
 @pytest.mark.parametrize("fp8_block", [0, 128])
 def test_random_weights_strand_no_cached_memory(fp8_block):
-    """Random weights at the 4B width, bf16 and FP8: once torch returns its cache, it keeps under 0.5% of the
-    weights' bytes beyond them. Temporaries made in the shared cache left kept tensors in their segments: 2% of the
-    weights at 4B, and 8 GiB of a 27B server's memory once its projections were fused."""
+    """Random weights at the 4B width, bf16 and FP8: once torch returns its cache, it keeps beyond them no more than
+    its allocator's rounding and 0.5% of the weights' bytes. Temporaries made in the shared cache left kept tensors
+    in their segments: 2% of the weights at 4B, and 8 GiB of a 27B server's memory once its projections were fused."""
+    from deltaserve.kernels.fp8 import Fp8Weight
     from deltaserve.model.weights import bytes_by_dtype, random_rank_weights
 
     def cached_beyond_allocated() -> int:
@@ -766,9 +767,35 @@ def test_random_weights_strand_no_cached_memory(fp8_block):
         torch.cuda.empty_cache()
         return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
 
+    def rounding(weights) -> int:
+        """What torch's allocator itself adds: a tensor over 10 MiB gets a segment of whole 2 MiB (FP8 values are
+        rarely such multiples: 146 MiB at 4B), smaller ones share 20 MiB segments (one may be part-empty)."""
+        tensors = [p for t in weights.values() for p in ((t.values, t.scale) if isinstance(t, Fp8Weight) else (t,))]
+        sizes = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values()
+        return sum(-n % (2 << 20) for n in sizes if n > 10 << 20) + (20 << 20)
+
     before = cached_beyond_allocated()
     cfg = ModelConfig.from_dict(text_config("4b", 248320))
     weights = random_rank_weights(cfg, device="cuda", dtype=torch.bfloat16, progress=False, fp8_block=fp8_block)
     stranded, held = cached_beyond_allocated() - before, sum(bytes_by_dtype(weights).values())
+    allowed = rounding(weights) + 0.005 * held
     del weights
-    assert stranded <= 0.005 * held, f"{stranded / 2**20:.0f} MiB cached beside {held / 2**20:.0f} MiB of weights"
+    assert stranded <= allowed, f"{stranded / 2**20:.0f} MiB cached beside {held / 2**20:.0f} MiB of weights"
+
+
+def test_random_weights_load_when_torch_caches_the_card():
+    """An engine closed earlier in the process leaves its memory in torch's shared cache, which the random weights'
+    scratch pool cannot take: the load hands it back to the driver first (else every engine after the first in a
+    process ran out of memory)."""
+    from deltaserve.model.weights import random_rank_weights
+
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - (2 << 30), dtype=torch.uint8, device="cuda")
+    del hog  # cached by torch, not free in the driver's count
+    assert torch.cuda.mem_get_info()[0] < 3 << 30
+    cfg = ModelConfig.from_dict(text_config("4b", 248320))
+    weights = random_rank_weights(cfg, device="cuda", dtype=torch.bfloat16, progress=False)
+    assert weights["lm_head.weight"].is_cuda
+    del weights
+    torch.cuda.empty_cache()
