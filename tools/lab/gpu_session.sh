@@ -120,7 +120,7 @@ for stage in ${STAGES//,/ }; do
     table)
       for args in "--size 4b --batches 1,8,64" "--size 27b --batches 1" "--size 27b --batches 1,64 --fp8" \
           "--size 9b --batches 1 --fp8"; do
-        name=decode-$(echo $args | sed 's/--size //; s/ --batches /-b/; s/ --/-/')
+        name=decode-$(echo $args | sed 's/--size //; s/ --batches /-b/; s/ --/-/; s/,/-/g')
         timeout 150 python3 -m deltaserve.tools.bench_decode $args > "$DIR/$name.md" 2>&1
         grep "^| [0-9]" "$DIR/$name.md" | sed "s/^/$args: /"
       done
