@@ -113,6 +113,9 @@ class DeviceWorker:
                 held = (result, future, loop)
             else:
                 loop.call_soon_threadsafe(_resolve, future, result, error)
+            # A launched step refers to its rank's runtime: held here into the next command (the teardown), it
+            # kept the state alive past the teardown's hand-back of cached memory.
+            item = fn = future = result = error = None
 
     def _next(self, held):
         """The next command; None when a step is held and done before one comes."""
