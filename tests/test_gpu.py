@@ -766,7 +766,7 @@ def test_random_weights_strand_no_cached_memory(fp8_block):
     its allocator's rounding and 0.5% of the weights' bytes. Temporaries made in the shared cache left kept tensors
     in their segments: 2% of the weights at 4B, and 8 GiB of a 27B server's memory once its projections were fused."""
     from deltaserve.kernels.fp8 import Fp8Weight
-    from deltaserve.model.weights import bytes_by_dtype, random_rank_weights
+    from deltaserve.model.weights import random_rank_weights, weight_bytes
 
     def cached_beyond_allocated() -> int:
         torch.cuda.synchronize()
@@ -783,7 +783,7 @@ def test_random_weights_strand_no_cached_memory(fp8_block):
     before = cached_beyond_allocated()
     cfg = ModelConfig.from_dict(text_config("4b", 248320))
     weights = random_rank_weights(cfg, device="cuda", dtype=torch.bfloat16, progress=False, fp8_block=fp8_block)
-    stranded, held = cached_beyond_allocated() - before, sum(bytes_by_dtype(weights).values())
+    stranded, held = cached_beyond_allocated() - before, weight_bytes(weights)
     allowed = rounding(weights) + 0.005 * held
     del weights
     assert stranded <= allowed, f"{stranded / 2**20:.0f} MiB cached beside {held / 2**20:.0f} MiB of weights"
