@@ -12,6 +12,7 @@ pages at the next step.
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
 import itertools
 import logging
@@ -124,6 +125,13 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[TokenLogprob] | None:
         return None if self._logprobs is None else self._logprobs[: self._n]
+
+    @property
+    def delta_logprobs(self) -> list[TokenLogprob] | None:
+        """The log-probs of `delta_token_ids` alone (a stream's per-token cost stays O(1))."""
+        if self._logprobs is None:
+            return None
+        return self._logprobs[self._n - len(self.delta_token_ids) : self._n]
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids}, text={self.text!r}, "
@@ -416,7 +424,49 @@ class AsyncEngine:
     ) -> "RequestStream":
         """Enqueue one request and return its output stream (an async iterator; the last output has
         finished=True). Bad input raises ValueError here, before anything is queued."""
-        return RequestStream(self, self._add(prompt, params, request_id))
+        return self.generate_choices(prompt, params, 1, request_id)[0]
+
+    def generate_choices(self, prompt: str | list[int], params: SamplingParams | None, n: int,
+                         request_id: str | None = None) -> list["RequestStream"]:
+        """`generate` for n choices of one prompt (OpenAI's `n`), each a request of its own: the prompt and the
+        parameters are checked once for all of them, and a seeded request's choice j samples with seed + j, so
+        the choices differ and each is reproducible. With the prefix cache on, the prompt is prefilled once.
+        n above `max_waiting` can never be queued: a ValueError, where a full queue is a QueueFullError."""
+        if self._dead is not None or self.shutting_down or self.scheduler is None:
+            raise EngineDeadError(self._dead or ("the engine is shutting down" if self.shutting_down
+                                                 else "the engine is not running"))
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.args.max_waiting:
+            raise ValueError(f"n must be an integer from 1 to max_waiting ({self.args.max_waiting}), got {n!r}")
+        prompt_ids = self.encode_prompt(prompt)
+        params = self.resolve_params(len(prompt_ids), params)
+        if len(self.scheduler.waiting) + n > self.args.max_waiting:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.cfg.generation.eos_token_ids)
+        stop_ids = frozenset(stop_ids)
+        sampling = RowSampling(
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty, seed=params.seed, logprobs=params.logprobs or 0,
+            min_tokens=params.min_tokens, stop_token_ids=tuple(sorted(stop_ids)), max_tokens=params.max_tokens,
+        )
+        # CapacityError if it can never fit: checked once, as every choice needs the same.
+        self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
+        keys = self.scheduler.prefix_keys(prompt_ids)
+        streams = []
+        for j in range(n):
+            choice_params, choice_sampling = params, sampling
+            if j and params.seed is not None:
+                seed = (params.seed + j) % 2**63
+                choice_params, choice_sampling = copy.copy(params), replace(sampling, seed=seed)
+                choice_params.seed = seed  # a copy, not `replace`: its fields were validated once above
+            rid = request_id if n == 1 and request_id else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+            streams.append(RequestStream(self, self._add(rid, prompt_ids, keys, choice_params, choice_sampling,
+                                                          stop_ids)))
+        self.metrics.waiting.set(len(self.scheduler.waiting))
+        self._wakeup.set()
+        return streams
 
     def chat(
         self, messages: list[dict], params: SamplingParams | None = None, chat_template_kwargs: dict | None = None,
@@ -435,36 +485,18 @@ class AsyncEngine:
                 raise ValueError(f"messages[{i}].content must be a string")
         return self.tokenizer.render_chat(messages, add_generation_prompt=True, **(chat_template_kwargs or {}))
 
-    def _add(self, prompt, params: SamplingParams | None, request_id: str | None) -> _Request:
-        if self._dead is not None or self.shutting_down or self.scheduler is None:
-            raise EngineDeadError(self._dead or ("the engine is shutting down" if self.shutting_down
-                                                 else "the engine is not running"))
-        prompt_ids = self.encode_prompt(prompt)
-        params = self.resolve_params(len(prompt_ids), params)
-        if len(self.scheduler.waiting) >= self.args.max_waiting:
-            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
-        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+    def _add(self, request_id: str, prompt_ids: list[int], keys: list | None, params: SamplingParams,
+             sampling: RowSampling, stop_ids: frozenset[int]) -> _Request:
         drawn: list[int] = []  # the request's tokens, shared with the scheduler
-        # CapacityError if it can never fit
-        self.scheduler.add(request_id, len(prompt_ids), params.max_tokens, prompt_ids=prompt_ids, drawn=drawn)
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= set(self.cfg.generation.eos_token_ids)
-        sampling = RowSampling(
-            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-            repetition_penalty=params.repetition_penalty, seed=params.seed, logprobs=params.logprobs or 0,
-            min_tokens=params.min_tokens, stop_token_ids=tuple(sorted(stop_ids)), max_tokens=params.max_tokens,
-        )
+        self.scheduler.add(request_id, len(prompt_ids), params.max_tokens, prompt_ids=prompt_ids, drawn=drawn,
+                           keys=keys)
         req = _Request(
-            request_id, prompt_ids, params, sampling, frozenset(stop_ids),
+            request_id, prompt_ids, params, sampling, stop_ids,
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             StopMatcher(params.stop, params.include_stop_str_in_output),
             logprobs=[] if params.logprobs is not None else None, drawn_ids=drawn,
         )
         self.requests[request_id] = req
-        self.metrics.waiting.set(len(self.scheduler.waiting))
-        self._wakeup.set()
         return req
 
     def abort(self, request_id: str) -> None:
@@ -515,6 +547,7 @@ class AsyncEngine:
         while not self._closing:
             if not sched.has_work:
                 self._emit(outputs)
+                self._update_gauges()
                 outputs, last_done = [], None
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -582,6 +615,7 @@ class AsyncEngine:
                 plan = sched.schedule() if sched.has_work else None
                 if plan is not None:
                     self._decide(plan)
+                self._update_gauges()
                 if (plan is None or plan.empty) and in_flight is None:
                     self._wakeup.clear()
                     await self._wakeup.wait()
@@ -737,13 +771,20 @@ class AsyncEngine:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            for token in [sampled, *extra]:  # in order, until one ends the request
+            if not extra:
+                self._on_token(req, sampled, now, later)
+                continue
+            # A speculative row's kept tokens: each one's output is made now, in order, until one ends the request,
+            # so the final output comes after every token before it (deferring some would queue them behind it).
+            for token in [sampled, *extra]:
                 if req.finished:
                     break
-                self._on_token(req, token, now, later)
+                self._on_token(req, token, now, None)
         return later
 
-    def _on_token(self, req: _Request, sampled, now: float, later: list) -> None:
+    def _on_token(self, req: _Request, sampled, now: float, later: list | None) -> None:
+        """One token appended; its output is made now when it may end the request or `later` is None, else left
+        in `later` for `_emit`."""
         token = sampled.token
         since_last = None if req.last_token_time is None else now - req.last_token_time
         req.last_token_time = now
@@ -759,7 +800,7 @@ class AsyncEngine:
                 req.logprobs.pop()
             self._observe_latency(req, since_last, now)
             self._finish(req, "stop")
-        elif req.stops.active or n >= req.params.max_tokens:  # its text is needed now: to stop, or to end with
+        elif later is None or req.stops.active or n >= req.params.max_tokens:  # its text is needed now
             self._observe_latency(req, since_last, now)
             self._detokenize(req, token)
         else:
@@ -768,6 +809,8 @@ class AsyncEngine:
     def _emit(self, later: list) -> None:
         """The outputs `_apply` left for later: detokenised, latency recorded, queued to their streams."""
         for req, token, since_last in later:
+            if req.finished:  # aborted since: its stream has had its last output
+                continue
             self._observe_latency(req, since_last, req.last_token_time)
             self._detokenize(req, token)
 
@@ -781,7 +824,7 @@ class AsyncEngine:
 
     def _detokenize(self, req: _Request, token: int) -> None:
         """The token's text, then the request's output: a stop string or the length ends the request."""
-        delta, hit = req.stops.feed(req.detok.add(token))
+        delta, hit = req.stops.feed(req.detok.add(token), len(req.output_ids) > req.params.min_tokens)
         if delta:
             req.text_parts.append(delta)
         if hit:

@@ -5,7 +5,6 @@ Every malformed field raises `ApiError` carrying the HTTP status and the OpenAI 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -66,12 +65,6 @@ class ParsedRequest:
     return_token_ids: bool = False  # completions (vLLM's field): each choice carries its token ids
     n: int = 1  # choices a prompt, each a request of its own (`server._start_all`)
 
-    def choice_params(self, j: int) -> SamplingParams:
-        """The j-th choice's sampling: a seeded request's choices take seeds seed + j, so they differ and each
-        is reproducible."""
-        if j == 0 or self.params.seed is None:
-            return self.params
-        return dataclasses.replace(self.params, seed=(self.params.seed + j) % 2**63)
 
 
 def _typed(body: dict, name: str, types, what: str):
@@ -238,23 +231,24 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_logprobs(entries, token_text, offset: int) -> dict:
-    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+def completion_logprobs(entries, tokenizer, offset: int) -> tuple[dict, int]:
+    """The legacy completions shape (tokens, token_logprobs, top_logprobs, text_offset) and the offset after it.
+    A token's offset counts the characters begun before it (UTF-8 lead bytes), so a character split across tokens
+    counts once, and not as the replacement character each part's own text shows."""
     tokens, lps, tops, offsets = [], [], [], []
     for e in entries:
-        text = token_text(e.token_id)
-        tokens.append(text)
+        tokens.append(tokenizer.token_text(e.token_id))
         lps.append(e.logprob)
-        tops.append({token_text(t): lp for t, lp in (e.top or [])})
+        tops.append({tokenizer.token_text(t): lp for t, lp in (e.top or [])})
         offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+        offset += sum(1 for b in tokenizer.token_bytes(e.token_id) if b & 0xC0 != 0x80)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
-def chat_logprobs(entries, token_text) -> dict:
+def chat_logprobs(entries, tokenizer) -> dict:
+    """OpenAI's chat shape; `bytes` are the token's own (`TextTokenizer.token_bytes`)."""
     def item(token_id, lp):
-        text = token_text(token_id)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"token": tokenizer.token_text(token_id), "logprob": lp, "bytes": list(tokenizer.token_bytes(token_id))}
 
     return {"content": [
         {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in (e.top or [])]} for e in entries

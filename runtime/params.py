@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 from deltaserve.model.config import GenerationDefaults
 
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 4096  # each request's stop ids travel to rank 0 and bar their draw before min_tokens
 MAX_STOP_CHARS = 1024  # the stream holds back this much text while a stop string may still complete
 INT32_MAX = 2**31 - 1  # counts and token ids travel to the ranks as int32/int64 tensors: bounded before they go
 
@@ -77,9 +78,12 @@ class SamplingParams:
             raise ValueError("stop takes at most 16 strings")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in self.stop_token_ids
-        ):
+        ids = self.stop_token_ids
+        if not isinstance(ids, list):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if len(ids) > MAX_STOP_TOKEN_IDS:  # before any pass over it
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        if not all_ints(ids) or (ids and not 0 <= min(ids) <= max(ids) <= INT32_MAX):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
@@ -87,9 +91,9 @@ class SamplingParams:
 
     def check_model(self, vocab_size: int) -> None:
         """What only the model can tell: every token id inside its vocabulary (they index the logits on the rank)."""
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if self.stop_token_ids and max(self.stop_token_ids) >= vocab_size:
+            bad = next(t for t in self.stop_token_ids if t >= vocab_size)
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
         if self.logprobs is not None and self.logprobs > vocab_size:
             raise ValueError(f"logprobs must be <= the vocabulary size {vocab_size}, got {self.logprobs}")
 

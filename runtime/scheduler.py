@@ -208,12 +208,8 @@ class Scheduler:
         raise AssertionError(f"{rows} decode rows exceed the largest bucket")
 
     # Requests -------------------------------------------------------------------------------------------------------
-    def add(self, request_id: str, prompt_len: int, max_tokens: int,
-            prompt_ids: list[int] | None = None, drawn: list[int] | None = None) -> SchedRequest:
-        """Queue a request; with its `prompt_ids`, it may share a cached prefix and leaves its own cached, and with
-        `drawn` (the engine's list of its tokens, which the engine appends to) its answer too."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """CapacityError unless a request of this size could ever run here."""
         if prompt_len < 1:
             raise CapacityError("the prompt is empty")
         if max_tokens < 1:
@@ -229,11 +225,25 @@ class Scheduler:
                 f"prompt + max_tokens = {total} tokens needs {self.pages_for(total + self.lookahead)} KV pages; "
                 f"this engine has {self.num_pages}"
             )
+
+    def prefix_keys(self, prompt_ids: list[int]) -> list | None:
+        """The prompt's page keys in the prefix cache (None with the cache off): made once for a prompt's choices."""
+        return self.cache.keys(prompt_ids) if self.cache.enabled else None
+
+    def add(self, request_id: str, prompt_len: int, max_tokens: int,
+            prompt_ids: list[int] | None = None, drawn: list[int] | None = None, keys: list | None = None
+            ) -> SchedRequest:
+        """Queue a request; with its `prompt_ids`, it may share a cached prefix and leaves its own cached, and with
+        `drawn` (the engine's list of its tokens, which the engine appends to) its answer too. `keys`: the
+        prompt's `prefix_keys`, where the caller has them (several choices of one prompt share them)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_fits(prompt_len, max_tokens)
         if prompt_ids is not None and len(prompt_ids) != prompt_len:
             raise ValueError(f"prompt_ids has {len(prompt_ids)} tokens, prompt_len says {prompt_len}")
         req = SchedRequest(request_id, prompt_len, max_tokens)
         if prompt_ids is not None and self.cache.enabled:
-            req.prompt_ids, req.keys = list(prompt_ids), self.cache.keys(prompt_ids)
+            req.prompt_ids, req.keys = prompt_ids, keys if keys is not None else self.cache.keys(prompt_ids)
             req.drawn = drawn
         self.requests[request_id] = req
         self.waiting.append(request_id)

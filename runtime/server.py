@@ -40,6 +40,10 @@ MAX_BODY_BYTES = 4 << 20
 MAX_JSON_DEPTH = 32  # the deepest a valid request goes is about 5 (messages[i].content[j].text)
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client
 _LARGE_BODY_BYTES = 256 << 10
+# A non-streamed response's log-prob entries (tokens x (1 + top)): at most this many, about 100 MB of JSON, and
+# made off the event loop above the second figure.
+MAX_RESPONSE_LOGPROBS = 1 << 20
+_INLINE_LOGPROB_ENTRIES = 4096
 
 
 @dataclass
@@ -197,14 +201,24 @@ async def _check_prompt(engine: AsyncEngine, prompt, parsed: ParsedRequest) -> l
 
 async def _start_all(engine: AsyncEngine, prompts: list, parsed: ParsedRequest) -> list:
     """Enqueue each prompt's n choices (choice i is prompt i // n's), or none: a refusal aborts the ones already
-    queued. A prompt's choices are requests of their own; with the prefix cache on, the scheduler runs one prefill
-    of the prompt and the others resume from its end (`Scheduler._waits_for_a_shared_prefix`)."""
+    queued. A prompt's choices are requests of their own (`AsyncEngine.generate_choices`); with the prefix cache on,
+    the scheduler runs one prefill of the prompt and the others resume from its end."""
+    choices = len(prompts) * parsed.n
+    if choices > engine.args.max_waiting:  # a 503 would be retried forever: it can never be queued
+        raise ApiError(400, f"the request asks for {choices} choices; this server queues at most "
+                       f"{engine.args.max_waiting} requests", "n")
     checked = [await _check_prompt(engine, p, parsed) for p in prompts]
+    params = parsed.params
+    if params.logprobs is not None and not parsed.stream:  # the whole body is made at once: bound it
+        tokens = sum(params.max_tokens or engine.max_model_len - len(ids) for ids in checked) * parsed.n
+        if tokens * (1 + params.logprobs) > MAX_RESPONSE_LOGPROBS:
+            raise ApiError(400, f"{parsed.n} choices x up to {tokens // parsed.n} tokens x {1 + params.logprobs} "
+                           f"log-probs exceeds {MAX_RESPONSE_LOGPROBS} for one response: stream it, or lower n, "
+                           "max_tokens or the top log-probs", "logprobs")
     streams = []
     try:
         for ids in checked:
-            for j in range(parsed.n):
-                streams.append(engine.generate(ids, parsed.choice_params(j)))
+            streams += engine.generate_choices(ids, parsed.params, parsed.n)
     except CapacityError as exc:
         _abort(engine, streams)
         raise ApiError(400, str(exc), "max_tokens", "context_length_exceeded") from None
@@ -267,18 +281,32 @@ async def completions(request: web.Request) -> web.StreamResponse:
     finally:
         for g in gens:
             await g.aclose()
-    choices = []
-    for i, out in enumerate(finals):
+    for out in finals:
         _raise_if_failed(out)
-        logprobs = None
-        if out.logprobs is not None:
-            logprobs = completion_logprobs(out.logprobs, engine.tokenizer.token_text, 0)
-        choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason})
-        if parsed.return_token_ids:
-            choices[-1].update(prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids)
     request[USAGE_KEY] = _request_usage([_token_counts(out) for out in finals], parsed.n)
-    return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
-                              "choices": choices, "usage": usage(*request[USAGE_KEY])})
+
+    def build() -> dict:
+        choices = []
+        for i, out in enumerate(finals):
+            logprobs = None
+            if out.logprobs is not None:
+                logprobs, _ = completion_logprobs(out.logprobs, engine.tokenizer, 0)
+            choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason})
+            if parsed.return_token_ids:
+                choices[-1].update(prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids)
+        return {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
+                "choices": choices, "usage": usage(*request[USAGE_KEY])}
+    return await _json_body(engine, build, finals)
+
+
+async def _json_body(engine: AsyncEngine, build, finals: list) -> web.Response:
+    """A whole (non-streamed) response: `build()`'s object as JSON, made on a text thread when its log-probs are
+    many (n x tokens x top_logprobs reach megabytes), so the event loop keeps serving the other streams meanwhile."""
+    entries = sum(out.num_tokens * (1 + len(out.logprobs[0].top or ())) for out in finals if out.logprobs)
+    if entries <= _INLINE_LOGPROB_ENTRIES:
+        return web.json_response(build())
+    body = await engine.run_text_work(lambda: json.dumps(build(), separators=(",", ":")).encode())
+    return web.Response(body=body, content_type="application/json")
 
 
 async def _drain(gen, first: RequestOutput) -> RequestOutput:
@@ -338,9 +366,7 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
         if parsed.return_token_ids:
             choice["token_ids"] = list(out.delta_token_ids)
         if out.logprobs is not None and out.delta_token_ids:
-            fresh = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):]
-            choice["logprobs"] = completion_logprobs(fresh, engine.tokenizer.token_text, offsets[i])
-        offsets[i] += len(out.delta_text)
+            choice["logprobs"], offsets[i] = completion_logprobs(out.delta_logprobs, engine.tokenizer, offsets[i])
         totals[i] = _token_counts(out)
         # With per-chunk usage the client is counting tokens: a chunk for every token, its text empty while an
         # incomplete UTF-8 sequence waits (as vLLM streams), so its timing is the token's, not the text's.
@@ -381,21 +407,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     finally:
         for g in gens:
             await g.aclose()
-    choices = []
-    for i, out in enumerate(finals):
+    for out in finals:
         _raise_if_failed(out)
-        splitter = ReasoningSplitter(opens_reasoning)
-        reasoning, content = splitter.feed(out.text, final=True)
-        message = {"role": "assistant", "content": content}
-        if reasoning or splitter.in_reasoning:
-            message["reasoning_content"] = reasoning
-        logprobs = chat_logprobs(out.logprobs, engine.tokenizer.token_text) if out.logprobs is not None else None
-        choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason})
     request[USAGE_KEY] = _request_usage([_token_counts(out) for out in finals], parsed.n)
-    return web.json_response({
-        "id": rid, "object": "chat.completion", "created": created, "model": engine.model_name,
-        "choices": choices, "usage": usage(*request[USAGE_KEY]),
-    })
+
+    def build() -> dict:
+        choices = []
+        for i, out in enumerate(finals):
+            splitter = ReasoningSplitter(opens_reasoning)
+            reasoning, content = splitter.feed(out.text, final=True)
+            message = {"role": "assistant", "content": content}
+            if reasoning or splitter.in_reasoning:
+                message["reasoning_content"] = reasoning
+            logprobs = chat_logprobs(out.logprobs, engine.tokenizer) if out.logprobs is not None else None
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason})
+        return {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name,
+                "choices": choices, "usage": usage(*request[USAGE_KEY])}
+    return await _json_body(engine, build, finals)
 
 
 async def _stream_chat(request, engine, parsed, gens, firsts, opens_reasoning, rid, created):
@@ -424,8 +452,7 @@ async def _stream_chat(request, engine, parsed, gens, firsts, opens_reasoning, r
         reasoning, content = splitters[i].feed(out.delta_text, final=out.finished)
         logprobs = None
         if out.logprobs is not None and out.delta_token_ids:
-            fresh = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):]
-            logprobs = chat_logprobs(fresh, engine.tokenizer.token_text)
+            logprobs = chat_logprobs(out.delta_logprobs, engine.tokenizer)
         delta = {}
         if reasoning:
             delta["reasoning_content"] = reasoning

@@ -36,6 +36,9 @@ class TextTokenizer:
         # No token spans more characters than its vocabulary string has (byte-level strings have one per byte).
         self.max_token_chars = max(map(len, self.tok.get_vocab(with_added_tokens=True)))
         self._single: dict[tuple[int, bool], str] = {}  # at most 2 x vocabulary entries
+        self._bytes: dict[int, bytes] = {}  # at most a vocabulary's entries
+        self._added = set(self.tok.get_added_tokens_decoder())
+        self._byte_level = _byte_level_chars() if type(self.tok.decoder).__name__ == "ByteLevel" else None
         self.chat_template = self._load_template(checkpoint_dir)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
         env.globals["raise_exception"] = _raise
@@ -86,7 +89,22 @@ class TextTokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        return self.tok.decode([token_id], skip_special_tokens=False)
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own UTF-8 bytes, also where it holds only part of a character (its text then ends in the
+        replacement character, whose bytes are not the token's): byte-level vocabularies map each byte to one
+        character, which is mapped back here."""
+        found = self._bytes.get(token_id)
+        if found is None:
+            piece = self.tok.id_to_token(token_id)
+            if (self._byte_level is not None and piece is not None and token_id not in self._added
+                    and all(c in self._byte_level for c in piece)):
+                found = bytes(self._byte_level[c] for c in piece)
+            else:
+                found = self.token_text(token_id).encode("utf-8")
+            self._bytes[token_id] = found
+        return found
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if self._template is None:
@@ -95,6 +113,21 @@ class TextTokenizer:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template failed: {exc}") from None
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): printable bytes stand for themselves, the others for the code points
+    from 256 on, in byte order. Returned as character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
 
 
 def _raise(message: str):
@@ -137,13 +170,15 @@ class StopMatcher:
         """Whether a stop string can end the request: then each token's text decides if it goes on."""
         return bool(self.stops)
 
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Add text; returns (text safe to emit now, whether a stop string was hit)."""
+    def feed(self, delta: str, can_stop: bool = True) -> tuple[str, bool]:
+        """Add text; returns (text safe to emit now, whether a stop string was hit). With `can_stop` False (the
+        request is short of its min_tokens) no stop string ends it, as in vLLM; the held tail still lets one that
+        completes in a later delta match across the two."""
         if not self.stops:
             return delta, False
         text = self.pending + delta
         hit = None  # the stop string that completes first (earliest end; then the longest), as if fed per character
-        for s in self.stops:
+        for s in self.stops if can_stop else ():
             i = text.find(s)
             if i >= 0 and (hit is None or (i + len(s), i) < (hit[0] + len(hit[1]), hit[0])):
                 hit = (i, s)

@@ -321,6 +321,49 @@ def test_stop_strings_stop_tokens_min_tokens_and_logprobs(tiny_ckpt):
         assert entry.top[0][1] >= entry.top[1][1] >= entry.top[2][1]
 
 
+def test_stop_strings_wait_for_min_tokens(tiny_ckpt):
+    """As in vLLM, no stop string ends a request before min_tokens: the first match that completes in a later
+    token's text does (a match inside the first min_tokens tokens' text is not cut)."""
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt)) as engine:
+            base = await collect(engine.generate("the cat", SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY)))
+            head = engine.tokenizer.decode(base.token_ids[:10])
+            stop = next(c for c in head if c.strip() and c in base.text[len(head):])  # seen before and after
+            late = await collect(engine.generate("the cat", SamplingParams(
+                max_tokens=40, stop=[stop], min_tokens=10, ignore_eos=True, **GREEDY)))
+            early = await collect(engine.generate("the cat", SamplingParams(
+                max_tokens=40, stop=[stop], ignore_eos=True, **GREEDY)))
+            return base, head, stop, late, early
+
+    base, head, stop, late, early = run(main())
+    assert early.text == base.text[: base.text.index(stop)] and len(early.token_ids) <= 10
+    cut = base.text.index(stop, len(head))
+    assert late.finish_reason == "stop" and late.text == base.text[:cut] and len(late.token_ids) > 10
+    assert late.token_ids == base.token_ids[: len(late.token_ids)]
+
+
+def test_choices_of_one_prompt_are_checked_once_and_seeded_apart(tiny_ckpt):
+    """`generate_choices`: n requests of one prompt; a seeded request's choice j samples with seed + j (so it
+    equals a single request seeded so); n beyond the queue can never be queued (a ValueError); a request's stop
+    ids are bounded."""
+    async def main():
+        async with AsyncEngine(engine_args(tiny_ckpt, max_waiting=4)) as engine:
+            params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+            choices = [await collect(s) for s in engine.generate_choices("the cat", params, 3)]
+            alone = [await collect(engine.generate("the cat", SamplingParams(
+                max_tokens=8, temperature=1.0, seed=5 + j, ignore_eos=True))) for j in range(3)]
+            with pytest.raises(ValueError, match="n must be"):
+                engine.generate_choices("the cat", params, 5)
+            assert not engine.requests
+            return choices, alone
+
+    choices, alone = run(main())
+    assert [c.token_ids for c in choices] == [a.token_ids for a in alone]
+    assert len({tuple(c.token_ids) for c in choices}) > 1
+    with pytest.raises(ValueError, match="at most 4096"):
+        SamplingParams(stop_token_ids=list(range(4097)))
+
+
 def test_unset_fields_take_the_checkpoint_defaults(tiny_ckpt):
     """tools.make_checkpoint writes temperature 0.7, top_k 20, top_p 0.8 and no min_p or penalties."""
     async def main():

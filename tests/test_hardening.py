@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 from deltaserve.runtime.server import ServerOptions, serve
 
-KEY = "sesame"
+KEY = "sesame-open-2f9c41d7"  # longer than 8 characters: a check of a prefix alone would show
 AUTH = {"Authorization": f"Bearer {KEY}"}
 VOCAB_OUTSIDE = 10**9
 
@@ -212,6 +212,13 @@ def header_corpus() -> list[tuple[str, bytes]]:
         ("Authorization with Latin-1", post(COMPLETIONS, good, auth=False,
                                             headers={"Authorization": b"Bearer caf\xe9"})),
         ("another scheme", post(COMPLETIONS, good, auth=False, headers={"Authorization": f"Basic {KEY}"})),
+        ("a wrong key sharing the first 8 characters", post(COMPLETIONS, good, auth=False,
+                                                            headers={"Authorization": f"Bearer {KEY[:8]}wrongkey"})),
+        ("a proper prefix of the key", post(COMPLETIONS, good, auth=False, headers={"Authorization": f"Bearer {KEY[:-1]}"})),
+        ("the key and one character more", post(COMPLETIONS, good, auth=False,
+                                                headers={"Authorization": f"Bearer {KEY}x"})),
+        ("an empty bearer token", post(COMPLETIONS, good, auth=False, headers={"Authorization": "Bearer "})),
+        ("a bare scheme", post(COMPLETIONS, good, auth=False, headers={"Authorization": "Bearer"})),
         ("a header without a colon", post(COMPLETIONS, good, headers={"X-Broken\r\nNoColon": "x"})),
         ("a NUL in a header value", post(COMPLETIONS, good, headers={"X-Nul": b"a\x00b"})),
         ("a control byte in a header", post(COMPLETIONS, good, headers={"X-Ctl": b"a\x01b"})),
@@ -334,6 +341,62 @@ def test_large_prompts_never_stall_the_event_loop(tiny_ckpt):
         return True
 
     assert with_server(tiny_ckpt, body, max_model_len=4096)
+
+
+class Heartbeat:
+    """The longest the server's loop went without running a 2 ms timer, while the clients run on a loop of their
+    own (another thread), as they would in another process."""
+
+    def __init__(self) -> None:
+        self.gaps = [0.0]
+
+    async def run(self, send):
+        async def beat():
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.002)
+                now = time.perf_counter()
+                self.gaps.append(now - last)
+                last = now
+
+        task = asyncio.create_task(beat())
+        await asyncio.sleep(0.05)
+        try:
+            return await asyncio.to_thread(asyncio.run, send())
+        finally:
+            task.cancel()
+
+
+def test_per_request_work_is_bounded_and_done_off_the_loop(tiny_ckpt):
+    """n = 128 choices with 4096 stop ids (the most a request may list) are checked once, not once a choice; more
+    ids are refused; a non-streamed body of 64 x 16 tokens x 21 log-probs is made on a text thread; one that
+    would pass a million entries is refused. Meanwhile the loop never stalls (each of the first two took seconds
+    on the loop before)."""
+    ids = [i % 500 for i in range(4096)]  # inside the tiny vocabulary
+    many_ids = post(COMPLETIONS, {"prompt": "hi", "n": 128, "max_tokens": 2, "stop_token_ids": ids * 2})
+    n_ids = post(COMPLETIONS, {"prompt": "hi", "n": 128, "max_tokens": 2, "stop_token_ids": ids})
+    big_body = post(CHAT, {"messages": [{"role": "user", "content": "hi"}], "n": 64, "max_tokens": 16,
+                           "logprobs": True, "top_logprobs": 20, "ignore_eos": True})
+    too_big = post(CHAT, {"messages": [{"role": "user", "content": "hi"}], "n": 128, "logprobs": True,
+                          "top_logprobs": 20})
+
+    async def body(engine, port):
+        beat = Heartbeat()
+
+        async def send():
+            return [await raw_request(port, data, timeout=300) for data in (many_ids, n_ids, big_body, too_big)]
+        (s1, _, b1), (s2, _, b2), (s3, _, b3), (s4, _, b4) = await beat.run(send)
+        assert s1 == 400 and "at most 4096" in json.loads(b1)["error"]["message"]
+        assert s2 == 200 and len(json.loads(b2)["choices"]) == 128
+        assert s3 == 200
+        choices = json.loads(b3)["choices"]
+        assert len(choices) == 64 and all(len(c["logprobs"]["content"]) == 16 for c in choices)
+        assert all(len(e["top_logprobs"]) == 20 for c in choices for e in c["logprobs"]["content"])
+        assert s4 == 400 and json.loads(b4)["error"]["param"] == "logprobs"
+        assert max(beat.gaps) < 0.25, f"the loop stalled for {max(beat.gaps) * 1000:.0f} ms"
+        return True
+
+    assert with_server(tiny_ckpt, body, max_batch=32, max_waiting=256, max_model_len=1024)
 
 
 def test_slow_clients_time_out(tiny_ckpt):

@@ -264,6 +264,68 @@ def test_max_tokens_and_stop_ids_hold_on_the_kept_drafts(tiny_tp_ckpt, plain_gre
             assert ids == ref[: 4 + i] and reason == "length"
 
 
+async def _streamed(ckpt, prompts, params, **kw):
+    """Every prompt at once; per request what its stream delivered: (token_ids, text, the deltas' ids joined, the
+    deltas' text joined, the deltas' log-probs joined, finish_reason, how many outputs said finished); and the
+    engine's finished-requests count."""
+    kw.setdefault("speculative_adaptive", False)
+    args = EngineArgs(model=ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20, **kw)
+    async with AsyncEngine(args) as engine:
+        async def one(i, ids):
+            outs = [out async for out in engine.generate(ids, params(i))]
+            last = outs[-1]
+            return (last.token_ids, last.text, [t for o in outs for t in o.delta_token_ids],
+                    "".join(o.delta_text for o in outs), [e.logprob for o in outs for e in o.delta_logprobs or []],
+                    last.finish_reason, sum(o.finished for o in outs))
+        streams = await asyncio.gather(*[one(i, ids) for i, ids in enumerate(prompts)])
+        finished = sum(s.value for m in engine.metrics.finished.collect() for s in m.samples
+                       if s.name.endswith("_total"))
+        return streams, finished
+
+
+def _same_streams(spec, plain):
+    for got, ref in zip(spec, plain):
+        ids, text, delta_ids, delta_text, delta_lps, reason, finals = got
+        assert (ids, text, reason, finals) == ref[:2] + ref[5:]
+        assert delta_ids == ids and delta_text == text, "the stream lost or repeated tokens"
+        assert len(delta_lps) == len(ref[4]) and max((abs(a - b) for a, b in zip(delta_lps, ref[4])), default=0) <= 1e-4
+
+
+@pytest.mark.parametrize("ending", ["max_tokens", "stop_id", "stop_string"])
+def test_streams_equal_plain_decoding_when_a_kept_draft_ends_the_request(tiny_tp_ckpt, plain_greedy, ending):
+    """Every draft is right (the model's own continuation), so each speculative step keeps k + 1 tokens; the
+    requests end at every position inside such a step, by length, by a stop id and by a stop string (with
+    min_tokens holding one back). The streamed deltas, the text, the log-probs, the finish reason and the one
+    final output each equal decoding without speculation, and the engine counts each request once."""
+    prompts = _prompts()[:4]
+    longest = plain_greedy[3][0]  # 22 greedy tokens of prompt 3
+    cases = list(range(1, 12))
+
+    def params(i):
+        j = cases[i]
+        base = dict(temperature=0.0, ignore_eos=True, logprobs=1)
+        if ending == "max_tokens":
+            return SamplingParams(max_tokens=j, **base)
+        if ending == "stop_id":
+            return SamplingParams(max_tokens=20, stop_token_ids=[longest[j]], **base)
+        return SamplingParams(max_tokens=20, stop=[stop_texts[j]], min_tokens=j // 3, **base)
+
+    stop_texts = {}
+    if ending == "stop_string":
+        from deltaserve.runtime.text import TextTokenizer
+        tok = TextTokenizer(tiny_tp_ckpt)
+        stop_texts = {j: tok.decode(longest[j : j + 1]) or "x" for j in cases}
+    requests = [prompts[3]] * len(cases)
+    plain, plain_finished = asyncio.run(_streamed(tiny_tp_ckpt, requests, params, enable_prefix_caching=False))
+    drafter = _continuation_drafter(plain_greedy, prompts)
+    for k in (2, 4):
+        spec, finished = asyncio.run(_streamed(tiny_tp_ckpt, requests, params, speculative_tokens=k,
+                                               speculative_drafter=drafter, enable_prefix_caching=False))
+        _same_streams(spec, plain)
+        assert finished == plain_finished == len(cases)
+    assert len({r[5] for r in plain}) >= 1 and len({len(r[0]) for r in plain}) >= 5  # the endings vary
+
+
 def test_speculation_needs_the_head(tmp_path):
     ckpt = write_checkpoint(str(tmp_path / "no-mtp"), "tiny", mtp=False)
 

@@ -235,6 +235,62 @@ def test_full_queue_answers_503(tiny_ckpt):
     assert with_server(tiny_ckpt, body, max_batch=1, prefill_slots=1, max_waiting=2)
 
 
+def test_n_above_the_queue_is_a_400_not_a_503_to_retry(tiny_ckpt):
+    """A request whose choices could never be queued together is refused for good (a 503 with Retry-After would
+    be retried forever); the same n fits a server with a longer queue."""
+    async def body(engine, url):
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 3}) as r:
+                assert r.status == 400 and "Retry-After" not in r.headers
+                assert (await r.json())["error"]["param"] == "n"
+            async with session.post(url + "/v1/completions", json={"prompt": ["x", "y"], "max_tokens": 2}) as r:
+                assert r.status == 200
+        return True
+
+    assert with_server(tiny_ckpt, body, max_waiting=2)
+
+
+def _gauges(text: str) -> dict[str, float]:
+    names = ("requests_running", "requests_waiting", "kv_pages_usage_ratio", "decode_slots_usage_ratio",
+             "prefix_cache_snapshots_usage_ratio")
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("deltaserve_") and name[len("deltaserve_"):] in names:
+            values[name[len("deltaserve_"):]] = float(value)
+    assert len(values) == len(names), values
+    return values
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_metrics_gauges_follow_the_load(tiny_ckpt, overlap):
+    """Under 40 concurrent requests (default scheduling: overlapped) the gauges show requests running and waiting,
+    pages, slots and snapshots in use; once all have finished, nothing runs or waits."""
+    async def body(engine, url):
+        async with aiohttp.ClientSession() as session:
+            async def one(i):
+                async with session.post(url + "/v1/completions", json={
+                        "prompt": f"request {i} " * 8, "max_tokens": 40, "ignore_eos": True}) as r:
+                    assert r.status == 200
+            tasks = [asyncio.create_task(one(i)) for i in range(40)]
+            seen = []
+            while not all(t.done() for t in tasks):
+                async with session.get(url + "/metrics") as r:
+                    seen.append(_gauges(await r.text()))
+                await asyncio.sleep(0.02)
+            await asyncio.gather(*tasks)
+            async with session.get(url + "/metrics") as r:
+                after = _gauges(await r.text())
+        for name in ("requests_running", "requests_waiting", "kv_pages_usage_ratio", "decode_slots_usage_ratio",
+                     "prefix_cache_snapshots_usage_ratio"):
+            assert max(g[name] for g in seen) > 0, name
+        assert after["requests_running"] == after["requests_waiting"] == 0
+        assert after["decode_slots_usage_ratio"] == 0
+        return True
+
+    assert with_server(tiny_ckpt, body, async_scheduling=overlap)
+
+
 def test_a_failed_device_turns_health_and_new_requests_into_503(tiny_ckpt):
     async def body(engine, url):
         runtime = engine.replica.ranks[0].runtime
