@@ -39,6 +39,10 @@ SIZES: dict[str, dict] = {
     "tiny-fp8": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
                      intermediate_size=256, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
                      linear_value_head_dim=128, tie_word_embeddings=False),
+    # Every FP8 projection's scale grid at least 2 x 2 (a grid read transposed shows).
+    "tiny-fp8-grid": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+                          head_dim=128, intermediate_size=512, linear_num_key_heads=2, linear_num_value_heads=2,
+                          linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False),
     "0.8b": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
                  intermediate_size=3584, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
                  linear_value_head_dim=128, tie_word_embeddings=True, vocab_size=248320),

@@ -16,6 +16,15 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# Hypothesis draws the same examples on every run under CI (`derandomize`), so a failure there reproduces and a
+# pass means the same cases passed; without CI it explores afresh each run. No example database either way: CI
+# starts from a clean clone.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", database=None, print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
 
 @pytest.fixture(autouse=True)
 def _seeded():

@@ -228,6 +228,34 @@ def test_step_timeout_poisons_instead_of_hanging():
     asyncio.run(main())
 
 
+def test_a_call_cancelled_while_a_rank_is_busy_poisons_the_group():
+    """The caller giving up mid-step leaves the ranks anywhere: the group is poisoned (the abort hook runs, so a
+    rank waiting in a collective is released), and every later command is refused."""
+    import threading
+
+    release, busy = threading.Event(), threading.Event()
+
+    def step(rank):
+        if rank == 1:
+            busy.set()
+            release.wait(10)
+        return rank
+
+    async def main():
+        group = WorkerGroup(2, step_timeout_s=30, on_abort=release.set)
+        call = asyncio.ensure_future(group.call(step))
+        await asyncio.to_thread(busy.wait, 10)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert release.is_set() and "cancelled" in str(group.poisoned)
+        with pytest.raises(ReplicaPoisoned, match="cancelled"):
+            await group.call(lambda rank: rank)
+        group.stop()
+
+    asyncio.run(main())
+
+
 def test_a_handed_step_starts_while_the_loop_thread_is_still_busy():
     """The loop thread keeps running Python after a hand-off (the last step's outputs); the rank must get the GIL
     and start within a fraction of a millisecond, not after CPython's default 5 ms switch interval."""

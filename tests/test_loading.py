@@ -115,6 +115,33 @@ def test_an_fp8_checkpoint_loads_dequantised_and_shards_by_whole_blocks(tmp_path
         assert torch.equal(torch.cat([h[name] for h in halves], dim=1), full[name]), name
 
 
+@pytest.mark.parametrize("keep_fp8", [False, True])
+def test_every_fp8_weight_with_a_2x2_scale_grid_loads_as_the_format_defines(tmp_path, keep_fp8):
+    """Each stored FP8 projection whose scale grid is at least 2 x 2, loaded (dequantised as read, or kept in FP8
+    and dequantised by its own method) at tp 1 and sharded at tp 2, equals the format's definition applied block
+    by block to the stored values and scales."""
+    ckpt = write_checkpoint(str(tmp_path / "fp8"), "tiny-fp8-grid", seed=5, fp8=True, layout="plain")
+    stored = load_file(os.path.join(ckpt, "model.safetensors"))
+    cfg = load_model_config(ckpt)
+
+    def values(t):
+        return t.dequantise() if keep_fp8 else t
+
+    full = load_rank_weights(ckpt, cfg, progress=False, mtp=True, keep_fp8=keep_fp8)
+    grids = {key[: -len("_scale_inv")]: s for key, s in stored.items() if key.endswith("_scale_inv")}
+    assert sum(min(s.shape) >= 2 for s in grids.values()) >= 8
+    for key, scale in grids.items():
+        name = key if key.startswith("mtp.") else key[len("model."):]
+        assert torch.equal(values(full[name]), _dequantised(stored[key], scale)), name
+    halves = [load_rank_weights(ckpt, cfg, rank=r, tp=2, progress=False, keep_fp8=keep_fp8) for r in range(2)]
+    for name, dim in (("layers.0.mlp.up_proj.weight", 0), ("layers.3.self_attn.o_proj.weight", 1),
+                      ("layers.0.linear_attn.out_proj.weight", 1)):
+        key = "model." + name
+        assert grids[key].shape[0] >= 2 and grids[key].shape[1] >= 2
+        assert torch.equal(torch.cat([values(h[name]) for h in halves], dim=dim),
+                           _dequantised(stored[key], grids[key])), name
+
+
 def test_an_fp8_shard_that_cuts_a_block_is_refused(tmp_path):
     ckpt = write_checkpoint(str(tmp_path / "fp8"), "tiny-tp", fp8=True)
     with pytest.raises(WeightError, match="tp=2 cuts a 128-wide FP8 block of tensor"):

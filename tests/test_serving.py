@@ -481,13 +481,14 @@ def test_a_step_past_the_watchdog_poisons_the_engine(tiny_ckpt, monkeypatch, ove
     def stalls(runtime, cmd, *args):
         calls.append(1)
         if len(calls) == 6:
-            time.sleep(1.0)
+            time.sleep(5.0)
         return launch(runtime, cmd, *args)
 
     monkeypatch.setattr(RankRuntime, "launch", stalls)
 
     async def main():
-        async with AsyncEngine(engine_args(tiny_ckpt, step_timeout_s=0.3, async_scheduling=overlap)) as engine:
+        # A watchdog that no step of a loaded 2-core machine reaches, and a stall well past it.
+        async with AsyncEngine(engine_args(tiny_ckpt, step_timeout_s=2.0, async_scheduling=overlap)) as engine:
             streams, _ = await live_streams(engine, 2)
             return await ends_once_dead(engine, streams)
 

@@ -22,6 +22,27 @@ def test_streamed_deltas_concatenate_to_the_full_decode(tiny_ckpt, text):
     assert "".join(pieces) == tok.decode(ids)
 
 
+@settings(max_examples=100, deadline=None)
+@given(TEXT)
+def test_a_tokens_bytes_are_its_own_and_offsets_count_characters(tiny_ckpt, text):
+    """Each token's bytes (`token_bytes`), joined, are the text's UTF-8 bytes, also where a character is split
+    across tokens (each part's own text is the replacement character); a completion's text_offset is the length
+    of the text before the token, wherever that text ends on a whole character."""
+    from types import SimpleNamespace
+
+    from deltaserve.runtime.openai_protocol import completion_logprobs
+
+    tok = TextTokenizer(tiny_ckpt)
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    shape, end = completion_logprobs([SimpleNamespace(token_id=i, logprob=0.0, top=None) for i in ids], tok, 0)
+    assert end == len(text)
+    for i, offset in enumerate(shape["text_offset"]):
+        before = tok.decode(ids[:i])
+        if not before.endswith("\ufffd"):
+            assert offset == len(before), i
+
+
 @settings(max_examples=200, deadline=None)
 @given(TEXT, st.lists(st.text(alphabet="abcé日 ", min_size=1, max_size=4), min_size=1, max_size=3),
        st.lists(st.integers(1, 5), min_size=1, max_size=30), st.booleans())
