@@ -261,11 +261,16 @@ class Replica:
         return tokens
 
     @property
+    def prefill_bucket_sizes(self) -> list[int]:
+        """The prefill steps' padded sizes in tokens, captured or not: at most a step's prompt tokens and at most
+        the context, so a bucket's chunk always fits the page table's width (pages for max_model_len)."""
+        return prefill_graph_buckets(min(self.spec.prefill_graph_tokens, self.prefill_token_budget,
+                                         self.spec.max_model_len))
+
+    @property
     def prefill_buckets(self) -> list[int]:
-        """Captured prefill sizes in tokens (none without graphs): at most a step's prompt tokens."""
-        if not self._graphs:
-            return []
-        return prefill_graph_buckets(min(self.spec.prefill_graph_tokens, self.prefill_token_budget))
+        """Captured prefill sizes in tokens (none without graphs)."""
+        return self.prefill_bucket_sizes if self._graphs else []
 
     @property
     def mixed_token_buckets(self) -> list[int]:

@@ -48,6 +48,26 @@ def hf_model(checkpoint_dir: str, dtype=torch.float32):
     return model
 
 
+def transformers_checkpoint(out_dir: str, tokenizer_from: str, **config) -> str:
+    """A random checkpoint saved by transformers itself (`save_pretrained`: its config keys, tensor names and
+    layout, no MTP head), by default of odd geometry (GDN key heads of 8, value heads of 12, three attention heads
+    of 24, max_position_embeddings 4096), with the tokenizer and template of `tokenizer_from`."""
+    import os
+    import shutil
+
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    geometry = dict(vocab_size=512, hidden_size=48, num_hidden_layers=8, num_attention_heads=3,
+                    num_key_value_heads=1, head_dim=24, intermediate_size=80, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                    max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**geometry, **config})).eval().save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(os.path.join(tokenizer_from, name), out_dir)
+    return out_dir
+
+
 def hf_step(hf, ids: torch.Tensor, cache=None):
     """One forward of the HF model with its cache: (logits [1, T, V], the cache). transformers 5.25 names the
     argument and the output field `cache`; earlier releases (5.17 on the device) `past_key_values`."""

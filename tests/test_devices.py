@@ -306,6 +306,25 @@ def test_capture_check_cpu_mode_checks_the_eager_path(tiny_ckpt, capsys):
                     ["prefill", "64"], ["mixed", "1x64"]]
 
 
+@pytest.mark.parametrize("saved_by,context,extra", [("transformers", 40, []), ("transformers", 100, []),
+                                                      ("ours", 56, ["--speculative-tokens", "2"])])
+def test_capture_check_passes_where_the_context_is_shorter_than_the_prefill_buckets(
+        tiny_ckpt, tmp_path, capsys, saved_by, context, extra):
+    """capture_check (max_model_len twice --context) on checkpoints saved by transformers (odd head sizes) and by
+    us (with the MTP head, speculative): no prefill bucket is larger than the context, so every bucket's chunk
+    fits the page table that the context sizes."""
+    from helpers import transformers_checkpoint
+
+    from deltaserve.tools import capture_check
+
+    ckpt = transformers_checkpoint(str(tmp_path / "hf"), tiny_ckpt) if saved_by == "transformers" else tiny_ckpt
+    assert capture_check.main(["--model", ckpt, "--device", "cpu", "--buckets", "1,2", "--context", str(context),
+                               *extra]) == 0
+    out = capsys.readouterr().out
+    prefill = [int(line.split()[1]) for line in out.splitlines() if line.split()[:1] == ["prefill"]]
+    assert out.strip().endswith("OK") and prefill and max(prefill) <= 2 * context
+
+
 def test_live_decode_batch_leaves_the_state_as_it_found_it(tiny_ckpt):
     """The rows the GPU tools measure on (bench_decode, profile_decode, knockout_decode): live rows whose decode
     steps change the GDN state, put back as it was when the measurement ends."""

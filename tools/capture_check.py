@@ -32,7 +32,7 @@ from dataclasses import fields
 import torch
 
 from deltaserve.model.batch import DecodeBatch, MixedBatch, PrefillBatch, PrefillChunk, upload
-from deltaserve.devices.replica import mixed_graph_buckets, prefill_graph_buckets
+from deltaserve.devices.replica import mixed_graph_buckets
 from deltaserve.runtime import AsyncEngine, EngineArgs
 from deltaserve.tools.live_rows import fill_live_rows, restore, snapshot
 
@@ -312,12 +312,12 @@ async def run(ns) -> int:
                 results = await replica.group.call(
                     lambda rank: _on_rank(replica, rank, check, bucket, ns.context, ns.dot), timeout_s=600)
                 failures += report(kind, bucket, results[0], ns.tolerance)
-        for bucket in replica.prefill_buckets or prefill_graph_buckets(ns.prefill_tokens):
+        for bucket in replica.prefill_bucket_sizes if ns.prefill_tokens else []:
             results = await replica.group.call(
                 lambda rank: _on_rank(replica, rank, check_prefill_bucket, bucket, ns.dot), timeout_s=600)
             failures += report("prefill", bucket, results[0], ns.tolerance)
         if replica.spec.fused_mixed_steps:  # each token bucket once, beside the decode buckets in turn
-            tokens = replica.mixed_token_buckets or mixed_graph_buckets(prefill_graph_buckets(ns.prefill_tokens))
+            tokens = mixed_graph_buckets(replica.prefill_bucket_sizes)
             for i, t in enumerate(tokens):
                 bucket = (replica.buckets[i % len(replica.buckets)], t)
                 results = await replica.group.call(
