@@ -22,6 +22,7 @@ import torch
 from cuda.bindings import runtime as cudart
 
 from deltaserve.kernels.config import KernelConfig
+from deltaserve.progress import progress as show_progress
 
 from .backend import Bucket, GraphProgram, kernel_cache_dir
 
@@ -226,8 +227,6 @@ class CudaGraphs:
                  kind: str, prepare: Callable[[Bucket], None] | None = None, pool=None) -> None:
         """`prepare(bucket)`, when given, sets the fixed inputs up for that bucket before its program first runs
         (outside the capture)."""
-        from tqdm import tqdm
-
         self.rank, self.device, self.kind = backend.rank, backend.device, kind
         self.torch_stream, self.stream = backend.stream, backend._raw_stream
         self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
@@ -236,8 +235,8 @@ class CudaGraphs:
         self.graphs: dict[Bucket, tuple] = {}  # bucket -> (graph, exec, logits)
         self.eager: set[Bucket] = set()
         self.stats: dict[Bucket, dict] = {}
-        for bucket in tqdm(sorted(programs, reverse=True), desc=f"capturing {kind} graphs (rank {self.rank})",
-                           disable=not progress, leave=False):
+        for bucket in show_progress(sorted(programs, reverse=True), unit="graph", disable=not progress,
+                                    desc=f"capturing {kind} graphs (rank {self.rank})"):
             if prepare is not None:
                 prepare(bucket)
             self._capture(bucket, programs[bucket])

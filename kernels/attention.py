@@ -4,8 +4,7 @@ attention. The torch references, then the Triton kernels."""
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from .triton_or_absent import tl, triton
 
 from .config import DEFAULT, KernelConfig
 from .launch import _pow2, multiprocessors, pdl_options, rows_per_program, wait_for_previous_kernel

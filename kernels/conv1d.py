@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+from .triton_or_absent import tl, triton
 
 from .config import DEFAULT, KernelConfig
 from .launch import _pow2, pdl_options, wait_for_previous_kernel

@@ -28,8 +28,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from .triton_or_absent import tl, triton
 
 from .config import DEFAULT, KernelConfig
 from .launch import (_dot_bf16, k_splits, multiprocessors, pdl_options, split_buffers, store_split,

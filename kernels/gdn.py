@@ -8,10 +8,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+from .triton_or_absent import OutOfResources, tl, triton
 
-from triton.runtime.errors import OutOfResources
 
 from .config import DEFAULT, GDN_FACTOR_MODES, KernelConfig
 from .conv1d import slot_rows

@@ -6,8 +6,7 @@ add-and-norm (fused into the FP8 kernel, the norm's loads inside its K loop made
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from .triton_or_absent import tl, triton
 
 from . import fp8
 from .config import DEFAULT, KernelConfig, Tile, WholeRows

@@ -7,8 +7,7 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
+from .triton_or_absent import tl, triton
 
 
 def _pow2(n: int) -> int:

@@ -49,8 +49,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+from .triton_or_absent import tl, triton
 
 from .sampling import SamplingTensors, apply_penalties, lm_like_logits, sample_reference, top_logprobs
 from .launch import multiprocessors, pdl_options, wait_for_previous_kernel

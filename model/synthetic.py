@@ -63,7 +63,7 @@ CHAT_TEMPLATE = """{%- for message in messages -%}
 {% endfor -%}
 {%- if add_generation_prompt -%}
 <|im_start|>assistant
-{% if enable_thinking is defined and not enable_thinking -%}
+{% if not (enable_thinking if enable_thinking is defined else THINKING_BY_DEFAULT) -%}
 <think>
 
 </think>
@@ -73,6 +73,10 @@ CHAT_TEMPLATE = """{%- for message in messages -%}
 {% endif -%}
 {%- endif -%}
 """
+
+
+def chat_template(thinking: bool) -> str:
+    return CHAT_TEMPLATE.replace("THINKING_BY_DEFAULT", "true" if thinking else "false")
 
 
 def train_tokenizer(vocab_size: int = 512):
@@ -145,9 +149,11 @@ def write_checkpoint(
     weights: bool = True,
     mtp: bool = True,
     fp8: bool = False,
+    thinking: bool = True,
 ) -> str:
     """A random checkpoint in `out_dir` (see the module doc); mtp: with the multi-token-prediction head's tensors
-    (`mtp.*`, as Qwen3.5 checkpoints ship them); fp8: in Qwen's block-scaled FP8 format (`FP8_PROJECTIONS`)."""
+    (`mtp.*`, as Qwen3.5 checkpoints ship them); fp8: in Qwen's block-scaled FP8 format (`FP8_PROJECTIONS`);
+    thinking: whether its chat template opens a <think> block unless `enable_thinking` is false."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     if layout not in ("wrapper", "plain"):
@@ -186,7 +192,9 @@ def write_checkpoint(
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
     with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
-        f.write(CHAT_TEMPLATE)
+        # Qwen3.5's own templates think unless told not to; the demo answers in `content` (a random model never
+        # closes a <think>, so its answer would all be reasoning, and an agent client would get '').
+        f.write(chat_template(thinking))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
                    "model_max_length": text["max_position_embeddings"]}, f, indent=2)
@@ -239,7 +247,7 @@ def demo_checkpoint() -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         log.info("no --model given: making the demo checkpoint (tiny, random weights) in %s", path)
         tmp = path + f".tmp{os.getpid()}"
-        write_checkpoint(tmp, "tiny")
+        write_checkpoint(tmp, "tiny", thinking=False)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
             os.rename(tmp, path)
@@ -247,5 +255,11 @@ def demo_checkpoint() -> str:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
+    template = os.path.join(path, "chat_template.jinja")
+    with open(template) as f:
+        stale = f.read() != chat_template(thinking=False)
+    if stale:  # made by an earlier version, whose chat opened a <think> the model never closes
+        with open(template, "w") as f:
+            f.write(chat_template(thinking=False))
     log.info("serving the demo checkpoint at %s (random weights: its text is noise)", path)
     return path

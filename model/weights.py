@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
-from tqdm import tqdm
+from deltaserve.progress import progress as show_progress
 
 from deltaserve.kernels.fp8 import Fp8Weight
 
@@ -210,10 +210,8 @@ def iter_rank_tensors(
         log.info("%d of %d tensors are block-scaled FP8 (%.2f GB): %s", len(fp8), len(shapes),
                  sum(sizes[n] for n in fp8) * tp / 1e9,
                  "kept in FP8 for the FP8 kernels" if keep_fp8 else "dequantised to the model dtype as they are read")
-    bar = tqdm(
-        total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"loading weights (rank {rank}/{tp})",
-        disable=not progress, leave=False,
-    )
+    bar = show_progress(total=sum(sizes.values()), unit="B", unit_scale=True,
+                        desc=f"loading weights (rank {rank}/{tp})", disable=not progress)
     try:
         for name in shapes:
             path, stored = located[name]
@@ -422,8 +420,8 @@ def random_rank_weights(
         torch.cuda.empty_cache()
         scratch = torch.cuda.MemPool()
     shapes = model_shapes(cfg, mtp)
-    for i, (name, shape) in enumerate(tqdm(shapes.items(), desc=f"random weights (rank {rank}/{tp})",
-                                           disable=not progress, leave=False)):
+    for i, (name, shape) in enumerate(show_progress(shapes.items(), desc=f"random weights (rank {rank}/{tp})",
+                                                    disable=not progress)):
         generator.manual_seed(seed * 1_000_003 + i)
         with torch.cuda.use_mem_pool(scratch) if scratch is not None else contextlib.nullcontext():
             full = random_tensor(name, shape, cfg.num_hidden_layers, generator)

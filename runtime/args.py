@@ -14,7 +14,7 @@ MAX_SPECULATIVE_TOKENS = 8
 @dataclass
 class EngineArgs:
     model: str | None = None  # checkpoint folder; None serves the demo checkpoint (made on first use)
-    device: str = "cpu"  # "cpu" | "cuda" | "auto" (cuda when one is visible)
+    device: str = "auto"  # "cpu" | "cuda" | "auto" (cuda when one is visible), as the CLI
     tp: int = 1
     dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
     max_batch: int = 32  # decode rows (lowered at start-up if memory is short)

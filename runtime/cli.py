@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 
 from deltaserve import __version__
@@ -210,7 +211,7 @@ def checkpoint_folder(ns: argparse.Namespace) -> str | None:
     if not os.path.isdir(model):
         if _HUB_ID.match(model) and not os.path.exists(model):
             raise StartupError(f"{model!r} looks like a model hub id; models are loaded from a local folder "
-                               f"(download it first, e.g. `huggingface-cli download {model} --local-dir DIR`)")
+                               f"(download it first, e.g. `hf download {model} --local-dir DIR`)")
         raise StartupError(f"model folder {model!r} does not exist")
     need = ["config.json", "tokenizer.json"]
     missing = [name for name in need if not os.path.isfile(os.path.join(model, name))]
@@ -303,6 +304,13 @@ async def run_server(ns: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+    check_aiohttp_or_refuse()
+    # The address is bound before anything loads (minutes for a large model, to then find the port taken), and
+    # the server listens on this very socket.
+    try:
+        sock = socket.create_server((ns.host, ns.port))
+    except OSError as exc:  # the port is taken, the host does not resolve
+        raise StartupError(f"cannot listen on {ns.host}:{ns.port}: {exc.strerror or exc}") from exc
     engine = None
     try:
         try:
@@ -314,10 +322,7 @@ async def run_server(ns: argparse.Namespace) -> int:
             raise StartupError(f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc)) from exc
         except Exception as exc:  # a bad value, or a checkpoint file its library cannot parse
             raise StartupError(str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}") from exc
-        try:
-            runner = await serve(engine, ns.host, ns.port, server_options(ns))
-        except OSError as exc:  # the port is taken, the host does not resolve
-            raise StartupError(f"cannot listen on {ns.host}:{ns.port}: {exc.strerror or exc}") from exc
+        runner = await serve(engine, ns.host, ns.port, server_options(ns), sock=sock)
         stopped = asyncio.ensure_future(stop.wait())
         died = asyncio.ensure_future(engine.died.wait())
         await asyncio.wait([stopped, died], return_when=asyncio.FIRST_COMPLETED)
@@ -331,8 +336,18 @@ async def run_server(ns: argparse.Namespace) -> int:
         await shutdown(runner, engine, ns.shutdown_timeout)
         return 0
     finally:
+        sock.close()  # the runner's cleanup closes it too; a start-up failure leaves it to here
         if engine is not None:
             await engine.close()
+
+
+def check_aiohttp_or_refuse() -> None:
+    from .connection import check_aiohttp
+
+    try:
+        check_aiohttp()
+    except RuntimeError as exc:
+        raise StartupError(str(exc)) from None
 
 
 def run(coro):

@@ -21,9 +21,28 @@ from .openai_protocol import ApiError
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("deltaserve.access")
 
-# request[USAGE_KEY] = (prompt tokens, completion tokens, cached prompt tokens), for the access log (RequestKey:
-# aiohttp >= 3.13)
-USAGE_KEY = web.RequestKey("usage", tuple) if hasattr(web, "RequestKey") else "deltaserve_usage"
+# request[USAGE_KEY] = (prompt tokens, completion tokens, cached prompt tokens), for the access log
+USAGE_KEY = web.RequestKey("usage", tuple)
+# request[ERROR_KEY]: why a request was refused ("field: message"), for its access line
+ERROR_KEY = web.RequestKey("error", str)
+ERROR_LOG_CHARS = 200  # a refusal's reason in the access line, at most (a message may quote the client's input)
+
+
+# What `_Connection` and `AppRunner` read of aiohttp's internals (checked on the range pyproject.toml pins).
+_INTERNALS = [(RequestHandler, "_request_in_progress"), (RequestHandler, "_messages"),
+              (web.AppRunner, "_make_server")]
+
+
+def check_aiohttp() -> None:
+    """RuntimeError, in one line, where this aiohttp lacks an internal the connection layer relies on, before the
+    server starts (rather than serving without the header timeout)."""
+    import aiohttp
+
+    missing = [f"{cls.__name__}.{name}" for cls, name in _INTERNALS
+               if name not in getattr(cls, "__slots__", ()) and not hasattr(cls, name)]
+    if missing:
+        raise RuntimeError(f"aiohttp {aiohttp.__version__} lacks {', '.join(missing)}, which the server's "
+                           "connection layer needs; install the version pyproject.toml pins (aiohttp>=3.14,<3.15)")
 
 
 class _Connection(RequestHandler):
@@ -32,9 +51,8 @@ class _Connection(RequestHandler):
     _header_timer = None
 
     def _waiting_for_headers(self) -> bool:
-        # aiohttp's own state (as of 3.14): no request being handled and none parsed yet. Read with defaults, so
-        # a later aiohttp that renames them loses the timeout, not the server.
-        return not getattr(self, "_request_in_progress", True) and not getattr(self, "_messages", True)
+        # aiohttp's own state (3.14): no request being handled and none parsed yet (`check_aiohttp`).
+        return not self._request_in_progress and not self._messages
 
     def data_received(self, data: bytes) -> None:
         if self._waiting_for_headers() and self._header_timer is None and self.header_timeout_s > 0:
@@ -106,12 +124,15 @@ class AppRunner(web.AppRunner):
 
 class AccessLogger(AbstractAccessLogger):
     """`127.0.0.1 "POST /v1/completions" 200 0.412s prompt=12 completion=64` (and `cached=N` when a cached prefix
-    spared N prompt tokens)"""
+    spared N prompt tokens); a refusal says why: `400 0.001s error="max_tokens: must be >= 1, got 0"`."""
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         usage = request.get(USAGE_KEY)
         tokens = f" prompt={usage[0]} completion={usage[1]}" if usage else ""
         if usage and usage[2]:
             tokens += f" cached={usage[2]}"
+        error = request.get(ERROR_KEY)
+        if error:
+            tokens += f" error={error[:ERROR_LOG_CHARS]!r}"
         self.logger.info('%s "%s %s" %d %.3fs%s', request.remote, request.method, request.path, response.status,
                          time, tokens)

@@ -31,6 +31,7 @@ from deltaserve.devices.worker import ReplicaPoisoned
 from deltaserve.model.config import load_model_config
 from deltaserve.model.synthetic import demo_checkpoint
 from deltaserve.model.weights import check_checkpoint
+from deltaserve.progress import progress as show_progress
 
 from .args import EngineArgs
 from .metrics import EngineMetrics
@@ -317,9 +318,7 @@ class AsyncEngine:
             # The whole batch decoding: the step budget's decode times up to the largest bucket (`seeded`).
             [([1] * 2, longer) for _ in range(self.replica.plan.max_batch)],
         ]
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(map(len, waves)), desc="warm-up requests", unit="req", leave=False)
+        bar = show_progress(total=sum(map(len, waves)), desc="warm-up requests", unit="req")
 
         async def one(ids, params):
             async for _ in self.generate(ids, params):
@@ -483,7 +482,13 @@ class AsyncEngine:
                 raise ValueError(f"messages[{i}] must be an object with a string 'role'")
             if not isinstance(m.get("content", ""), (str, type(None))):
                 raise ValueError(f"messages[{i}].content must be a string")
-        return self.tokenizer.render_chat(messages, add_generation_prompt=True, **(chat_template_kwargs or {}))
+        kwargs = dict(chat_template_kwargs or {})
+        if "messages" in kwargs:
+            raise ValueError("chat_template_kwargs must not set 'messages' (the request's own)")
+        add = kwargs.pop("add_generation_prompt", True)  # vLLM's field, which a client may pass here too
+        if not isinstance(add, bool):
+            raise ValueError(f"chat_template_kwargs.add_generation_prompt must be a boolean, got {add!r}")
+        return self.tokenizer.render_chat(messages, add_generation_prompt=add, **kwargs)
 
     def _add(self, request_id: str, prompt_ids: list[int], keys: list | None, params: SamplingParams,
              sampling: RowSampling, stop_ids: frozenset[int]) -> _Request:

@@ -212,7 +212,11 @@ def parse_chat(body: dict) -> ParsedRequest:
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    return ParsedRequest([], _params(kwargs), stream, usage_options, model, dict(template_kwargs), clean, n=n)
+    template_kwargs = dict(template_kwargs)
+    add = _typed(body, "add_generation_prompt", (bool,), "a boolean")  # vLLM's field
+    if add is not None:
+        template_kwargs["add_generation_prompt"] = add
+    return ParsedRequest([], _params(kwargs), stream, usage_options, model, template_kwargs, clean, n=n)
 
 
 # Responses -----------------------------------------------------------------------------------------------------------

@@ -15,12 +15,13 @@ import hmac
 import json
 import logging
 import math
+import socket
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from .engine import AsyncEngine, CapacityError, EngineDeadError, QueueFullError, RequestOutput
-from .connection import USAGE_KEY, AccessLogger, AppRunner, access_log
+from .connection import ERROR_KEY, USAGE_KEY, AccessLogger, AppRunner, access_log
 from .openai_protocol import (
     ApiError,
     ParsedRequest,
@@ -66,7 +67,8 @@ def _unavailable(engine: AsyncEngine) -> ApiError:
     return ApiError(503, "the engine failed; the cause is in the server log", code="engine_failed")
 
 
-def _json_error(err: ApiError) -> web.Response:
+def _json_error(request: web.Request, err: ApiError) -> web.Response:
+    request[ERROR_KEY] = err.message if err.param is None else f"{err.param}: {err.message}"  # the access line's
     return web.json_response(err.body(), status=err.status, headers=err.headers)
 
 
@@ -75,24 +77,26 @@ async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as err:
-        return _json_error(err)
+        return _json_error(request, err)
     except web.HTTPRequestEntityTooLarge:
-        return _json_error(ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="body_too_large"))
+        return _json_error(request, ApiError(413, f"request body exceeds {MAX_BODY_BYTES} bytes",
+                                             code="body_too_large"))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _json_error(ApiError(exc.status, exc.reason or "error", type_="invalid_request_error"))
+        return _json_error(request, ApiError(exc.status, exc.reason or "error", type_="invalid_request_error"))
     except QueueFullError as exc:
-        return _json_error(ApiError(503, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}))
+        return _json_error(request, ApiError(503, str(exc), code="queue_full",
+                                             headers={"Retry-After": str(RETRY_AFTER_S)}))
     except EngineDeadError:
-        return _json_error(_unavailable(request.app[ENGINE_KEY]))
+        return _json_error(request, _unavailable(request.app[ENGINE_KEY]))
     except asyncio.CancelledError:
         raise
     except ConnectionResetError:  # the client left mid-write: the connection layer drops it quietly
         raise
     except Exception:
         log.exception("unhandled error serving %s", request.path)
-        return _json_error(ApiError(500, "internal server error"))
+        return _json_error(request, ApiError(500, "internal server error"))
 
 
 @web.middleware
@@ -503,8 +507,10 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None) -> web.
     return app
 
 
-async def serve(engine: AsyncEngine, host: str, port: int, options: ServerOptions | None = None) -> web.AppRunner:
-    """Start serving on host:port (the engine must be started); returns the runner for `shutdown`."""
+async def serve(engine: AsyncEngine, host: str, port: int, options: ServerOptions | None = None,
+                sock: socket.socket | None = None) -> web.AppRunner:
+    """Start serving on host:port, or on `sock` (bound already: the CLI binds before the model loads) (the engine
+    must be started); returns the runner for `shutdown`."""
     options = options or ServerOptions()
     runner = AppRunner(
         build_app(engine, options), header_timeout_s=options.header_timeout_s, handler_cancellation=True,
@@ -513,7 +519,7 @@ async def serve(engine: AsyncEngine, host: str, port: int, options: ServerOption
         access_log_class=AccessLogger,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
     try:
         await site.start()
     except BaseException:

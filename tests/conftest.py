@@ -38,6 +38,13 @@ def _seeded():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_unless_gpu(request, monkeypatch):
+    """EngineArgs' device defaults to "auto": the CPU tests keep to the CPU backend on a GPU machine too."""
+    if "gpu" not in request.keywords:
+        monkeypatch.setattr("deltaserve.devices.backend.default_device", lambda: "cpu")
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     from deltaserve.model.synthetic import write_checkpoint

@@ -4,6 +4,7 @@ exits at once, a failed engine that ends the process (exit 1), and the access an
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -75,7 +76,19 @@ def test_start_up_mistakes_end_in_one_line_naming_them(tiny_ckpt, tmp_path, capl
         taken.listen()
         port = taken.getsockname()[1]
         assert "cannot listen" in start_failure(caplog, [tiny_ckpt, "--port", str(port)])
+        # Refused before anything loads (for a large model: minutes of loading and capture before finding out).
+        assert not [r for r in caplog.records if r.name.startswith(("deltaserve.devices", "deltaserve.runtime.engine"))]
     assert "cannot listen on nosuch.invalid" in start_failure(caplog, [tiny_ckpt, "--host", "nosuch.invalid"])
+    assert "`hf download Qwen/Qwen3.5-9B" in start_failure(caplog, ["Qwen/Qwen3.5-9B"])
+
+
+def test_embedded_engine_args_default_to_auto_as_the_cli(monkeypatch):
+    from deltaserve.runtime import EngineArgs
+
+    monkeypatch.setattr("deltaserve.devices.backend.default_device", lambda: "cuda")  # a GPU machine, as seen
+    args = EngineArgs()
+    assert args.device == "cuda" and args.dtype == "bfloat16"
+    assert cli.serve_parser(argparse.ArgumentParser()).get_default("device") == "auto"
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -312,3 +325,32 @@ def test_the_benchmarks_kernel_flag_sets_any_kernel_config_field():
     assert cfg.fp8_gemv_tile is None and cfg.few_rows == 8 and not cfg.pdl
     with pytest.raises(SystemExit, match="no field 'few_row'"):
         kernel_config(parser.parse_args(["--kernel", "few_row=8"]))
+
+
+def test_progress_is_log_lines_when_stderr_is_not_a_terminal(caplog, monkeypatch, capsys):
+    """A redirected log gets a line at a stage's start and end, never a bar's `\\r` frames."""
+    import io
+
+    from deltaserve.model.weights import load_rank_weights
+    from deltaserve.model.config import load_model_config
+    from deltaserve.model.synthetic import demo_checkpoint
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    ckpt = demo_checkpoint()
+    with caplog.at_level(logging.INFO, logger="deltaserve.progress"):
+        load_rank_weights(ckpt, load_model_config(ckpt))
+    lines = [r.getMessage() for r in caplog.records if r.name == "deltaserve.progress"]
+    assert lines[0].startswith("loading weights (rank 0/1): started") and "done" in lines[-1]
+    assert "\r" not in sys.stderr.getvalue()
+
+
+def test_an_aiohttp_without_the_internals_the_server_reads_is_refused_at_start_up(caplog, monkeypatch, tiny_ckpt):
+    """Rather than serving without the header timeout, a start-up line names what this aiohttp lacks."""
+    from aiohttp.web_protocol import RequestHandler
+
+    from deltaserve.runtime import connection
+
+    connection.check_aiohttp()  # the installed one has them all
+    monkeypatch.setattr(connection, "_INTERNALS", [*connection._INTERNALS, (RequestHandler, "_renamed_later")])
+    message = start_failure(caplog, [tiny_ckpt])
+    assert "RequestHandler._renamed_later" in message and "aiohttp>=3.14,<3.15" in message

@@ -368,6 +368,22 @@ def test_usage_reports_the_prompt_tokens_a_cached_prefix_spared(tiny_ckpt, caplo
     assert len(lines) == 2 and "cached" not in lines[0] and lines[1].endswith("prompt=40 completion=2 cached=37")
 
 
+def test_a_refused_requests_access_line_says_why(tiny_ckpt, caplog):
+    async def body(engine, url):
+        async with aiohttp.ClientSession() as session:
+            status, _ = await post(session, url + "/v1/completions", {"prompt": "x", "max_tokens": 0})
+            assert status == 400
+            status, _ = await post(session, url + "/v1/completions", {"prompt": "x", "stop": ["y" * 5000]})
+            assert status == 400
+        return True
+
+    with caplog.at_level(logging.INFO, logger="deltaserve.access"):
+        assert with_server(tiny_ckpt, body)
+    lines = [r.getMessage() for r in caplog.records if r.name == "deltaserve.access"]
+    assert " 400 " in lines[0] and "error='max_tokens: max_tokens must be >= 1, got 0'" in lines[0], lines[0]
+    assert "error='stop" in lines[1] and len(lines[1]) < 400, lines[1]  # the reason, truncated
+
+
 def test_a_prompt_at_the_context_length_is_refused_and_one_token_under_is_served(tiny_ckpt):
     async def body(engine, url):
         n = engine.max_model_len
@@ -510,6 +526,32 @@ def test_a_device_failure_mid_stream_sends_an_error_event_then_done(tiny_ckpt, p
         assert set(payloads[-1]["error"]) == {"message", "type", "param", "code"}
         assert not any(c.get("finish_reason") for p in payloads[:-1] for c in p.get("choices", []))
         assert len(payloads) >= 4  # tokens were streamed before the failure
+        return True
+
+    assert with_server(tiny_ckpt, body)
+
+
+def test_add_generation_prompt_is_honoured_and_errors_name_no_internals(tiny_ckpt):
+    """`add_generation_prompt` (vLLM's field, or inside chat_template_kwargs) renders the conversation without the
+    assistant's opening; the prompt is one generation prompt shorter. A bad value is a 400 naming the field, in
+    the client's terms, not our functions'."""
+    async def body(engine, url):
+        path = url + "/v1/chat/completions"
+        messages = [{"role": "user", "content": "hello there"}]
+        async with aiohttp.ClientSession() as session:
+            usage = []
+            for extra in ({}, {"chat_template_kwargs": {"add_generation_prompt": False}},
+                          {"add_generation_prompt": False}):
+                status, got = await post(session, path, {"messages": messages, "max_tokens": 2, **extra})
+                assert status == 200, got
+                usage.append(got["usage"]["prompt_tokens"])
+            assert usage[1] == usage[2] < usage[0]
+            for bad in ({"chat_template_kwargs": {"add_generation_prompt": "no"}},
+                        {"chat_template_kwargs": {"messages": []}}, {"add_generation_prompt": 1}):
+                status, got = await post(session, path, {"messages": messages, "max_tokens": 2, **bad})
+                message = got["error"]["message"]
+                assert status == 400 and ("add_generation_prompt" in message or "messages" in message), message
+                assert "deltaserve" not in message and "()" not in message, message
         return True
 
     assert with_server(tiny_ckpt, body)

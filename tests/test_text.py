@@ -6,7 +6,8 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltaserve.runtime.text import IncrementalDetokenizer, ReasoningSplitter, StopMatcher, TextTokenizer
+from deltaserve.runtime.text import (IncrementalDetokenizer, ReasoningSplitter, StopMatcher, TextTokenizer,
+                                     prompt_opens_reasoning)
 
 TEXT = st.text(alphabet=st.sampled_from(list("abc xyzé日本語🙂\n<think>/")), max_size=60)
 
@@ -102,7 +103,10 @@ def test_the_demo_checkpoint_is_made_on_first_use(tmp_path, monkeypatch):
             out = None
             async for out in engine.generate("hello", SamplingParams(max_tokens=3, temperature=0)):
                 pass
-            return engine.model_name, out
+            return engine.model_name, out, engine.render_chat([{"role": "user", "content": "hi"}])
 
-    name, out = asyncio.run(main())
+    name, out, chat = asyncio.run(main())
     assert name == "demo-tiny" and out.finished and (tmp_path / "demo-tiny" / "config.json").is_file()
+    # Its chat answers in content: the generation prompt closes the (empty) reasoning block, so a client that
+    # reads only `content` (LangChain, the Agents SDK) gets the answer.
+    assert ReasoningSplitter(prompt_opens_reasoning(chat)).feed("the answer", final=True) == ("", "the answer")
