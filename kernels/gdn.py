@@ -538,6 +538,12 @@ def _gdn_chunk_scan_out_kernel(mixed_ptr, kscale_ptr, qscale_ptr, w_ptr, kd_ptr,
     tl.store(sptr, S, mask=smask)
 
 
+def _dot_width(n: int) -> int:
+    """A tile dimension that a `tl.dot` contracts over: a power of two, and at least the 16 that Triton's NVIDIA
+    backend requires (masked beyond n), so heads narrower than 16 (a key head dim of 8) compile."""
+    return max(16, _pow2(n))
+
+
 def gdn_scan_config(requests: int, v_heads: int, dv: int, device: torch.device, factors: str = "bf16",
                     cfg: KernelConfig = DEFAULT) -> tuple[int, int, int]:
     """The state pass's tile: narrow blocks while every program runs at once, wide ones once programs take turns."""
@@ -601,14 +607,14 @@ def _gdn_prefill_triton(mixed, a, b, A_log, dt_bias, ssm_state, slots, num_k_hea
     _gdn_chunk_prep_kernel[(n, HV)](
         mixed, a, b, A_log, dt_bias, chunk_table, kscale, qscale, w, kd, P, glast, a.stride(0), HV=HV,
         GROUP=HV // num_k_heads, scale=dk**-0.5, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK,
-        BH=min(prep_config[2], _pow2(max(dk, dv))), PRECISION=precision, BF16_FACTORS=factors == "bf16",
+        BH=_dot_width(min(prep_config[2], max(dk, dv))), PRECISION=precision, BF16_FACTORS=factors == "bf16",
         num_warps=prep_config[0], num_stages=prep_config[1], maxnreg=prep_config[3])
     block_v, warps, stages = scan_config or gdn_scan_config(requests, HV, dv, dev, factors, cfg)
     BVB = min(block_v, _pow2(dv))
     out = torch.empty(T, HV, dv, dtype=dt, device=dev)
     _gdn_chunk_scan_out_kernel[(requests, HV, triton.cdiv(dv, BVB))](
         mixed, kscale, qscale, w, kd, P, glast, chunk_table, req_chunks, slots, ssm_state, out, ssm_state.shape[0] - 1,
-        HV=HV, GROUP=HV // num_k_heads, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_pow2(dk), BVB=BVB,
+        HV=HV, GROUP=HV // num_k_heads, DK=dk, DV=dv, KEY_DIM=num_k_heads * dk, BT=CHUNK, BK=_dot_width(dk), BVB=BVB,
         PRECISION=precision, BF16_FACTORS=factors == "bf16", num_warps=warps, num_stages=stages)
     return out
 

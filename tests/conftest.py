@@ -13,6 +13,14 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 if not torch.cuda.is_available():
     # Triton kernels run in the interpreter on the CPU (must be set before any kernel is defined).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # The interpreter accepts any dot shape; Triton's compiler for NVIDIA GPUs refuses a contraction under 16 (32
+    # for 8-bit operands; the device's Triton 3.6 asks 16 of fp32 too, where later releases ask 8). The interpreted
+    # kernels are held to those bounds, so a shape only a GPU would refuse (a GDN key head of 8) fails here too.
+    from triton.runtime import interpreter
+
+    interpreter.interpreter_builder.codegen_fns["min_dot_size"] = \
+        lambda lhs, rhs: (1, 1, 32 if lhs.scalar.primitive_bitwidth == 8 else 16)
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

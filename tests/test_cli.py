@@ -209,15 +209,20 @@ def test_sigterm_drains_live_streams_with_abort_and_exits_0(tiny_ckpt):
             signalled = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             tails = await asyncio.gather(*[events(r) for r in streams])
+            ended = time.monotonic() - signalled
             rc = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
-            return tails, rc, time.monotonic() - signalled
+            return tails, rc, ended, time.monotonic() - signalled
 
     try:
-        tails, rc, took = asyncio.run(main())
+        tails, rc, ended, took = asyncio.run(main())
     finally:
         proc.kill()
     assert rc == 0, proc.stderr.read()
-    assert took < 2.0 + 1.5, f"shutdown took {took:.1f} s with a 2 s grace period"
+    # What the grace period promises: the streams end when it does, and then the process exits. The margins
+    # hold on a loaded 2-core machine; a drain that ignored the grace period would miss them by far (the streams
+    # ask for 3000 tokens each).
+    assert ended < 2.0 + 3.0, f"the streams ended {ended:.1f} s after SIGTERM with a 2 s grace period"
+    assert took < 2.0 + 10.0, f"the process exited {took:.1f} s after SIGTERM with a 2 s grace period"
     for tail in tails:
         assert tail[-1] == "[DONE]"
         finish = [c["finish_reason"] for e in tail[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
@@ -247,7 +252,7 @@ def test_a_second_signal_exits_at_once(tiny_ckpt):
         rc, took = asyncio.run(main())
     finally:
         proc.kill()
-    assert rc != 0 and took < 2.0, (rc, took)
+    assert rc != 0 and took < 5.0, (rc, took)  # at once, not after the 60 s grace period
 
 
 def test_a_failed_engine_ends_the_process_with_status_1(tiny_ckpt, monkeypatch, caplog):

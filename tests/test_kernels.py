@@ -372,7 +372,8 @@ def _packed_gdn_requests(hk, hv, dk, dv):
 
 
 @pytest.mark.parametrize("hk,hv,dk,dv,column_block", [(2, 4, 16, 16, 32), (1, 2, 32, 16, 32), (1, 2, 32, 16, 16),
-                                                      (1, 2, 24, 20, 16)])  # heads the tiles overhang: masked
+                                                      (1, 2, 24, 20, 16),  # heads the tiles overhang: masked
+                                                      (2, 4, 8, 12, 64), (1, 2, 8, 8, 8)])  # narrower than a dot
 def test_chunked_gdn_prefill_over_packed_requests(hk, hv, dk, dv, column_block):
     case, chunks = _packed_gdn_requests(hk, hv, dk, dv)
     assert chunks.spans.tolist() == [[0, 1], [1, 65], [65, 129], [129, 193], [193, 215], [215, 252]]

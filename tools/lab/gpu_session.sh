@@ -5,8 +5,7 @@
 #
 #   bash tools/lab/gpu_session.sh [STAGES]     (default: tests,spec,prefix)
 #
-# after the device set-up of `docs/benchmarks/log/gpu-2026-12-05.md` (nccl4py from a carried wheel, then
-# `pip install --no-deps --no-build-isolation -e .`).
+# after `. tools/lab/device_setup.sh` (the carried wheels, then the project installed).
 #
 # tests   the GPU tests of what changed last (a closed engine returns its memory to the driver; random weights
 #         load while torch caches the card and strand no cached memory; the server's capture-sweep log; a prompt
@@ -35,6 +34,10 @@
 #         against 126 ms in the engine on an H100, S19)
 # table   the decode and 4B serving rows of docs/performance.md's H200 table: bench_decode (4B at 1, 8, 64 rows;
 #         27B bf16 at 1; 27B FP8 at 1, 64; 9B FP8 at 1), then the c1 and c64 rows (`serve27` has the 27B ones)
+# defects the checks from outside the team: the GPU tests of what they found (the FP8 accuracy gate at the 4B, 9B
+#         and 27B widths with trained-like weights, W8A8 logged beside the W8A16 default; narrow GDN heads; a
+#         closed engine's memory), then what the W8A16 default costs against the opt-in cuBLAS W8A8: the 27B FP8
+#         decode step at batch 64 and a 16-layer 27B 8k prefill, each both ways
 # fused   #30: the decode graph then the prefill (--no-fused-mixed-steps) against a step's decode rows and prompt
 #         chunk as one graphed forward (the default): what a 256-token chunk adds beside 60 rows, then the c64 row
 #         and its step log, each way
@@ -104,6 +107,18 @@ for stage in ${STAGES//,/ }; do
         timeout 90 python3 -m deltaserve.tools.lab.profile_prefill --size 27b --layers 16 --tokens 8192 --repeats 3 \
             $flag > "$DIR/prefill-27b$flag.txt" 2>&1
         grep "^| [0-9]" "$DIR/prefill-27b$flag.txt" | sed "s/^/27b (16 layers) prefill ${flag:-bf16} /"
+      done ;;
+    defects)
+      timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -o log_cli=true --log-cli-level=INFO \
+          -k "${TESTS:-accuracy_gate or narrower or closed_in_process}" > "$DIR/defects-tests.log" 2>&1
+      grep -E "passed|failed|FP8 .*: top-8|reserved after|Error" "$DIR/defects-tests.log" | tail -12
+      for prefill in w8a16 cublas; do
+        timeout 100 python3 -m deltaserve.tools.bench_decode --size 27b --batches 1,64 --fp8 \
+            --kernel "fp8_prefill='$prefill'" > "$DIR/decode-27b-fp8-$prefill.md" 2>&1
+        grep "^| [0-9]" "$DIR/decode-27b-fp8-$prefill.md" | sed "s/^/27b fp8 $prefill /"
+        timeout 80 python3 -m deltaserve.tools.lab.profile_prefill --size 27b --layers 16 --tokens 8192 --repeats 3 \
+            --fp8 --kernel "fp8_prefill='$prefill'" > "$DIR/prefill-27b-fp8-$prefill.txt" 2>&1
+        grep "^| [0-9]" "$DIR/prefill-27b-fp8-$prefill.txt" | sed "s/^/27b (16 layers) prefill fp8 $prefill /"
       done ;;
     prefill)
       timeout 150 python3 -m deltaserve.tools.lab.profile_prefill --size 4b --tokens 8192 --repeats 3 --top 12 \

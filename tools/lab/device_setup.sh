@@ -1,0 +1,10 @@
+# Source on the device before any GPU stage:  . tools/lab/device_setup.sh
+# The device has no network: the packages its image lacks, or has at other versions (nccl4py, cuda-core,
+# cuda-pathfinder, the aiohttp pyproject.toml pins, a setuptools new enough for the license metadata), come as
+# wheels in the carried, git-ignored .whl/ (`pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux_2_28_x86_64 NAME` here), installed into /tmp/site ahead of the image's; then the project.
+python3 -m pip install -q --no-deps --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+python3 -m pip install -q --no-deps --no-build-isolation -e .
+python3 -c "import torch, triton, aiohttp, deltaserve; print('device:', torch.cuda.get_device_name(), 'torch',
+torch.__version__, 'triton', triton.__version__, 'aiohttp', aiohttp.__version__)"
