@@ -534,7 +534,7 @@ class AsyncEngine:
         applying a step, a cancellation) poisons the replica and ends every live request with an error: no
         request is left waiting on a loop that is gone."""
         try:
-            await (self._run_steps_overlapped() if self.args.async_scheduling else self._run_steps())
+            await self._run_steps()
         except ReplicaPoisoned as exc:
             self._poison(str(exc))
         except asyncio.CancelledError:  # the ranks may be anywhere in a step
@@ -546,102 +546,79 @@ class AsyncEngine:
             self._poison(f"step failed: {exc!r}")
 
     async def _run_steps(self) -> None:
+        """Plan a step, hand it to the ranks, route its tokens, until close. With overlap scheduling
+        (`async_scheduling`, the default) the loop runs one step ahead: step k+1 is planned and handed over as soon
+        as step k is, before k's tokens reach the host (rank 0 takes them on the device, and launches k+1 before
+        it reads k's), so the devices wait neither for the loop's routing, stop checks and outputs nor for the
+        tokens' trip to the host. A request that a token or stop string ends at step k then has a row in step k+1
+        too: its tokens are drawn and dropped. max_tokens needs no tokens: the scheduler retires at it (after a
+        speculative step, once it knows the count: one step late at most). A speculative step k's kept counts stay
+        on the device too, where step k+1's rows take their positions, roll-backs and token indices from them
+        (`StepCommand.verify_accepted`). Without overlap each step's tokens are routed before the next is planned,
+        and their outputs made (stream consumers and HTTP handlers woken) while that next step runs."""
+        ahead = 1 if self.args.async_scheduling else 0  # steps handed over beyond the one whose tokens are awaited
         sched = self.scheduler
-        outputs: list = []  # the last step's tokens whose outputs are made while the next step runs
-        last_done = None  # when the step before ended: the devices idle from then until the next is handed over
-        while not self._closing:
-            if not sched.has_work:
-                self._emit(outputs)
-                self._update_gauges()
-                outputs, last_done = [], None
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            plan = sched.schedule()
-            self._decide(plan)
-            self._update_gauges()
-            if plan.empty:
-                self._emit(outputs)
-                outputs = []
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            cmd = self._command(plan)
-            started = time.perf_counter()
-            try:
-                # The ranks get the command before anything else runs. The last step's outputs are made, and the
-                # stream consumers and HTTP handlers they wake run, while the devices work, not between steps.
-                step = self.replica.start_step(cmd)
-                made, outputs = outputs, []
-                self._emit(made)
-                result = await step
-            except BaseException:
-                self._emit(outputs)  # the tokens drawn before the failure still reach their streams
-                raise
-            now = time.perf_counter()
-            self._observe_step(plan, now - started, result, idle=None if last_done is None else started - last_done)
-            last_done = now
-            self._count(plan, cmd)
-            self._count_kept(plan, cmd, result)
-            outputs = self._apply(plan, result)
-        self._emit(outputs)  # closing: the last step's outputs come before `close` ends the requests
+        in_flight: deque = deque()  # (plan, command, step, handed over at), oldest first
+        later: list = []  # tokens routed whose outputs are made once the next step is handed over (no overlap)
+        last_done = None  # when the last step ended (None: the devices were idle, no step ran just before)
 
-    async def _run_steps_overlapped(self) -> None:
-        """`_run_steps` one step ahead: step k+1 is planned and handed over as soon as step k is, before k's
-        tokens reach the host (rank 0 takes them on the device, and launches k+1 before it reads k's), so the
-        devices wait neither for the loop's routing, stop checks and outputs nor for the tokens' trip to the host.
-        A request that a token or stop string ends at step k has a row in step k+1 too: its tokens are drawn and
-        dropped. max_tokens needs no tokens: the scheduler retires at it (after a speculative step, once it knows
-        the count: one step late at most). A speculative step k's kept counts stay on the device too, where step
-        k+1's rows take their positions, roll-backs and token indices from them (`StepCommand.verify_accepted`)."""
-        sched = self.scheduler
-        previous = in_flight = None  # (plan, command, step, handed over at)
-        last_done = 0.0  # a step handed over early starts only once the one before it is done
-
-        async def finish(done) -> bool:
-            """Route a step's tokens; True when one of them is a request's first and they are few."""
+        async def finish() -> None:
+            """The oldest step's tokens: awaited, observed, counted and routed."""
             nonlocal last_done
-            done_plan, done_cmd, done_step, handed = done
-            result = await done_step
+            plan, cmd, step, handed = in_flight.popleft()
+            result = await step
             now = time.perf_counter()
-            idle = max(handed - last_done, 0.0) if last_done else None  # None: no step ran before it
-            self._observe_step(done_plan, now - max(handed, last_done), result, idle=idle)
+            started = handed if last_done is None else max(handed, last_done)  # a step handed early starts later
+            idle = None if last_done is None else max(handed - last_done, 0.0)
+            self._observe_step(plan, now - started, result, idle=idle)
             last_done = now
-            self._count_kept(done_plan, done_cmd, result)
-            self._emit(self._apply(done_plan, result))
-            firsts = sum(work.last for work in done_plan.prefill)
-            return 0 < firsts and firsts + len(done_plan.decode_ids) <= FEW_STREAMS
-
-        try:
-            while not self._closing:
-                if in_flight is not None and self._needs_tokens_first(in_flight[0]):  # before the plan is made
-                    done, in_flight = in_flight, None
-                    await finish(done)
-                plan = sched.schedule() if sched.has_work else None
-                if plan is not None:
-                    self._decide(plan)
-                self._update_gauges()
-                if (plan is None or plan.empty) and in_flight is None:
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
-                previous, in_flight = in_flight, None
-                if plan is not None and not plan.empty:
-                    cmd = self._command(plan)
-                    in_flight = (plan, cmd, self.replica.start_step(cmd, overlapped=True), time.perf_counter())
-                    self._count(plan, cmd)
-                if previous is not None and await finish(previous) and in_flight is not None:
+            self._count_kept(plan, cmd, result)
+            later.extend(self._apply(plan, result))
+            if ahead:  # the next step is with the ranks already: the outputs go out at once
+                self._emit(later)
+                later.clear()
+                firsts = sum(work.last for work in plan.prefill)
+                if in_flight and 0 < firsts and firsts + len(plan.decode_ids) <= FEW_STREAMS:
                     # A first token: its stream writes it now, while the step handed over runs, instead of after
                     # the next hand-over (rank 0's launch of it holds the loop for up to a millisecond). Only for
                     # a few streams: many streams' writes first would delay the hand-over past that step's end.
                     await asyncio.sleep(0)
-            if in_flight is not None:  # closing: the last step's tokens come before `close` ends the requests
-                self._emit(self._apply(in_flight[0], await in_flight[2]))
-                in_flight = None
+
+        try:
+            while not self._closing:
+                if in_flight and self._needs_tokens_first(in_flight[-1][0]):  # before the plan is made
+                    await finish()
+                plan = sched.schedule() if sched.has_work else None
+                if plan is not None:
+                    self._decide(plan)
+                self._update_gauges()
+                handing_over = plan is not None and not plan.empty
+                if not handing_over and not in_flight:
+                    self._emit(later)
+                    later.clear()
+                    last_done = None
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                if handing_over:
+                    cmd = self._command(plan)
+                    handed = time.perf_counter()
+                    # The ranks get the command before anything else runs.
+                    in_flight.append((plan, cmd, self.replica.start_step(cmd, overlapped=ahead > 0), handed))
+                    self._count(plan, cmd)
+                self._emit(later)  # the step before's outputs, while this one runs
+                later.clear()
+                while in_flight and (len(in_flight) > ahead or not handing_over):
+                    await finish()
+            while in_flight:  # closing: the last steps' tokens come before `close` ends the requests
+                await finish()
+            self._emit(later)
+        except BaseException:
+            self._emit(later)  # the tokens drawn before the failure still reach their streams
+            raise
         finally:  # after a failure, a step handed over may never be awaited (closing a finished one does nothing)
-            for step in (previous, in_flight):
-                if step is not None:
-                    step[2].close()
+            for _, _, step, _ in in_flight:
+                step.close()
 
     def _needs_tokens_first(self, before) -> bool:
         """Whether the next plan waits for the tokens of the step `before` it (in flight), and is made after them.

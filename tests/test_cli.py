@@ -256,11 +256,12 @@ def test_a_second_signal_exits_at_once(tiny_ckpt):
 
 
 def test_a_failed_engine_ends_the_process_with_status_1(tiny_ckpt, monkeypatch, caplog):
-    async def broken_steps(self):
+    from deltaserve.runtime.scheduler import Scheduler
+
+    def broken(self):  # the step loop's first question, before any request
         raise RuntimeError("the device fell over")
 
-    monkeypatch.setattr(AsyncEngine, "_run_steps", broken_steps)
-    monkeypatch.setattr(AsyncEngine, "_run_steps_overlapped", broken_steps)
+    monkeypatch.setattr(Scheduler, "has_work", property(broken))
     ns = cli.serve_parser(cli._Parser()).parse_args([tiny_ckpt, "--port", str(free_port()), "--stats-interval", "0"])
     with caplog.at_level(logging.INFO):
         assert cli.run(cli.run_server(ns)) == cli.EXIT_ENGINE_FAILED

@@ -171,11 +171,11 @@ def test_each_step_is_handed_over_before_the_last_steps_outputs_are_made(tiny_ck
             outputs, at_hand_over = [], []
             start_step = engine.replica.start_step
 
-            def recording_start_step(cmd):
+            def recording_start_step(cmd, overlapped=False):
                 for req in engine.requests.values():
                     made = len(outputs) + len(req.queue.items)
                     at_hand_over.append((len(req.output_ids), made))
-                return start_step(cmd)
+                return start_step(cmd, overlapped)
 
             engine.replica.start_step = recording_start_step
             async for out in engine.generate("the cat", SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY)):
