@@ -22,7 +22,7 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from deltaserve.devices.commands import (KEPT_ON_DEVICE, UNKNOWN_TOKEN, PrefillCommand, PromoteSlot, RetireSlot,
                                          RowSampling, StepCommand, StepResult, positions_past_end)
@@ -40,6 +40,7 @@ from .prefix_cache import PrefixCache
 from .scheduler import CapacityError, Scheduler, default_buckets
 from .speculation import SpeculationPolicy
 from .step_budget import StepBudget
+from .outputs import Request, RequestOutput
 from .text import IncrementalDetokenizer, PromptTooLong, StopMatcher, TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -84,114 +85,13 @@ class QueueFullError(RuntimeError):
     """Too many requests are waiting; try again later."""
 
 
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] | None = None
-
-
-class RequestOutput:
-    """One update of a request. `token_ids` (all generated so far), `logprobs` and `text` are snapshots taken
-    lazily: the engine hands out lengths, not copies, so a step costs the same at token 10 and token 10,000."""
-
-    __slots__ = ("request_id", "prompt_token_ids", "delta_token_ids", "delta_text", "finished", "finish_reason",
-                 "error", "num_cached_tokens", "_ids", "_logprobs", "_n", "_text_parts", "_text_n")
-
-    def __init__(self, request_id: str, prompt_token_ids: list[int], ids: list[int], text_parts: list[str],
-                 delta_token_ids: list[int], delta_text: str, finished: bool = False, finish_reason: str | None = None,
-                 logprobs: list[TokenLogprob] | None = None, error: str | None = None,
-                 num_cached_tokens: int = 0) -> None:
-        self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
-        self.num_cached_tokens = num_cached_tokens  # prompt tokens a cached prefix spared the prefill
-        self.delta_token_ids, self.delta_text = delta_token_ids, delta_text
-        self.finished, self.finish_reason, self.error = finished, finish_reason, error  # "stop"|"length"|"abort"|"error"
-        self._ids, self._logprobs, self._n = ids, logprobs, len(ids)
-        self._text_parts, self._text_n = text_parts, len(text_parts)
-
-    @property
-    def text(self) -> str:
-        """All the text generated so far (the parts only ever grow, like the ids)."""
-        return "".join(self._text_parts[: self._text_n])
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._ids[: self._n]
-
-    @property
-    def num_tokens(self) -> int:
-        """len(token_ids), without its copy (a stream's per-token usage would otherwise cost O(n) a token)."""
-        return self._n
-
-    @property
-    def logprobs(self) -> list[TokenLogprob] | None:
-        return None if self._logprobs is None else self._logprobs[: self._n]
-
-    @property
-    def delta_logprobs(self) -> list[TokenLogprob] | None:
-        """The log-probs of `delta_token_ids` alone (a stream's per-token cost stays O(1))."""
-        if self._logprobs is None:
-            return None
-        return self._logprobs[self._n - len(self.delta_token_ids) : self._n]
-
-    def __repr__(self) -> str:
-        return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids}, text={self.text!r}, "
-                f"finished={self.finished}, finish_reason={self.finish_reason!r})")
-
-
-class _Outputs:
-    """A request's pending outputs: a deque and at most one waiting consumer (lighter than asyncio.Queue on the
-    per-token path)."""
-
-    __slots__ = ("items", "waiter")
-
-    def __init__(self) -> None:
-        self.items: deque[RequestOutput] = deque()
-        self.waiter: asyncio.Future | None = None
-
-    def put_nowait(self, out: RequestOutput) -> None:
-        self.items.append(out)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    async def get(self) -> RequestOutput:
-        while not self.items:
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        return self.items.popleft()
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    sampling: RowSampling
-    stop_ids: frozenset[int]
-    detok: IncrementalDetokenizer
-    stops: StopMatcher
-    queue: _Outputs = field(default_factory=_Outputs)
-    output_ids: list[int] = field(default_factory=list)
-    drawn_ids: list[int] = field(default_factory=list)  # every token drawn, a stop token too (the scheduler's)
-    logprobs: list[TokenLogprob] | None = None
-    text_parts: list[str] = field(default_factory=list)  # the output's text, a piece a token (joined when read)
-    finished: bool = False
-    cached_tokens: int = 0  # prompt tokens a cached prefix spared the prefill
-    arrival: float = field(default_factory=time.perf_counter)
-    prefill_start: float | None = None  # when its prompt's first chunk was handed to the devices
-    last_token_time: float | None = None
-
-
 class AsyncEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.metrics = EngineMetrics()
         self.replica: Replica | None = None
         self.scheduler: Scheduler | None = None
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, Request] = {}
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._closing = False
@@ -491,11 +391,11 @@ class AsyncEngine:
         return self.tokenizer.render_chat(messages, add_generation_prompt=add, **kwargs)
 
     def _add(self, request_id: str, prompt_ids: list[int], keys: list | None, params: SamplingParams,
-             sampling: RowSampling, stop_ids: frozenset[int]) -> _Request:
+             sampling: RowSampling, stop_ids: frozenset[int]) -> Request:
         drawn: list[int] = []  # the request's tokens, shared with the scheduler
         self.scheduler.add(request_id, len(prompt_ids), params.max_tokens, prompt_ids=prompt_ids, drawn=drawn,
                            keys=keys)
-        req = _Request(
+        req = Request(
             request_id, prompt_ids, params, sampling, stop_ids,
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             StopMatcher(params.stop, params.include_stop_str_in_output),
@@ -509,24 +409,16 @@ class AsyncEngine:
         if req is not None and not req.finished:
             self._finish(req, "abort")
 
-    def _finish(self, req: _Request, reason: str, delta_ids=(), delta_text: str = "", error: str | None = None):
+    def _finish(self, req: Request, reason: str, delta_ids=(), delta_text: str = "", error: str | None = None):
         req.finished = True
         self.requests.pop(req.request_id, None)
         if self.scheduler is not None:
             self.scheduler.finish(req.request_id)  # pages and slots are freed at the next plan
-        tail = req.stops.flush()  # text held back for a stop string that never came
-        if tail:
-            req.text_parts.append(tail)
+        tail = req.flush_text()
         self.metrics.finished.labels(reason).inc()
         self.metrics.e2e.observe(time.perf_counter() - req.arrival)
-        req.queue.put_nowait(self._output(req, delta_ids, delta_text + tail, reason, error))
+        req.queue.put_nowait(req.output(delta_ids, delta_text + tail, reason, error))
         self._wakeup.set()
-
-    def _output(self, req: _Request, delta_ids, delta_text, reason=None, error=None) -> RequestOutput:
-        # The lists only ever grow (a stop token is popped before its output is made), so a length snapshots them.
-        return RequestOutput(req.request_id, req.prompt_ids, req.output_ids, req.text_parts, list(delta_ids),
-                             delta_text, finished=reason is not None, finish_reason=reason, logprobs=req.logprobs,
-                             error=error, num_cached_tokens=req.cached_tokens)
 
     # The step loop --------------------------------------------------------------------------------------------------
     async def _step_loop(self) -> None:
@@ -699,7 +591,7 @@ class AsyncEngine:
                 self.metrics.queue_time.observe(req.prefill_start - req.arrival)
         return cmd
 
-    def _host_drafts(self, req: _Request, counted) -> list[list[int]]:
+    def _host_drafts(self, req: Request, counted) -> list[list[int]]:
         """The test drafter's drafts for a row (`StepCommand.draft_tokens`). Tokens still on their way stand in
         its output as UNKNOWN_TOKEN; a row whose speculative step is in flight gets drafts for each count the step
         may have kept (1 .. k + 1)."""
@@ -764,29 +656,20 @@ class AsyncEngine:
                 self._on_token(req, token, now, None)
         return later
 
-    def _on_token(self, req: _Request, sampled, now: float, later: list | None) -> None:
+    def _on_token(self, req: Request, sampled, now: float, later: list | None) -> None:
         """One token appended; its output is made now when it may end the request or `later` is None, else left
         in `later` for `_emit`."""
-        token = sampled.token
         since_last = None if req.last_token_time is None else now - req.last_token_time
         req.last_token_time = now
-        req.drawn_ids.append(token)
-        req.output_ids.append(token)
-        if req.logprobs is not None:
-            req.logprobs.append(TokenLogprob(token, sampled.logprob, sampled.top))
-        n = len(req.output_ids)
-        if token in req.stop_ids and n > req.params.min_tokens:
-            # The stop token ends the request; its text is not part of the output.
-            req.output_ids.pop()
-            if req.logprobs is not None:
-                req.logprobs.pop()
+        reason = req.take(sampled)
+        if reason is not None:
             self._observe_latency(req, since_last, now)
-            self._finish(req, "stop")
-        elif later is None or req.stops.active or n >= req.params.max_tokens:  # its text is needed now
+            self._finish(req, reason)
+        elif later is None or req.text_decides:
             self._observe_latency(req, since_last, now)
-            self._detokenize(req, token)
+            self._detokenize(req, sampled.token)
         else:
-            later.append((req, token, since_last))
+            later.append((req, sampled.token, since_last))
 
     def _emit(self, later: list) -> None:
         """The outputs `_apply` left for later: detokenised, latency recorded, queued to their streams."""
@@ -796,7 +679,7 @@ class AsyncEngine:
             self._observe_latency(req, since_last, req.last_token_time)
             self._detokenize(req, token)
 
-    def _observe_latency(self, req: _Request, since_last: float | None, now: float) -> None:
+    def _observe_latency(self, req: Request, since_last: float | None, now: float) -> None:
         if since_last is None:
             self.metrics.ttft.observe(now - req.arrival)
             if req.prefill_start is not None:
@@ -804,17 +687,13 @@ class AsyncEngine:
         else:
             self.metrics.itl.observe(since_last)
 
-    def _detokenize(self, req: _Request, token: int) -> None:
+    def _detokenize(self, req: Request, token: int) -> None:
         """The token's text, then the request's output: a stop string or the length ends the request."""
-        delta, hit = req.stops.feed(req.detok.add(token), len(req.output_ids) > req.params.min_tokens)
-        if delta:
-            req.text_parts.append(delta)
-        if hit:
-            self._finish(req, "stop", [token], delta)
-        elif len(req.output_ids) >= req.params.max_tokens:
-            self._finish(req, "length", [token], delta)
+        delta, reason = req.detokenize(token)
+        if reason is not None:
+            self._finish(req, reason, [token], delta)
         else:
-            req.queue.put_nowait(self._output(req, [token], delta))
+            req.queue.put_nowait(req.output([token], delta))
 
     def _poison(self, message: str) -> None:
         self._dead = message
@@ -864,7 +743,7 @@ class RequestStream:
     """The outputs of one request. Leaving the `async for` early, cancelling the consuming task, `aclose()`,
     or dropping the stream unread all abort the request."""
 
-    def __init__(self, engine: AsyncEngine, req: _Request) -> None:
+    def __init__(self, engine: AsyncEngine, req: Request) -> None:
         self._engine, self._req = engine, req
         self.request_id = req.request_id
         self._loop = asyncio.get_running_loop()
