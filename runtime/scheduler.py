@@ -411,7 +411,8 @@ class Scheduler:
         ps, usable = self.page_size, (req.prompt_len - 1) // self.page_size
         for rid in self.prefilling:
             other = self.requests[rid]
-            if other.prompt_ids == req.prompt_ids:  # the same prompt (best-of-n as requests): resume after all of it
+            # The same prompt (n choices share its list): resume after all of it.
+            if other.prompt_ids is req.prompt_ids or other.prompt_ids == req.prompt_ids:
                 return True
             n, limit = 0, min(usable, len(other.keys))
             while n < limit and other.keys[n] == req.keys[n]:
