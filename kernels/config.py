@@ -58,15 +58,6 @@ class KernelConfig:
     # BLOCK_N gate rows and as many up rows; a shorter K tile with a third stage beat (8, 512, 4, 2) on the H200.
     norm_gemv_silu_tile: Tile = Tile(8, 256, 4, 3)
 
-    # Few-row projections (2 to `few_rows` rows: decode batches, a speculative verify): the Triton kernel that reads
-    # each weight tile once for all rows, instead of cuBLAS; 0 keeps them on cuBLAS. Off: with K split it edges
-    # cuBLAS at the 4B batch-8 step (4.145 against 4.209 ms, H100), but the speculative step's five-row verify
-    # is slower with it (7.185 against 6.782 ms; `bench_decode --few-rows 16 | 0`).
-    few_rows: int = 0
-    few_rows_tile: Tile = Tile(32, 256, 4, 3)
-    few_rows_silu_tile: Tile = Tile(32, 128, 4, 3)
-    # Programs an SM that a narrow output's K splits aim at (`launch.k_splits`; 4 as for FP8 decode); 0: no split.
-    few_rows_split_programs: int = 4
 
     # FP8 weights (`kernels.fp8`) up to 64 rows (decode): (BLOCK_N, programs an SM that K splits aim at, warps,
     # stages) of the W8A16 kernel: the fastest of the 27B sweep (`tools/lab/fp8_sweep.py`) on every projection

@@ -1,6 +1,7 @@
 """Projections, alone and fused with the block's input add-and-norm: the torch references, then the one-row
-Triton GEMVs (batch-1 decode) and the few-row kernel (2 to 16 rows, with `KernelConfig.few_rows`); larger batches
-stay on cuBLAS. A weight kept in FP8 (`fp8.Fp8Weight`) takes the FP8 kernels at every row count, after an unfused
+Triton GEMVs (batch-1 decode); more rows go to cuBLAS (a few-row Triton kernel, which read each weight tile once for
+2 to 16 rows, edged cuBLAS at the 4B batch-8 step but slowed the speculative five-row verify, H100: it was removed,
+docs/decisions/0001-few-row-kernel-removed.md). A weight kept in FP8 (`fp8.Fp8Weight`) takes the FP8 kernels at every row count, after an unfused
 add-and-norm (fused into the FP8 kernel, the norm's loads inside its K loop made it 2.5x slower: 27B, H100)."""
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ from .triton_or_absent import tl, triton
 
 from . import fp8
 from .config import DEFAULT, KernelConfig, Tile, WholeRows
-from .launch import (_dot_bf16, k_splits, multiprocessors, pdl_options, split_buffers, store_split,
-                     wait_for_previous_kernel)
+from .launch import pdl_options, wait_for_previous_kernel
 from .norm import add_rms_norm, add_rms_norm_reference, silu_mul, silu_mul_reference
 
 
@@ -156,89 +156,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, cfg: KernelConfig = DEFAULT, con
 # no split).
 
 
-def few_rows_takes(x: torch.Tensor, weight: torch.Tensor, cfg: KernelConfig) -> bool:
-    """Whether `linear` sends x [M, K] to the few-row kernel: 2 <= M <= cfg.few_rows, bf16 weights (fp16 and fp32
-    models stay on cuBLAS)."""
-    return 2 <= x.shape[0] <= cfg.few_rows and weight.dtype == torch.bfloat16
-
-
-@triton.jit(do_not_specialize=["M"])  # one compiled variant for every row count
-def _few_rows_kernel(x_ptr, w_ptr, out_ptr, partial_ptr, counters_ptr, M, N, K, k_per_split, x_stride, up_rows,
-                     SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
-    """out [M, N] = x [M, K] @ w.t() for M <= BLOCK_M, as out.t() = w @ x.t(): BLOCK_N weight rows a program, the
-    accumulator [BLOCK_N, BLOCK_M]. Program (j, s) sums K in [s * k_per_split, (s + 1) * k_per_split), whole
-    BLOCK_K tiles when EVEN_K; SPLIT: through fp32 partial [splits, M, N] (`launch.store_split`). IEEE: fp32
-    operands multiplied in fp32 (an fp32 model's products)."""
-    wait_for_previous_kernel(PDL)
-    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ms = tl.arange(0, BLOCK_M)
-    nmask, mmask = ns < N, ms < M
-    w_rows = w_ptr + ns.to(tl.int64)[:, None] * K
-    u_rows = w_rows + up_rows.to(tl.int64) * K
-    x_rows = x_ptr + ms.to(tl.int64)[:, None] * x_stride
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    k_start = tl.program_id(1) * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        ks = (k0 + tl.arange(0, BLOCK_K))[None, :]
-        wmask = nmask[:, None] if EVEN_K else nmask[:, None] & (ks < k_end)
-        xmask = mmask[:, None] if EVEN_K else mmask[:, None] & (ks < k_end)
-        xt = tl.trans(tl.load(x_rows + ks, mask=xmask, other=0.0))
-        w = tl.load(w_rows + ks, mask=wmask, other=0.0)
-        if IEEE:
-            acc = tl.dot(w, xt, acc, input_precision="ieee")
-        else:
-            acc = _dot_bf16(w, xt, acc)
-        if SILU_MUL:
-            u = tl.load(u_rows + ks, mask=wmask, other=0.0)
-            if IEEE:
-                acc_up = tl.dot(u, xt, acc_up, input_precision="ieee")
-            else:
-                acc_up = _dot_bf16(u, xt, acc_up)
-    if SPLIT:
-        store_split(acc, partial_ptr, out_ptr, counters_ptr, ms[None, :] * N + ns[:, None],
-                    nmask[:, None] & mmask[None, :], M * N, tl.program_id(1), tl.num_programs(1), tl.program_id(0))
-        return
-    y = acc.to(out_ptr.dtype.element_ty)
-    if SILU_MUL:  # rounded to the model dtype first, as the unfused projection's output is
-        g = y.to(tl.float32)
-        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g)) * up).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + ms[None, :] * N + ns[:, None], y, mask=nmask[:, None] & mmask[None, :])
-
-
-def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul_rows: int = 0, cfg: KernelConfig = DEFAULT,
-             config: Tile | None = None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].t() for 2 <= M <= 16, bf16 or fp32. With silu_mul_rows = I, weight is a fused
-    [gate | up] of 2I rows and the output is silu(gate) * up, [M, I]. `config` overrides cfg.few_rows_tile."""
-    M, K = x.shape
-    if not 1 <= M <= 16 or x.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"the few-row kernel takes 1 to 16 bf16 or fp32 rows, not {M} of {x.dtype}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    N = silu_mul_rows or weight.shape[0]
-    block_n, block_k, warps, stages = config or (cfg.few_rows_silu_tile if silu_mul_rows else cfg.few_rows_tile)
-    splits, per_split = (1, K) if silu_mul_rows or not cfg.few_rows_split_programs else k_splits(
-        triton.cdiv(N, block_n), K, block_k, cfg.few_rows_split_programs * multiprocessors(x.device))
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(N, block_n)
-    partial, counters = split_buffers(out, splits, tiles)
-    _few_rows_kernel[(tiles, splits)](
-        x, weight, out, partial, counters, M, N, K, per_split, x.stride(0), silu_mul_rows, SILU_MUL=silu_mul_rows > 0,
-        BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32,
-        SPLIT=splits > 1, num_warps=warps, num_stages=stages, **pdl_options(x.device, cfg.pdl))
-    return out
-
-
 def linear(x: torch.Tensor, weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
     if isinstance(weight, fp8.Fp8Weight):
         return fp8.linear(x, weight, cfg)
     if cfg.gemv_one_row and x.shape[0] == 1:
         return gemv(x, weight, cfg)
-    if few_rows_takes(x, weight, cfg):
-        return few_rows(x, weight, cfg=cfg)
     return x @ weight.t()
 
 
@@ -428,8 +350,6 @@ def add_rms_norm_gate_up(x, residual, norm_weight, eps: float, gate_up, cfg: Ker
     if _fuses_norm(x, cfg) and not isinstance(gate_up, fp8.Fp8Weight):
         return norm_gemv(x, residual, norm_weight, eps, gate_up, silu_mul_rows=gate_up.shape[0] // 2, cfg=cfg)
     normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)
-    if few_rows_takes(normed, gate_up, cfg):
-        return few_rows(normed, gate_up, gate_up.shape[0] // 2, cfg), residual
     return silu_mul(linear(normed, gate_up, cfg), cfg), residual
 
 

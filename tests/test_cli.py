@@ -325,10 +325,10 @@ def test_the_benchmarks_kernel_flag_sets_any_kernel_config_field():
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser, "1")
-    cfg = kernel_config(parser.parse_args(["--kernel", "few_rows_tile=(16, 256, 4, 3)", "--kernel",
-                                           "fp8_gemv_tile=None", "--kernel", "few_rows=8", "--pdl", "off"]))
-    assert cfg.few_rows_tile == Tile(16, 256, 4, 3) and isinstance(cfg.few_rows_tile, Tile)
-    assert cfg.fp8_gemv_tile is None and cfg.few_rows == 8 and not cfg.pdl
+    cfg = kernel_config(parser.parse_args(["--kernel", "gemv_tile=(16, 256, 4, 3)", "--kernel",
+                                           "fp8_gemv_tile=None", "--kernel", "wide_input_k=2048", "--pdl", "off"]))
+    assert cfg.gemv_tile == Tile(16, 256, 4, 3) and isinstance(cfg.gemv_tile, Tile)
+    assert cfg.fp8_gemv_tile is None and cfg.wide_input_k == 2048 and not cfg.pdl
     with pytest.raises(SystemExit, match="no field 'few_row'"):
         kernel_config(parser.parse_args(["--kernel", "few_row=8"]))
 

@@ -463,48 +463,6 @@ def test_one_row_gemv_and_its_routing(k, n, monkeypatch):
     assert calls == [w.shape, wide.shape]
 
 
-@pytest.mark.parametrize("m", [2, 3, 8, 16])
-@pytest.mark.parametrize("n, k, splits", [(48, 256, 1), (5, 200, 1), (24, 1024, 4), (20, 1000, 4)])
-def test_few_row_projections_and_their_routing(m, n, k, splits, monkeypatch):
-    """The few-row kernel against the reference, alone and with silu(gate) * up: whole and ragged K tiles and
-    output rows, in fp32 and in bf16 (its products are exact; only the sum's order differs). A narrow output over
-    a long K splits K across programs (the interpreter's device counts 4 SMs: 16 programs aimed at); silu(gate) * up
-    never does, as its epilogue needs whole sums. The last program of a column tile adds the splits' partial sums
-    and leaves its arrival counter at zero for the next projection."""
-    tile = Tile(16, 128, 4, 1)
-    summed = []
-    monkeypatch.setattr(gemv, "k_splits", lambda *a: summed.append(launch.k_splits(*a)[0]) or launch.k_splits(*a))
-    for dtype, limit in ((torch.float32, REDUCTION), (torch.bfloat16, 1e-2)):
-        x, w = randn(m, k, dtype=dtype), (randn(2 * n, k) * 0.1).to(dtype)
-        strided = torch.cat([x, x], dim=1)[:, :k]
-        with poisoned_outputs():
-            got, got_strided = gemv.few_rows(x, w, config=tile), gemv.few_rows(strided, w, config=tile)
-            act = gemv.few_rows(x, w, silu_mul_rows=n, config=tile)
-            unsplit = gemv.few_rows(x, w, cfg=KernelConfig(few_rows_split_programs=0), config=tile)
-        ref = gemv.linear_reference(x.float(), w.float())
-        assert rel(got, ref) <= limit and rel(got_strided, ref) <= limit and rel(unsplit, ref) <= limit, dtype
-        # bf16: gate and up rounded, then their product: a few bf16 steps of the largest output
-        assert rel(act, norm.silu_mul_reference(ref.to(dtype))) <= (3e-2 if dtype == torch.bfloat16 else limit)
-    assert summed == [splits] * 4  # the two dtypes' plain and strided calls
-    assert all(not counters.any() for counters in launch._counters.values())
-    monkeypatch.undo()
-    with pytest.raises(ValueError, match="1 to 16"):
-        gemv.few_rows(randn(17, k), w.float())
-    on = KernelConfig(few_rows=16)
-    bf = randn(m, k, dtype=torch.bfloat16)
-    assert gemv.few_rows_takes(bf, w, on) and not gemv.few_rows_takes(bf, w, KernelConfig(few_rows=0))
-    assert not gemv.few_rows_takes(randn(m, k), w.float(), on)  # fp32 models stay on cuBLAS
-    assert not gemv.few_rows_takes(randn(17, k, dtype=torch.bfloat16), w, on)
-    calls = []
-    monkeypatch.setattr(gemv, "few_rows", lambda x, w, silu_mul_rows=0, cfg=DEFAULT, config=None:
-                        calls.append(silu_mul_rows) or torch.zeros(x.shape[0], silu_mul_rows or w.shape[0]))
-    monkeypatch.setattr(gemv, "add_rms_norm", lambda x, r, nw, eps, cfg: (x, x))
-    gemv.linear(bf, w, on)
-    gemv.add_rms_norm_gate_up(bf, None, None, 1e-6, w, on)
-    gemv.linear(bf, w)  # the default: cuBLAS until measured
-    assert calls == [0, n]
-
-
 @pytest.mark.parametrize("k, rows", [(256, 16), (256, 10), (320, 16), (200, 16)])
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("folded", [False, True])
@@ -554,20 +512,14 @@ def test_input_norm_fused_into_the_one_row_projection(k, rows, with_residual, fo
 def test_no_barrier_holds_back_the_fused_norm_gemvs_weight_loads():
     """Compiled offline for sm90, no loop of the add-and-norm GEMV holds a barrier: its weight loads issue with the
     input's instead of after a layout change through shared memory. Every kernel of the tool compiles for sm90,
-    the prefill attention (its unmasked and masked key loops, with and without split keys), the merges and the
-    few-row kernel among them (an SM holds as many few-row programs as a K split aims at): what the interpreter
-    cannot check. The tool runs apart: it compiles, so it imports the kernels without the interpreter this process
+    the prefill attention (its unmasked and masked key loops, with and without split keys) and the merges among
+    them: what the interpreter cannot check. The tool runs apart: it compiles, so it imports the kernels without the interpreter this process
     has."""
     table = subprocess.run([sys.executable, "-m", "deltaserve.tools.lab.inspect_kernels"], capture_output=True, text=True,
                            check=True, timeout=300).stderr
     names = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]
-    for name in ("prefill_attention, splits 1", "prefill_attention, splits 4", "merge_splits", "merge_splits, counts",
-                 "few_rows, K split", "few_rows + silu"):
+    for name in ("prefill_attention, splits 1", "prefill_attention, splits 4", "merge_splits", "merge_splits, counts"):
         assert name in names, table
-    # A narrow output's K splits aim at few_rows_split_programs programs an SM: the tile must let an SM hold them,
-    # or the split programs run in more than one wave.
-    (split_row,) = [line.split("|") for line in table.splitlines() if line.startswith("| few_rows, K split")]
-    assert int(split_row[5]) >= DEFAULT.few_rows_split_programs, split_row
     attention_loops = [line.split("|")[4] for line in table.splitlines() if line.startswith("| prefill_attention")]
     assert all(len(loops.split(";")) == 2 for loops in attention_loops), table  # the unmasked keys, then the diagonal
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| norm_gemv")]

@@ -231,9 +231,6 @@ def add_engine_args(parser: argparse.ArgumentParser, batches: str) -> None:
     parser.add_argument("--fp8", action="store_true",
                         help="the projections an FP8 checkpoint holds in FP8 (random, block-scaled) on the FP8 "
                              "kernels; the floor counts their bytes")
-    parser.add_argument("--few-rows", type=int, default=None, metavar="N",
-                        help="projections of 2 to N rows by the few-row kernel, 0: cuBLAS (default "
-                        f"{DEFAULT.few_rows})")
     parser.add_argument("--kernel", action="append", default=[], metavar="FIELD=VALUE",
                         help="any KernelConfig field, VALUE a Python literal (a tile as a tuple, None); repeatable")
 
@@ -243,8 +240,6 @@ def kernel_config(ns) -> KernelConfig:
     changes = {field: getattr(ns, flag) == "on" for flag, field in
                (("pdl", "pdl"), ("gemv", "gemv_one_row"), ("fused_norm", "fused_norm"), ("whole_rows", "whole_rows"))
                if getattr(ns, flag, None) is not None}
-    if getattr(ns, "few_rows", None) is not None:
-        changes["few_rows"] = ns.few_rows
     fields = {f.name: f for f in dataclasses.fields(KernelConfig)}
     for item in getattr(ns, "kernel", []):
         name, _, value = item.partition("=")

@@ -1,7 +1,7 @@
 """Kernel benchmark on a GPU: time, achieved bandwidth or FLOP rate, and the ratio to ceilings measured in the
 same run (a large device-to-device copy; a large bf16 matmul), and for GDN the ratio to fla-core.
 
-    python -m deltaserve.tools.bench_kernels [--size 4b|9b|27b] [--out FILE] [--only decode,projections,few_rows,fp8,prefill,sampling]
+    python -m deltaserve.tools.bench_kernels [--size 4b|9b|27b] [--out FILE] [--only decode,projections,fp8,prefill,sampling]
         [--sweeps decode,scan,prep,attention,conv,sampler,rounds,gemv]
 """
 
@@ -42,13 +42,6 @@ ROUND_STEPS = 200  # token steps drawn per round count: the share of batches a r
 GEMV_SWEEP = [(2, 4096, 4, 1), (2, 2048, 2, 2), (2, 2048, 4, 2), (2, 1024, 2, 3), (4, 2048, 4, 2),
               (1, 2048, 2, 2), (4, 512, 4, 2), (8, 512, 4, 2), (8, 256, 4, 3), (4, 1024, 4, 1),
               (8, 512, 8, 1)] + [WholeRows(*c) for c in ((1, 2), (1, 4), (1, 8), (2, 4))]
-# ((BLOCK_N, BLOCK_K, warps, stages), programs an SM that a narrow output's K splits aim at), swept at 4 and 8 rows.
-# Fewer stages or a shorter K tile let an SM hold more programs (`inspect_kernels`: the default holds 4, 48 KB of
-# shared memory each), so more of the weights' loads are in flight.
-FEW_ROWS_SWEEP = [((16, 256, 4, 3), 4), ((32, 256, 4, 3), 4), ((32, 128, 4, 4), 4), ((64, 128, 4, 3), 4),
-                  ((16, 512, 4, 2), 4), ((32, 512, 8, 2), 4), ((64, 256, 8, 3), 4), ((32, 256, 4, 2), 4),
-                  ((32, 128, 4, 3), 4), ((32, 128, 4, 2), 4), ((64, 128, 4, 2), 4), ((32, 256, 4, 3), 3),
-                  ((32, 256, 4, 3), 2), ((32, 256, 4, 2), 6), ((32, 128, 4, 3), 8)]
 NORM_GEMV_SWEEP = [(8, 512, 4, 2), (4, 512, 4, 2), (4, 512, 4, 3), (8, 256, 4, 3), (8, 256, 2, 3), (4, 1024, 4, 2),
                    (2, 2048, 2, 2), (16, 256, 4, 2), (8, 512, 8, 2), (16, 512, 8, 2)
                    ] + [WholeRows(*c) for c in ((1, 2), (2, 2), (2, 4), (4, 4))]
@@ -94,7 +87,7 @@ def ceilings(dev):
     return copy_bw, flops
 
 
-SWEEPS = ("decode", "scan", "prep", "attention", "conv", "sampler", "rounds", "gemv", "few_rows")
+SWEEPS = ("decode", "scan", "prep", "attention", "conv", "sampler", "rounds", "gemv")
 
 
 def graph_time_per_call(make_call, weights: list[torch.Tensor]) -> float:
@@ -264,45 +257,7 @@ def _cublas_transposed(x: torch.Tensor, weight) -> torch.Tensor:
     return out.t()[:M].contiguous()
 
 
-def few_row_projections(cfg, rows: list, bw: float, sweep: bool, counts=(2, 4, 8, 16)) -> None:
-    """Few-row projections (decode batches of 2-16, a speculative verify): the few-row kernel against cuBLAS on
-    every shape of the model at each row count, timed as `projections` does; the MLP's gate_up with silu(gate) *
-    up in the kernel's epilogue against cuBLAS and the silu_mul kernel."""
-    dev, bf = torch.device("cuda"), torch.bfloat16
-    for name, (n, k) in projection_shapes(cfg).items():
-        copies = max(2, -(-(512 << 20) // (n * k * 2)))
-        weights = [torch.randn(n, k, device=dev, dtype=bf) * 0.02 for _ in range(copies)]
-        silu = name == "mlp gate_up"
-        for m in counts:
-            x = torch.randn(m, k, device=dev, dtype=bf)
-            nbytes = (n * k + m * k + m * (n // 2 if silu else n)) * 2
-
-            def ours(config=None, split=DEFAULT.few_rows_split_programs):
-                c = replace(DEFAULT, few_rows_split_programs=split)
-                return lambda w: lambda: gemv.few_rows(x, w, n // 2 if silu else 0, cfg=c, config=config)
-
-            def peer(w):
-                return (lambda: norm.silu_mul(x @ w.t())) if silu else (lambda: x @ w.t())
-
-            t, t_peer = graph_time_per_call(ours(), weights), graph_time_per_call(peer, weights)
-            rows.append((f"few-row projection {name}{' + silu_mul' if silu else ''}", f"{m} x {k} -> {n}", t,
-                         f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy; cuBLAS "
-                         f"{nbytes / t_peer / bw:.0%} ({t_peer / t:.2f}x our time)"))
-            if not silu and DEFAULT.few_rows_split_programs:
-                t_whole = graph_time_per_call(ours(split=0), weights)
-                rows.append((f"few-row projection {name}, K not split", f"{m} x {k} -> {n}", t_whole,
-                             f"{nbytes / t_whole / 1e12:.2f} TB/s", f"{nbytes / t_whole / bw:.0%} of copy"))
-            for config, split in FEW_ROWS_SWEEP if sweep and m in (4, 8) else ():
-                try:
-                    t = graph_time_per_call(ours(config, split), weights)
-                except OutOfResources:
-                    continue
-                rows.append((f"few-row projection {name} config {config}, K split for {split} programs an SM",
-                             f"{m} x {k} -> {n}", t, f"{nbytes / t / 1e12:.2f} TB/s", f"{nbytes / t / bw:.0%} of copy"))
-        del weights
-
-
-SECTIONS = ("decode", "projections", "few_rows", "fp8", "prefill", "sampling")
+SECTIONS = ("decode", "projections", "fp8", "prefill", "sampling")
 
 
 def run(size: str, sweeps=SWEEPS, sections=SECTIONS) -> list[tuple]:
@@ -328,8 +283,6 @@ def run(size: str, sweeps=SWEEPS, sections=SECTIONS) -> list[tuple]:
     C = 2 * hk * dk + hv * dv
     if "projections" in sections:
         projections(cfg, rows, bw, "gemv" in sweeps)
-    if "few_rows" in sections:
-        few_row_projections(cfg, rows, bw, "few_rows" in sweeps)
     if "fp8" in sections:
         fp8_activations(cfg, memory_row)
         fp8_projections(cfg, rows, bw, flops)

@@ -13,8 +13,6 @@
 # spec    #32: the speculative step against a plain one, with the 27B head's published acceptance emulated, the
 #         drafts reading an FP8 copy of lm_head (the default) and the bf16 one
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
-# fewrows #30, #32: the few-row kernel's tile sweep, then the batch-8 decode step and the speculative graph (a
-#         five-row verify) with it and without it
 # mixed   #30: what a prompt chunk adds to a step of 60 decode rows (tools/lab/profile_mixed_step.py)
 # turn    #31: a chat turn's prefill (1024 tokens) after cached prefixes of 0 and 7.6k tokens, with the kernels
 #         that take the GPU time (what grows with the prefix), its attention's keys shared out up to 1 and 4 ways
@@ -64,17 +62,6 @@ for stage in ${STAGES//,/ }; do
     prefix)
       timeout 300 bash tools/lab/prefix_cache_rows.sh /tmp/prefix-rows
       rm -rf /tmp/prefix-rows/ck4b && tar czf "$DIR/prefix-rows.tgz" -C /tmp prefix-rows ;;
-    fewrows)
-      timeout 120 python3 -m deltaserve.tools.bench_kernels --size 4b --only few_rows --sweeps few_rows \
-          > "$DIR/few_rows.md" 2>&1
-      for n in 16 0; do
-        timeout 120 python3 -m deltaserve.tools.bench_decode --size 4b --batches 1,8 --few-rows $n \
-            > "$DIR/decode-few-rows-$n.md" 2>&1
-        grep "^| [0-9]" "$DIR/decode-few-rows-$n.md" | sed "s/^/few_rows=$n /"
-        timeout 120 python3 -m deltaserve.tools.lab.profile_decode --size 4b --batches 1 --speculative-tokens 4 \
-            --few-rows $n > "$DIR/spec-graph-few-rows-$n.txt" 2>&1  # the verify's five rows
-        grep "^batch" "$DIR/spec-graph-few-rows-$n.txt" | sed "s/^/few_rows=$n speculative /"
-      done ;;
     mixed)
       timeout 200 python3 -m deltaserve.tools.lab.profile_mixed_step --size 4b --rows 60 --prompt 256 \
           > "$DIR/mixed-step.txt" 2>&1

@@ -66,11 +66,6 @@ MERGE_SPLITS_SIGNATURE = {"part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_pt
                           "D": "constexpr", "SPLITS": "constexpr", "HAS_GATE": "constexpr",
                           "HAS_COUNTS": "constexpr", "BLOCK_S": "constexpr", "BLOCK_D": "constexpr",
                           "PDL": "constexpr"}
-FEW_ROWS_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32",
-                      "counters_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32",
-                      "x_stride": "i32", "up_rows": "i32", "SILU_MUL": "constexpr", "BLOCK_M": "constexpr",
-                      "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "IEEE": "constexpr",
-                      "SPLIT": "constexpr", "PDL": "constexpr"}
 SIXTEEN_DIVISIBLE = {"N", "K", "up_rows", "C", "ab_row_stride", "HV", "q_row_stride", "gate_row_stride",
                      "gate_head_stride", "k_per_split", "x_stride"}
 
@@ -103,14 +98,6 @@ def cases():
         yield ("whole-rows norm_gemv + silu" if silu else "whole-rows norm_gemv", gemv._norm_gemv_whole_rows_kernel,
                WHOLE_ROWS_NORM_GEMV_SIGNATURE, dict(HAS_RES=True, HAS_NW=False, SILU_MUL=silu, ROWS=config.rows,
                                                     K1=k1, K2=k2, PDL=True), config.warps, 1, f"{config}, K 2560")
-    # The few-row kernel: a narrow output's K split across programs (`few_rows_split_programs` an SM aimed at),
-    # and the MLP's unsplit gate_up with silu(gate) * up; whether an SM holds that many is its shared memory's
-    # question.
-    for silu, config in ((False, DEFAULT.few_rows_tile), (True, DEFAULT.few_rows_silu_tile)):
-        block_n, block_k, warps, stages = config
-        yield ("few_rows + silu" if silu else "few_rows, K split", gemv._few_rows_kernel, FEW_ROWS_SIGNATURE,
-               dict(SILU_MUL=silu, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, IEEE=False,
-                    SPLIT=not silu, PDL=True), warps, stages, f"(BLOCK_N, BLOCK_K, warps, stages) {config}")
     defaults = inspect.signature(gdn.gdn_decode).parameters
     block_v, warps = defaults["block_v"].default, defaults["num_warps"].default
     yield ("gdn_decode", gdn._gdn_decode_kernel, GDN_DECODE_SIGNATURE,
