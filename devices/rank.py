@@ -188,7 +188,7 @@ class RankRuntime:
     ) -> None:
         """With speculation (state.verify_steps > 0): decode steps of at most `speculate_up_to` rows (None: any)
         may draft and verify (`StepCommand.speculate`); acceptance: benchmarks' emulated draft acceptance
-        (`EngineArgs.speculative_acceptance`); draft_head: what the drafts read in place of lm_head
+        (`runtime.speculation.SpeculationOverride.acceptance`); draft_head: what the drafts read in place of lm_head
         (`draft_head()`; None: lm_head). fuse_mixed_steps: a step's decode rows and prompt chunks run as one
         forward (`MixedBatch`; a mixed graph's replay where one is captured), not the decode graph then the prefill;
         with speculation, only steps whose decode rows do not speculate."""

@@ -65,7 +65,7 @@ class ReplicaSpec:
     prefill_graph_tokens: int = 2048
     # Speculative decoding with the checkpoint's MTP head: k drafts a decode row (0: off).
     speculative_tokens: int = 0
-    speculative_acceptance: tuple[float, ...] | None = None  # benchmarks: EngineArgs.speculative_acceptance
+    speculative_acceptance: tuple[float, ...] | None = None  # benchmarks: SpeculationOverride.acceptance
     speculative_draft_vocab: int = 0  # drafts among the first N token ids (0: all)
     speculative_fp8_draft_head: bool = False  # the drafts read an FP8 copy of lm_head (EngineArgs)
     fp8_kernels: bool = False  # FP8 checkpoints: weights kept in FP8 (EngineArgs.fp8_kernels)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from deltaserve.kernels.config import KernelConfig
@@ -76,14 +75,6 @@ class EngineArgs:
     # (`kernels.fp8`: half the bytes a decode step reads; the 27B step at batch 1 took 11.6 ms against 17.6 bf16,
     # H100); False: dequantise them to `dtype` as they are read. Nothing changes for other checkpoints.
     fp8_kernels: bool = True
-    # Tests and benchmarks: drafts proposed on the host, (prompt ids, output ids so far, k) -> k token ids, in place
-    # of the head's (which still runs). None: the head's.
-    speculative_drafter: Callable[[list[int], list[int], int], list[int]] | None = None
-    # Benchmarks: a trained head's acceptance, emulated on random weights: draft j is kept in a share acceptance[j]
-    # of the steps (its per-position acceptance rate, as vLLM's metrics and our /metrics report it; so the rates
-    # never rise with j), instead of when it equals the token drawn. Outputs are then not the model's; only the
-    # cost of the steps is.
-    speculative_acceptance: tuple[float, ...] | None = None
     warmup: bool | None = None  # serve warm-up requests before "engine ready" (None: on cuda, to compile kernels)
     stats_interval_s: float = 10.0  # a throughput and usage log line this often while busy (0: never)
 
@@ -143,14 +134,5 @@ class EngineArgs:
                              f"{self.speculative_fp8_draft_head!r}")
         if not isinstance(self.speculative_adaptive, bool):
             raise ValueError(f"speculative_adaptive must be True or False, got {self.speculative_adaptive!r}")
-        if self.speculative_acceptance is not None:
-            values = tuple(self.speculative_acceptance)
-            if len(values) != self.speculative_tokens or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1 for v in values) or \
-                    any(later > earlier for earlier, later in zip(values, values[1:])):
-                raise ValueError(f"speculative_acceptance must hold speculative_tokens ({self.speculative_tokens}) "
-                                 f"per-position rates in [0, 1], none above the one before (a draft is kept only "
-                                 f"after the ones before it), got {self.speculative_acceptance!r}")
-            self.speculative_acceptance = tuple(float(v) for v in values)
         if self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be positive")

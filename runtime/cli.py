@@ -161,10 +161,6 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         default=defaults.speculative_adaptive,
                         help="with speculation: each batch size speculates only while its steps are measured to "
                              "give tokens faster than one-token steps (--no-speculative-adaptive: always)")
-    parser.add_argument("--speculative-acceptance", type=_probabilities, metavar="P1,P2,...", default=None,
-                        help="benchmarks only: keep draft j in a share Pj of the steps (per-position acceptance "
-                             "rates, as /metrics reports them) instead of when it equals the drawn token, emulating "
-                             "a trained head on random weights (outputs are not the model's)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
                         help="skip the start-up warm-up requests that compile every kernel (cuda) before serving")
     parser.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=defaults.seed,
@@ -244,16 +240,6 @@ def _speculative_config(text: str) -> int:
     return k
 
 
-def _probabilities(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
-    if not all(0 <= v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: each probability must be in [0, 1]")
-    return values
-
-
 def speculative_tokens(ns: argparse.Namespace) -> int:
     if ns.speculative_tokens is not None and ns.speculative_config is not None \
             and ns.speculative_tokens != ns.speculative_config:
@@ -272,7 +258,7 @@ def engine_args(ns: argparse.Namespace) -> EngineArgs:
         max_waiting=ns.max_waiting, memory_fraction=ns.memory_fraction, load_format=ns.load_format,
         stats_interval_s=ns.stats_interval, warmup=ns.warmup, async_scheduling=ns.async_scheduling,
         enable_prefix_caching=ns.enable_prefix_caching, prefix_cache_state_gib=ns.prefix_cache_state_gib,
-        speculative_tokens=speculative_tokens(ns), speculative_acceptance=ns.speculative_acceptance,
+        speculative_tokens=speculative_tokens(ns),
         speculative_max_batch=ns.speculative_max_batch, speculative_adaptive=ns.speculative_adaptive,
         speculative_draft_vocab=ns.speculative_draft_vocab, speculative_fp8_draft_head=ns.speculative_fp8_draft_head,
         fp8_kernels=ns.fp8_kernels, fused_mixed_steps=ns.fused_mixed_steps,
@@ -287,8 +273,9 @@ def server_options(ns: argparse.Namespace):
                          keep_alive_timeout_s=ns.keep_alive_timeout, access_log=ns.access_log)
 
 
-async def run_server(ns: argparse.Namespace) -> int:
-    """Serve until a signal (exit 0) or the engine's failure (exit 1); a start-up failure raises StartupError."""
+async def run_server(ns: argparse.Namespace, speculation_override=None) -> int:
+    """Serve until a signal (exit 0) or the engine's failure (exit 1); a start-up failure raises StartupError.
+    `speculation_override`: a benchmark's emulated acceptance (`tools/lab/serve_emulated.py`)."""
     from .engine import AsyncEngine
     from .server import serve, shutdown
 
@@ -314,7 +301,7 @@ async def run_server(ns: argparse.Namespace) -> int:
     engine = None
     try:
         try:
-            engine = AsyncEngine(engine_args(ns))
+            engine = AsyncEngine(engine_args(ns), speculation_override=speculation_override)
             await engine.start()
         except StartupError:
             raise

@@ -38,7 +38,7 @@ from .metrics import EngineMetrics
 from .params import SamplingParams, all_ints
 from .prefix_cache import PrefixCache
 from .scheduler import CapacityError, Scheduler, default_buckets
-from .speculation import SpeculationPolicy
+from .speculation import SpeculationOverride, SpeculationPolicy
 from .step_budget import StepBudget
 from .outputs import Request, RequestOutput
 from .text import IncrementalDetokenizer, PromptTooLong, StopMatcher, TextTokenizer
@@ -86,8 +86,10 @@ class QueueFullError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, *, speculation_override: SpeculationOverride | None = None) -> None:
+        """`speculation_override`: tests' and benchmarks' drafts or acceptance (`SpeculationOverride`)."""
         self.args = args
+        self.override = speculation_override or SpeculationOverride()
         self.metrics = EngineMetrics()
         self.replica: Replica | None = None
         self.scheduler: Scheduler | None = None
@@ -132,6 +134,7 @@ class AsyncEngine:
         self.model_name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         buckets = sorted(args.buckets) if args.buckets else default_buckets(args.max_batch)
         self.speculative = args.speculative_tokens
+        self.override.check(args.speculative_tokens)
         self.speculation = SpeculationPolicy(args.speculative_tokens, args.speculative_max_batch,
                                              args.speculative_adaptive)
         if self.speculative:
@@ -153,7 +156,7 @@ class AsyncEngine:
             max_batch=args.max_batch, max_model_len=self.max_model_len, prefill_slots=args.prefill_slots,
             prefill_token_budget=args.prefill_token_budget, buckets=buckets, cuda_graph=args.cuda_graph,
             prefill_graph_tokens=args.prefill_graph_tokens, speculative_tokens=args.speculative_tokens,
-            speculative_acceptance=args.speculative_acceptance, speculative_max_batch=args.speculative_max_batch,
+            speculative_acceptance=self.override.acceptance, speculative_max_batch=args.speculative_max_batch,
             speculative_draft_vocab=args.speculative_draft_vocab,
             speculative_fp8_draft_head=args.speculative_fp8_draft_head, fp8_kernels=args.fp8_kernels,
             fused_mixed_steps=fused,
@@ -573,7 +576,7 @@ class AsyncEngine:
             cmd.speculate = plan.speculate
             cmd.verify_accepted = [KEPT_ON_DEVICE if counts[rid].kept_pending else counts[rid].kept
                                    for rid in plan.decode_ids]
-            if self.args.speculative_drafter is not None:
+            if self.override.propose is not None:
                 cmd.draft_tokens = [self._host_drafts(reqs[rid], counts[rid]) for rid in plan.decode_ids]
         for w in plan.prefill:
             req = reqs[w.request_id]
@@ -595,7 +598,7 @@ class AsyncEngine:
         """The test drafter's drafts for a row (`StepCommand.draft_tokens`). Tokens still on their way stand in
         its output as UNKNOWN_TOKEN; a row whose speculative step is in flight gets drafts for each count the step
         may have kept (1 .. k + 1)."""
-        k, drafter = self.speculative, self.args.speculative_drafter
+        k, drafter = self.speculative, self.override.propose
         unseen = counted.generated - len(req.output_ids)
         counts = range(1, k + 2) if counted.kept_pending else [1]
         return [list(drafter(req.prompt_ids, req.output_ids + [UNKNOWN_TOKEN] * (unseen + kept - 1), k))

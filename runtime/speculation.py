@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,31 @@ TRIES = 4
 RETRY = 64
 WINDOW = 8
 MARGIN = 0.03
+
+
+@dataclass(frozen=True)
+class SpeculationOverride:
+    """What tests and benchmarks put in place of the speculative step's own drafting or keeping, handed to
+    `AsyncEngine(args, speculation_override=...)` (no flag or EngineArgs field reaches it: outputs under it are not
+    the model's).
+
+    propose: (prompt ids, output ids so far, k) -> k draft ids, made on the host in place of the head's (which still
+    runs): tests script exactly which drafts are right. acceptance: k per-position rates (as /metrics reports them,
+    so never rising with the position); draft j is kept in that share of the steps instead of when it equals the
+    token drawn, emulating a trained head on random weights (benchmarks of the step's cost)."""
+
+    propose: Callable[[list[int], list[int], int], list[int]] | None = None
+    acceptance: tuple[float, ...] | None = None
+
+    def check(self, k: int) -> None:
+        """ValueError unless the acceptance fits k drafts a step."""
+        values = self.acceptance
+        if values is None:
+            return
+        if len(values) != k or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
+                                       for v in values) or any(b > a for a, b in zip(values, values[1:])):
+            raise ValueError(f"acceptance must hold speculative_tokens ({k}) per-position rates in [0, 1], none "
+                             f"above the one before (a draft is kept only after the ones before it), got {values!r}")
 
 
 @dataclass

@@ -360,3 +360,17 @@ def test_an_aiohttp_without_the_internals_the_server_reads_is_refused_at_start_u
     monkeypatch.setattr(connection, "_INTERNALS", [*connection._INTERNALS, (RequestHandler, "_renamed_later")])
     message = start_failure(caplog, [tiny_ckpt])
     assert "RequestHandler._renamed_later" in message and "aiohttp>=3.14,<3.15" in message
+
+
+def test_emulated_acceptance_is_a_lab_tool_not_a_serve_flag(tiny_ckpt, caplog):
+    """The served product has no flag that changes outputs for a benchmark's sake; the lab's server takes the
+    emulated acceptance, checked against the drafts a step makes."""
+    from deltaserve.tools.lab import serve_emulated
+
+    with pytest.raises(SystemExit):
+        cli.main(["serve", tiny_ckpt, "--speculative-acceptance", "0.9"])
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert serve_emulated.main(["--acceptance", "0.9,0.8", tiny_ckpt, "--speculative-tokens", "3",
+                                    "--port", str(free_port())]) == cli.EXIT_STARTUP_FAILED
+    assert any("acceptance must hold speculative_tokens (3)" in r.getMessage() for r in caplog.records)

@@ -703,6 +703,7 @@ def test_speculative_decoding_keeps_the_tokens_of_plain_decoding(real_geometry_c
     rejected) and with drafts of the model's own continuation (all kept but the last step's), in fp32, equal plain
     decoding's; the verify path's log-probs within 2e-3 of the decode path's."""
     from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+    from deltaserve.runtime.speculation import SpeculationOverride
 
     prompts = [[(7 * i + 13 * j) % 3000 for j in range(40 + 37 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
@@ -710,9 +711,9 @@ def test_speculative_decoding_keeps_the_tokens_of_plain_decoding(real_geometry_c
     async def run(k: int, drafter=None):
         # Prefill graphs off: the decode and speculative graphs are what this checks, and fp32 captures are slow.
         args = EngineArgs(model=real_geometry_ckpt, device="cuda", max_batch=4, max_model_len=1024,
-                          load_format="random", dtype="float32", speculative_tokens=k, speculative_drafter=drafter,
+                          load_format="random", dtype="float32", speculative_tokens=k,
                           speculative_adaptive=False, prefill_graph_tokens=0)
-        async with AsyncEngine(args) as engine:
+        async with AsyncEngine(args, speculation_override=SpeculationOverride(drafter)) as engine:
             graphs = engine.replica.ranks[0].backend.graphs
             assert graphs.buckets and not graphs.eager  # the speculative steps replay captured graphs
             outs = await asyncio.gather(*[_last(engine.generate(p, params)) for p in prompts])

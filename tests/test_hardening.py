@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 from deltaserve.runtime.server import ServerOptions, serve
+from deltaserve.runtime.speculation import SpeculationOverride
 
 KEY = "sesame-open-2f9c41d7"  # longer than 8 characters: a check of a prefix alone would show
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -436,11 +437,11 @@ def test_slow_clients_time_out(tiny_ckpt):
 class EngineThread:
     """An engine on its own event loop thread, so Hypothesis examples (plain functions) can share it."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, override: SpeculationOverride | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.engine = AsyncEngine(args)
+        self.engine = AsyncEngine(args, speculation_override=override)
         self.run(self.engine.start())
 
     def run(self, coro, timeout: float = 120.0):
@@ -455,11 +456,12 @@ class EngineThread:
 
 # The speculative engine keeps drafts on an emulated acceptance (random weights accept none), so its overlapped
 # steps take several tokens a row on the device, past stop ids, min_tokens and max_tokens caps.
-@pytest.fixture(scope="module", params=[{}, {"speculative_tokens": 3, "speculative_adaptive": False,
-                                             "speculative_acceptance": (0.9, 0.7, 0.5)}], ids=["plain", "speculative"])
+@pytest.fixture(scope="module", params=[0, 3], ids=["plain", "speculative"])
 def fuzz_engine(tiny_ckpt, request):
+    k = request.param
     runner = EngineThread(EngineArgs(model=tiny_ckpt, max_model_len=96, max_batch=4, prefill_slots=2,
-                                     cpu_memory_bytes=32 << 20, **request.param))
+                                     cpu_memory_bytes=32 << 20, speculative_tokens=k, speculative_adaptive=False),
+                          SpeculationOverride(acceptance=(0.9, 0.7, 0.5)) if k else None)
     yield runner
     runner.close()
 

@@ -21,6 +21,7 @@ from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.model.synthetic import write_checkpoint
 from deltaserve.model.weights import checkpoint_files
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+from deltaserve.runtime.speculation import SpeculationOverride
 
 
 def mtp_oracle(ckpt: str, hf, tokens: torch.Tensor, next_token: int) -> torch.Tensor:
@@ -138,12 +139,13 @@ def _prompts():
     return [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 23, 40, 17, 64, 9)]
 
 
-async def _serve(ckpt, prompts, params, tp=1, **kw):
+async def _serve(ckpt, prompts, params, tp=1, propose=None, acceptance=None, **kw):
     """Every prompt at once (staggered finishes: slots are promoted and compacted under the others); the outputs
-    and the engine's speculative counters. Every step speculates unless `speculative_adaptive` is given."""
+    and the engine's speculative counters. Every step speculates unless `speculative_adaptive` is given; `propose`
+    and `acceptance`: the `SpeculationOverride`'s."""
     kw.setdefault("speculative_adaptive", False)
     args = EngineArgs(model=ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20, tp=tp, **kw)
-    async with AsyncEngine(args) as engine:
+    async with AsyncEngine(args, speculation_override=SpeculationOverride(propose, acceptance)) as engine:
         async def one(i, ids):
             p = params(i)
             last = None
@@ -196,7 +198,7 @@ def test_controlled_drafts_are_accepted_exactly_where_they_are_right(tiny_tp_ckp
     prompts = _prompts()
     drafter = _continuation_drafter(plain_greedy, prompts, set(corrupt_at))
     outs, (drafted, accepted) = asyncio.run(_serve(tiny_tp_ckpt, prompts, _greedy, speculative_tokens=k,
-                                                   speculative_drafter=drafter))
+                                                   propose=drafter))
     assert [o[0] for o in outs] == [o[0] for o in plain_greedy]
     for (_, lps, _), (_, ref_lps, _) in zip(outs, plain_greedy):
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) <= 1e-4
@@ -220,7 +222,7 @@ def test_seeded_sampling_draws_the_same_tokens_with_speculation(tiny_tp_ckpt):
     plain, _ = asyncio.run(_serve(tiny_tp_ckpt, prompts, sampled))
     drafter = _continuation_drafter(plain, prompts)
     spec, (drafted, accepted) = asyncio.run(_serve(tiny_tp_ckpt, prompts, sampled, speculative_tokens=3,
-                                                   speculative_drafter=drafter))
+                                                   propose=drafter))
     assert [o[0] for o in spec] == [o[0] for o in plain]
     assert accepted > 0
 
@@ -238,7 +240,7 @@ def test_a_flagged_speculative_draw_keeps_the_drafts_of_its_redrawn_tokens(tiny_
     plain, _ = asyncio.run(_serve(tiny_tp_ckpt, prompts, sampled))
     flagging_every_filtered_row(monkeypatch)
     spec, (drafted, accepted) = asyncio.run(_serve(tiny_tp_ckpt, prompts, sampled, speculative_tokens=3,
-                                                   speculative_drafter=_continuation_drafter(plain, prompts)))
+                                                   propose=_continuation_drafter(plain, prompts)))
     assert [o[0] for o in spec] == [o[0] for o in plain]
     assert accepted >= 0.6 * drafted
 
@@ -254,7 +256,7 @@ def test_max_tokens_and_stop_ids_hold_on_the_kept_drafts(tiny_tp_ckpt, plain_gre
         return SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True, logprobs=1)
 
     drafter = _continuation_drafter(plain_greedy, prompts)
-    outs, _ = asyncio.run(_serve(tiny_tp_ckpt, prompts, params, speculative_tokens=4, speculative_drafter=drafter))
+    outs, _ = asyncio.run(_serve(tiny_tp_ckpt, prompts, params, speculative_tokens=4, propose=drafter))
     for i, (ids, _, reason) in enumerate(outs):
         ref = plain_greedy[i][0]
         if i == 1:
@@ -264,13 +266,13 @@ def test_max_tokens_and_stop_ids_hold_on_the_kept_drafts(tiny_tp_ckpt, plain_gre
             assert ids == ref[: 4 + i] and reason == "length"
 
 
-async def _streamed(ckpt, prompts, params, **kw):
+async def _streamed(ckpt, prompts, params, propose=None, **kw):
     """Every prompt at once; per request what its stream delivered: (token_ids, text, the deltas' ids joined, the
     deltas' text joined, the deltas' log-probs joined, finish_reason, how many outputs said finished); and the
     engine's finished-requests count."""
     kw.setdefault("speculative_adaptive", False)
     args = EngineArgs(model=ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20, **kw)
-    async with AsyncEngine(args) as engine:
+    async with AsyncEngine(args, speculation_override=SpeculationOverride(propose)) as engine:
         async def one(i, ids):
             outs = [out async for out in engine.generate(ids, params(i))]
             last = outs[-1]
@@ -320,7 +322,7 @@ def test_streams_equal_plain_decoding_when_a_kept_draft_ends_the_request(tiny_tp
     drafter = _continuation_drafter(plain_greedy, prompts)
     for k in (2, 4):
         spec, finished = asyncio.run(_streamed(tiny_tp_ckpt, requests, params, speculative_tokens=k,
-                                               speculative_drafter=drafter, enable_prefix_caching=False))
+                                               propose=drafter, enable_prefix_caching=False))
         _same_streams(spec, plain)
         assert finished == plain_finished == len(cases)
     assert len({r[5] for r in plain}) >= 1 and len({len(r[0]) for r in plain}) >= 5  # the endings vary
@@ -415,15 +417,15 @@ def test_an_emulated_acceptance_keeps_the_drafts_it_says(tiny_tp_ckpt):
     """Benchmarks emulate a trained head's acceptance on random weights: with (1, 1, 0) every step keeps two of
     its three drafts, whatever they are, but none past max_tokens, where a request ends exactly."""
     outs, (drafted, accepted) = asyncio.run(_serve(tiny_tp_ckpt, _prompts(), _greedy, speculative_tokens=3,
-                                                   speculative_acceptance=(1.0, 1.0, 0.0)))
+                                                   acceptance=(1.0, 1.0, 0.0)))
     lengths = [7 + 5 * i for i in range(len(outs))]
     assert [len(ids) for ids, _, _ in outs] == lengths
     steps = sum(-(-(n - 1) // 3) for n in lengths)  # the first token comes from the prefill; 3 tokens a step
     assert drafted == 3 * steps and accepted == sum(n - 1 for n in lengths) - steps
-    with pytest.raises(ValueError, match="speculative_acceptance must hold speculative_tokens \\(3\\)"):
-        EngineArgs(speculative_tokens=3, speculative_acceptance=(0.5, 0.5))
+    with pytest.raises(ValueError, match="acceptance must hold speculative_tokens \\(3\\)"):
+        SpeculationOverride(acceptance=(0.5, 0.5)).check(3)
     with pytest.raises(ValueError, match="none above the one before"):
-        EngineArgs(speculative_tokens=2, speculative_acceptance=(0.5, 0.6))
+        SpeculationOverride(acceptance=(0.5, 0.6)).check(2)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -455,7 +457,7 @@ def test_speculative_steps_overlap_and_change_no_token(tiny_tp_ckpt, monkeypatch
     for overlap in (False, True):
         pending_rows.clear()
         outs, (drafted, accepted) = asyncio.run(_serve(tiny_tp_ckpt, prompts, params, tp=tp, speculative_tokens=3,
-                                                       speculative_acceptance=(0.9, 0.6, 0.3),
+                                                       acceptance=(0.9, 0.6, 0.3),
                                                        async_scheduling=overlap))
         runs.append((outs, sum(pending_rows)))
         assert 0 < accepted < drafted
@@ -484,9 +486,8 @@ def test_no_step_runs_for_a_request_its_last_speculative_step_ended(tiny_tp_ckpt
 
     async def main():
         args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20,
-                          speculative_tokens=3, speculative_acceptance=(1.0, 1.0, 1.0), speculative_adaptive=False,
-                          warmup=False)
-        async with AsyncEngine(args) as engine:
+                          speculative_tokens=3, speculative_adaptive=False, warmup=False)
+        async with AsyncEngine(args, speculation_override=SpeculationOverride(acceptance=(1.0, 1.0, 1.0))) as engine:
             for p in params:  # one at a time
                 decode_steps.clear()
                 out = await _collect(engine, _prompts()[1], p)
@@ -506,8 +507,8 @@ def test_an_emulated_acceptance_is_what_the_metrics_report_per_position(tiny_tp_
 
     async def main():
         args = EngineArgs(model=tiny_tp_ckpt, max_model_len=512, max_batch=4, cpu_memory_bytes=96 << 20,
-                          speculative_tokens=4, speculative_acceptance=rates, speculative_adaptive=False)
-        async with AsyncEngine(args) as engine:
+                          speculative_tokens=4, speculative_adaptive=False)
+        async with AsyncEngine(args, speculation_override=SpeculationOverride(acceptance=rates)) as engine:
             async def one(ids):
                 async for _ in engine.generate(ids, params):
                     pass
@@ -546,9 +547,8 @@ def test_steps_above_the_speculative_batch_limit_decode_one_token_and_hand_over_
 
     async def main():
         args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20,
-                          speculative_tokens=3, speculative_drafter=drafter, speculative_max_batch=2,
-                          speculative_adaptive=False)
-        async with AsyncEngine(args) as engine:
+                          speculative_tokens=3, speculative_max_batch=2, speculative_adaptive=False)
+        async with AsyncEngine(args, speculation_override=SpeculationOverride(drafter)) as engine:
             async def one(i, wait_for=None):
                 if wait_for is not None:
                     await wait_for.wait()
@@ -648,8 +648,8 @@ def test_adaptive_speculation_runs_both_kinds_of_step_and_changes_no_output(tiny
 
     async def main():
         args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20,
-                          speculative_tokens=3, speculative_drafter=drafter)
-        async with AsyncEngine(args) as engine:
+                          speculative_tokens=3)
+        async with AsyncEngine(args, speculation_override=SpeculationOverride(drafter)) as engine:
             outs = [await _collect(engine, p, _greedy(i)) for i, p in enumerate(prompts)]
             return outs, engine.speculation.buckets[1].times
 
@@ -671,8 +671,9 @@ def test_the_policy_charges_each_step_the_host_time_it_exposes(tiny_tp_ckpt, pla
 
     async def main():
         args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20,
-                          speculative_tokens=3, speculative_drafter=_continuation_drafter(plain_greedy, prompts))
-        async with AsyncEngine(args) as engine:
+                          speculative_tokens=3)
+        drafter = SpeculationOverride(_continuation_drafter(plain_greedy, prompts))
+        async with AsyncEngine(args, speculation_override=drafter) as engine:
             await _collect(engine, prompts[5], _greedy(5))
             return engine.speculation.buckets[1]
 
@@ -687,17 +688,17 @@ def test_one_token_steps_keep_the_heads_kv_as_speculative_steps_do(tiny_ckpt):
     prompt = _prompts()[2]
     params = SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True)
 
-    async def head_kv(**kw):
+    async def head_kv(propose=None, **kw):
         args = EngineArgs(model=tiny_ckpt, max_model_len=256, max_batch=1, cpu_memory_bytes=96 << 20,
                           speculative_tokens=3, enable_prefix_caching=False, **kw)
-        async with AsyncEngine(args) as engine:
+        async with AsyncEngine(args, speculation_override=SpeculationOverride(propose)) as engine:
             ids, _ = await _collect(engine, prompt, params)
             state = engine.replica.ranks[0].runtime.state
             return ids, state.k_cache[-1, :4].flatten(0, 1).clone()  # the first request's pages: 0, 1, ...
 
     plain_ids, one_token = asyncio.run(head_kv(speculative_max_batch=0))
     drafter = _continuation_drafter([(plain_ids, None, None)], [prompt])
-    spec_ids, speculated = asyncio.run(head_kv(speculative_adaptive=False, speculative_drafter=drafter))
+    spec_ids, speculated = asyncio.run(head_kv(speculative_adaptive=False, propose=drafter))
     assert spec_ids == plain_ids
     written = len(prompt) + len(plain_ids) - 3 - 2  # up to the last step's first position, either way
     assert one_token[:written].abs().sum() > 0

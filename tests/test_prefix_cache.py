@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from deltaserve.runtime.engine import AsyncEngine, EngineArgs, SamplingParams
 from deltaserve.runtime.prefix_cache import PrefixCache, page_keys
 from deltaserve.runtime.scheduler import Scheduler
+from deltaserve.runtime.speculation import SpeculationOverride
 
 PS = 4  # a small page, so prompts span many pages
 
@@ -458,8 +459,8 @@ def test_a_speculative_engines_next_turn_resumes_after_the_answer(tiny_tp_ckpt, 
     async def conversation(cache: bool, drafter=None, k: int = 3):
         args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, prefill_slots=2,
                           cpu_memory_bytes=96 << 20, enable_prefix_caching=cache, speculative_tokens=k,
-                          speculative_adaptive=False, speculative_drafter=drafter)
-        async with AsyncEngine(args) as engine:
+                          speculative_adaptive=False)
+        async with AsyncEngine(args, speculation_override=SpeculationOverride(drafter)) as engine:
             answer = await _last(engine.generate(prompt, first))
             nxt = await _last(engine.generate(prompt + answer.token_ids + message, second))
             accepted = engine.metrics.spec_accepted._value.get()

@@ -33,6 +33,7 @@ from deltaserve.model.sharding import LocalSizes
 from deltaserve.model.state import StateSizes
 from deltaserve.model.weights import weight_bytes
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+from deltaserve.runtime.speculation import SpeculationOverride
 from deltaserve.tools.capture_check import time_per_call
 from deltaserve.tools.live_rows import live_decode_batch
 from deltaserve.model.synthetic import write_checkpoint
@@ -74,9 +75,9 @@ async def open_engine(size: str, layers: int | None, batches: list[int], context
                           prefill_token_budget=512, kernel_config=kernel_config,
                           async_scheduling=async_scheduling, speculative_tokens=speculative_tokens,
                           speculative_adaptive=False, speculative_draft_vocab=draft_vocab, fp8_kernels=fp8,
-                          speculative_fp8_draft_head=fp8_draft_head,
-                          speculative_acceptance=speculative_acceptance)
-        async with AsyncEngine(args) as engine:
+                          speculative_fp8_draft_head=fp8_draft_head)
+        override = SpeculationOverride(acceptance=speculative_acceptance)
+        async with AsyncEngine(args, speculation_override=override) as engine:
             yield engine
 
 
@@ -131,7 +132,7 @@ async def speculative_run(ns) -> str:
     drafting K tokens a step with the MTP head against one without, per batch size. With random weights the head's
     drafts are all but never accepted, so a speculative step yields one token: the ratio is what verifying K + 1
     tokens a row (and drafting) costs over a one-token step. `--acceptance P1,...` emulates a trained head's
-    acceptance (`EngineArgs.speculative_acceptance`): the TPOT column is then what such a head gives, beside the
+    acceptance (`SpeculationOverride.acceptance`): the TPOT column is then what such a head gives, beside the
     step time over the expected tokens a step (1 + P1 + ... + PK: the Pj are per-position rates)."""
     batches = [int(b) for b in ns.batches.split(",")]
     steps, kept, tpot = {}, {}, {}

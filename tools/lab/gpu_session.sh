@@ -165,8 +165,9 @@ for stage in ${STAGES//,/ }; do
       done ;;
     specrows)
       for mode in spec plain; do
-        flags=$([ $mode = spec ] && echo "--speculative-tokens 4 --speculative-acceptance 0.92,0.84,0.65,0.54")
-        ROWS="c16 c64" MODES=on timeout 250 bash tools/lab/prefix_cache_rows.sh /tmp/specrows-$mode $flags \
+        flags=$([ $mode = spec ] && echo "--speculative-tokens 4")
+        serve=$([ $mode = spec ] && echo "python3 -m deltaserve.tools.lab.serve_emulated --acceptance 0.92,0.84,0.65,0.54")
+        SERVE=$serve ROWS="c16 c64" MODES=on timeout 250 bash tools/lab/prefix_cache_rows.sh /tmp/specrows-$mode $flags \
             | sed "s/^/$mode /"
         grep -E "graphs per rank|capture of .* failed|runtime.speculation" /tmp/specrows-$mode/server-on.log \
             | cut -c1-200 | tail -8

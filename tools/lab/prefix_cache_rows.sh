@@ -3,7 +3,8 @@
 # cache on, then off, each running the same `deltaserve bench serve` rows. Results (JSON per row, server logs) go
 # to OUT (default ./prefix-cache-rows); one summary line per row is printed.
 #
-#   [ROWS="c1 turns"] [MODES=on] bash tools/lab/prefix_cache_rows.sh [OUT] [extra serve flags, e.g. --log-steps]
+#   [ROWS="c1 turns"] [MODES=on] [SERVE="python3 -m deltaserve.tools.lab.serve_emulated --acceptance P1,..."] \
+#       bash tools/lab/prefix_cache_rows.sh [OUT] [extra serve flags, e.g. --log-steps]
 #
 # ROWS picks rows and their order (default: shared turns c64 c1; also c16, long, burst: #30's 8k-token prompts one at a
 # time and eight together); MODES the servers (default: on off).
@@ -15,7 +16,7 @@ CK="$OUT/ck4b"
 
 serve() {  # serve NAME FLAGS...: a server in the background, once /health answers
   local name=$1; shift
-  deltaserve serve "$CK" --load-format random --device cuda --port 8000 --disable-access-log --stats-interval 0 \
+  ${SERVE:-deltaserve serve} "$CK" --load-format random --device cuda --port 8000 --disable-access-log --stats-interval 0 \
       --max-num-seqs 64 "$@" > "$OUT/server-$name.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 600); do
