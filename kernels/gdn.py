@@ -461,7 +461,7 @@ def _gdn_chunk_scan_out_kernel(mixed_ptr, kscale_ptr, qscale_ptr, w_ptr, kd_ptr,
     # and u while they are in registers, off the state's dependent chain, instead of storing both for a third
     # kernel. The row strides are compile-time constants (mixed is contiguous) and each chunk moves scalar base
     # pointers only: per-element int64 offsets rebuilt from a loaded chunk start made this loop spill kilobytes a
-    # thread (347 against 264-269 us at the 27B heads, runs K1-K5).
+    # thread (347 against 264-269 us at the 27B heads, docs/benchmarks/log/kernels.md).
     C: tl.constexpr = 2 * KEY_DIM + HV * DV
     MODEL_BF16: tl.constexpr = mixed_ptr.dtype.element_ty == tl.bfloat16
     r = tl.program_id(0)

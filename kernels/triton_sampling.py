@@ -743,7 +743,7 @@ def default_splits(rows: int, vocab: int, device: torch.device, top_p_rounds: bo
     """Enough programs per pass to fill the GPU (a few per SM), never a block less than BLOCK per split. With the
     top-p race rounds, twice as many: a row the rounds leave takes the histogram passes about alone, and more
     programs shorten them (batch 64 at top-p 0.8, T 0.7 on the H200: such a batch 153.2 -> 133.6 µs; a top-k
-    threshold batch, which has no rounds, would lose 10 µs; docs/benchmarks/log/kernels.md, runs N6 and O1)."""
+    threshold batch, which has no rounds, would lose 10 µs; docs/benchmarks/log/kernels.md)."""
     want = max(1, triton.cdiv((8 if top_p_rounds else 4) * multiprocessors(device), rows))
     return min(MAX_SPLITS, triton.next_power_of_2(want), max(1, triton.next_power_of_2(triton.cdiv(vocab, 8 * BLOCK))))
 
