@@ -20,7 +20,8 @@ class EngineArgs:
     max_model_len: int | None = None  # default: min(config max_position_embeddings, 32768)
     cuda_graph: bool = True
     # With graphs, prefill steps of up to this many tokens replay a graph (captured at 16, 32, 64, 128, every 64
-    # tokens to 512, then every 128): a 512-token prefill's TTFT fell from 29.8 to 12.4 ms (H100, when prefill graphs were added; README); 0: none.
+    # tokens to 512, then every 128): a 512-token prefill's TTFT fell from 29.8 to 12.4 ms (H100, when prefill
+    # graphs were added; README); 0: none.
     prefill_graph_tokens: int = 2048
     # A step carrying prompt chunks beside decode rows runs them as one forward (each projection reads the weights
     # once, not once for the decode graph and again for the prefill), replayed from a graph per decode bucket and
