@@ -486,7 +486,7 @@ class AsyncEngine:
                 plan = sched.schedule() if sched.has_work else None
                 if plan is not None:
                     self._decide(plan)
-                self._update_gauges()
+                self.metrics.show(self.scheduler)
                 handing_over = plan is not None and not plan.empty
                 if not handing_over and not in_flight:
                     self._emit(later)
@@ -627,12 +627,8 @@ class AsyncEngine:
         counts = [1 + len(more) for more in result.decode_more]
         self.scheduler.on_drafts_kept(plan.decode_ids, counts, cmd.seq)
         # The metrics count live requests' rows: not the step a request that ended before it ran in vain.
-        counts = [c for rid, c in zip(plan.decode_ids, counts) if rid in self.requests]
-        self.metrics.count_tokens(0, sum(counts))
-        self.metrics.spec_drafts.inc(self.speculative * len(counts))
-        self.metrics.spec_accepted.inc(sum(counts) - len(counts))
-        for position in range(max(counts, default=1) - 1):
-            self.metrics.spec_accepted_at.labels(str(position)).inc(sum(1 for c in counts if c > position + 1))
+        self.metrics.count_kept([c for rid, c in zip(plan.decode_ids, counts) if rid in self.requests],
+                                self.speculative)
 
     def _apply(self, plan, result: StepResult) -> list:
         """Each token appended, and every request that ends here finished (stop token, stop string, length).
@@ -666,10 +662,10 @@ class AsyncEngine:
         req.last_token_time = now
         reason = req.take(sampled)
         if reason is not None:
-            self._observe_latency(req, since_last, now)
+            self.metrics.observe_token(req.arrival, req.prefill_start, since_last, now)
             self._finish(req, reason)
         elif later is None or req.text_decides:
-            self._observe_latency(req, since_last, now)
+            self.metrics.observe_token(req.arrival, req.prefill_start, since_last, now)
             self._detokenize(req, sampled.token)
         else:
             later.append((req, sampled.token, since_last))
@@ -679,16 +675,8 @@ class AsyncEngine:
         for req, token, since_last in later:
             if req.finished:  # aborted since: its stream has had its last output
                 continue
-            self._observe_latency(req, since_last, req.last_token_time)
+            self.metrics.observe_token(req.arrival, req.prefill_start, since_last, req.last_token_time)
             self._detokenize(req, token)
-
-    def _observe_latency(self, req: Request, since_last: float | None, now: float) -> None:
-        if since_last is None:
-            self.metrics.ttft.observe(now - req.arrival)
-            if req.prefill_start is not None:
-                self.metrics.prefill_time.observe(now - req.prefill_start)
-        else:
-            self.metrics.itl.observe(since_last)
 
     def _detokenize(self, req: Request, token: int) -> None:
         """The token's text, then the request's output: a stop string or the length ends the request."""
@@ -723,15 +711,6 @@ class AsyncEngine:
                          s.num_running, len(s.waiting), 100 * s.held_pages / s.num_pages,
                          100 * len(s.decode_slots) / s.max_batch)
             last = (now, prompt, generated)
-
-    def _update_gauges(self) -> None:
-        s = self.scheduler
-        self.metrics.running.set(s.num_running)
-        self.metrics.waiting.set(len(s.waiting))
-        self.metrics.kv_usage.set(s.held_pages / s.num_pages)
-        snapshots = s.cache.snapshots
-        self.metrics.snapshot_usage.set(len(snapshots) / snapshots.capacity if snapshots.capacity else 0.0)
-        self.metrics.slot_usage.set(len(s.decode_slots) / s.max_batch)
 
     # Introspection (tests, /metrics) ----------------------------------------------------------------------------
     def resources_free(self) -> bool:

@@ -62,5 +62,33 @@ class EngineMetrics:
         self.prefix_queries.inc(prompt_tokens)
         self.prefix_hits.inc(cached_tokens)
 
+    def count_kept(self, counts: list[int], k: int) -> None:
+        """A speculative step's rows: each kept `counts[i]` tokens of 1 + k (the drafts kept, by position)."""
+        self.count_tokens(0, sum(counts))
+        self.spec_drafts.inc(k * len(counts))
+        self.spec_accepted.inc(sum(counts) - len(counts))
+        for position in range(max(counts, default=1) - 1):
+            self.spec_accepted_at.labels(str(position)).inc(sum(1 for c in counts if c > position + 1))
+
+    def observe_token(self, arrival: float, prefill_start: float | None, since_last: float | None,
+                      now: float) -> None:
+        """A request's token: its first gives TTFT (and the prefill's part of it), the others ITL."""
+        if since_last is None:
+            self.ttft.observe(now - arrival)
+            if prefill_start is not None:
+                self.prefill_time.observe(now - prefill_start)
+        else:
+            self.itl.observe(since_last)
+
+    def show(self, scheduler) -> None:
+        """The gauges, from the scheduler's state (`runtime.scheduler.Scheduler`)."""
+        s = scheduler
+        self.running.set(s.num_running)
+        self.waiting.set(len(s.waiting))
+        self.kv_usage.set(s.held_pages / s.num_pages)
+        snapshots = s.cache.snapshots
+        self.snapshot_usage.set(len(snapshots) / snapshots.capacity if snapshots.capacity else 0.0)
+        self.slot_usage.set(len(s.decode_slots) / s.max_batch)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
