@@ -662,11 +662,12 @@ def test_adaptive_speculation_runs_both_kinds_of_step_and_changes_no_output(tiny
 
 def test_the_policy_charges_each_step_the_host_time_it_exposes(tiny_tp_ckpt, plain_greedy, monkeypatch):
     """Both kinds of step are overlapped with the host's routing and outputs, which the devices wait for where
-    they take longer than a step: each step is charged that wait. With slow outputs (0.1 s a step) and every
-    draft kept, a speculative step's four tokens come for one wait, and the policy settles on speculating."""
+    they take longer than a step: each step is charged that wait. With slow outputs (0.5 s a step: more than a
+    step's time varies by on a loaded 2-core machine) and every draft kept, a speculative step's four tokens come
+    for one wait, and the policy settles on speculating."""
     prompts = _prompts()
     emit = AsyncEngine._emit
-    monkeypatch.setattr(AsyncEngine, "_emit", lambda self, outputs: (time.sleep(0.1) if outputs else None,
+    monkeypatch.setattr(AsyncEngine, "_emit", lambda self, outputs: (time.sleep(0.5) if outputs else None,
                                                                  emit(self, outputs))[1])
 
     async def main():
