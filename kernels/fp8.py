@@ -459,12 +459,45 @@ def cublas_block_scaled_works(device: torch.device) -> bool:
     return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()))
 
 
+@triton.jit
+def _dequantise_kernel(values_ptr, scale_ptr, out_ptr, N, K, scale_cols, BLOCK: tl.constexpr):
+    """One BLOCK x BLOCK tile of the weight: its FP8 values times the tile's scale, in fp32, stored in out's dtype
+    (rounded once, as `Fp8Weight.dequantise` does)."""
+    i, j = tl.program_id(0), tl.program_id(1)
+    rows = i * BLOCK + tl.arange(0, BLOCK)
+    cols = j * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows[:, None] < N) & (cols[None, :] < K)
+    offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    v = tl.load(values_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(scale_ptr + i * scale_cols + j)
+    tl.store(out_ptr + offsets, (v * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantised(weight: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in `dtype` (`Fp8Weight.dequantise`'s values), in one pass over its bytes and no fp32 copy."""
+    n, k = weight.shape
+    b = weight.block
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    _dequantise_kernel[(triton.cdiv(n, b), triton.cdiv(k, b))](weight.values, weight.scale, out, n, k,
+                                                                 weight.scale.shape[1], BLOCK=b)
+    return out
+
+
+def linear_dequantised(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """x @ weight^T on cuBLAS's GEMM in x's dtype, over the weight dequantised for this call (a prefill's
+    projection: the GEMM's work dwarfs the dequantising pass, and the output is the dequantised model's)."""
+    return x @ dequantised(weight, x.dtype).t()
+
+
 def linear(x: torch.Tensor, weight: Fp8Weight, cfg: KernelConfig = DEFAULT) -> torch.Tensor:
-    """The FP8 projection: W8A16 up to DECODE_ROWS rows, above by `KernelConfig.fp8_prefill` ("cublas", "w8a8"
-    or "w8a16"; "cublas" falls back to "w8a8" for a weight `cublas_takes` refuses); "cublas" takes every weight it
-    can above `KernelConfig.fp8_few_rows` rows; an fp32 model (tests) stays W8A16."""
+    """The FP8 projection: W8A16 up to DECODE_ROWS rows, above by `KernelConfig.fp8_prefill` ("dequant",
+    "w8a16", "cublas" or "w8a8"; "cublas" falls back to "w8a8" for a weight `cublas_takes` refuses, and takes
+    every weight it can above `KernelConfig.fp8_few_rows` rows); an fp32 model (tests) stays W8A16."""
     if takes_cublas(x, weight, cfg):
         return linear_cublas(x, weight, cfg)
-    if x.shape[0] > DECODE_ROWS and cfg.fp8_prefill != "w8a16" and x.dtype != torch.float32:
-        return linear_w8a8(x, weight, cfg)
+    if x.shape[0] > DECODE_ROWS and x.dtype != torch.float32:
+        if cfg.fp8_prefill == "dequant":
+            return linear_dequantised(x, weight)
+        if cfg.fp8_prefill in ("w8a8", "cublas"):
+            return linear_w8a8(x, weight, cfg)
     return linear_w8a16(x, weight, cfg)

@@ -690,6 +690,24 @@ def test_the_w8a16_projection_equals_its_reference(rows, dtype):
     assert rel(out.float(), ref.float()) <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_prefill_dequantises_each_weight_as_the_format_defines_and_runs_the_gemm_on_it(dtype):
+    """The default FP8 prefill (above DECODE_ROWS rows): the weight dequantised by one pass (N and K not
+    multiples of the 128-blocks) is exactly `Fp8Weight.dequantise`'s, and the projection is the GEMM over it; an
+    fp32 model's rows stay on the W8A16 kernel."""
+    from deltaserve.kernels import fp8
+
+    weight, g = _fp8_weight(200, 300, 7)
+    assert DEFAULT.fp8_prefill == "dequant"
+    assert torch.equal(fp8.dequantised(weight, dtype), weight.dequantise(dtype))
+    x = torch.randn(fp8.DECODE_ROWS + 6, 300, generator=g).to(DEVICE, dtype)
+    got = fp8.linear(x, weight)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, x @ weight.dequantise(dtype).t())
+    else:
+        assert rel(got, fp8.linear_w8a16(x, weight)) <= 1e-6
+
+
 @pytest.mark.parametrize("tile", [Tile(2, 256, 2, 2), Tile(8, 128, 4, 1), Tile(128, 512, 4, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_one_row_fp8_gemv_equals_its_reference(tile, dtype):

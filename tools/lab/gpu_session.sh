@@ -95,6 +95,13 @@ for stage in ${STAGES//,/ }; do
             $flag > "$DIR/prefill-27b$flag.txt" 2>&1
         grep "^| [0-9]" "$DIR/prefill-27b$flag.txt" | sed "s/^/27b (16 layers) prefill ${flag:-bf16} /"
       done ;;
+    fp8prefill)  # the FP8 accuracy gate at three widths, then the default prefill's rate (27B, 16 layers, 8k)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -o log_cli=true --log-cli-level=INFO \
+          -k accuracy_gate > "$DIR/fp8-gate.log" 2>&1
+      grep -E "passed|failed|FP8 .*: top-8" "$DIR/fp8-gate.log" | tail -5
+      timeout 80 python3 -m deltaserve.tools.lab.profile_prefill --size 27b --layers 16 --tokens 8192 --repeats 3 \
+          --fp8 > "$DIR/prefill-27b-fp8-dequant.txt" 2>&1
+      grep "^| [0-9]" "$DIR/prefill-27b-fp8-dequant.txt" | sed "s/^/27b (16 layers) prefill fp8 dequant /" ;;
     defects)
       timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -o log_cli=true --log-cli-level=INFO \
           -k "${TESTS:-accuracy_gate or narrower or closed_in_process}" > "$DIR/defects-tests.log" 2>&1
