@@ -188,7 +188,10 @@ def decode_activation_bytes(cfg: ModelConfig, local: LocalSizes, dtype: torch.dt
 
 
 def prefill_activation_bytes(cfg: ModelConfig, local: LocalSizes, dtype: torch.dtype, tokens: int) -> int:
-    """Activations of one prefill step of `tokens` tokens (chunked GDN works 64 tokens at a time)."""
+    """Activations of one prefill step of `tokens` tokens (chunked GDN works 64 tokens at a time); with FP8
+    weights, also the widest projection's weight dequantised for its GEMM (`kernels.fp8.linear_dequantised`)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    per_token = (8 * cfg.hidden_size + 6 * _widest_projection(cfg, local)) * elem
-    return tokens * per_token + 4 * cfg.vocab_size * 4 * 8 + (256 << 20)
+    widest = _widest_projection(cfg, local)
+    per_token = (8 * cfg.hidden_size + 6 * widest) * elem
+    dequantised = widest * cfg.hidden_size * elem if cfg.fp8_block else 0
+    return tokens * per_token + 4 * cfg.vocab_size * 4 * 8 + (256 << 20) + dequantised

@@ -94,6 +94,24 @@ def test_the_default_prompt_budget_halves_until_its_activations_take_an_eighth_o
     assert default_prefill_token_budget(2 * GiB, activations) == 2048  # never below, however short the memory
 
 
+def test_an_fp8_prefill_reserves_its_widest_weight_dequantised():
+    """An FP8 checkpoint's prefill dequantises each projection's weight for its GEMM: the activation reserve holds
+    the widest of them (the 27B's gate_up, 34816 x 5120 in bf16: 340 MiB), and nothing more for bf16 weights."""
+    import torch
+
+    from deltaserve.model.config import ModelConfig
+    from deltaserve.model.sharding import LocalSizes
+    from deltaserve.model.state import prefill_activation_bytes
+    from deltaserve.model.synthetic import text_config
+
+    bf16 = ModelConfig.from_dict(text_config("27b", 248320))
+    fp8 = ModelConfig.from_dict({**text_config("27b", 248320), "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}})
+    extra = prefill_activation_bytes(fp8, LocalSizes.of(fp8, 1), torch.bfloat16, 2048) - \
+        prefill_activation_bytes(bf16, LocalSizes.of(bf16, 1), torch.bfloat16, 2048)
+    assert extra == 2 * 17408 * 5120 * 2
+
+
 def make_runtime(ckpt, max_batch=4):
     runner = CpuRunner(ckpt, num_slots=max_batch + 2, num_pages=64)
     return RankRuntime(runner.model, runner.state, rank=0, max_batch=max_batch, max_pages_per_seq=8,
