@@ -1,8 +1,9 @@
 """Projections, alone and fused with the block's input add-and-norm: the torch references, then the one-row
-Triton GEMVs (batch-1 decode); more rows go to cuBLAS (a few-row Triton kernel, which read each weight tile once for
-2 to 16 rows, edged cuBLAS at the 4B batch-8 step but slowed the speculative five-row verify, H100: it was removed,
-docs/decisions/0001-few-row-kernel-removed.md). A weight kept in FP8 (`fp8.Fp8Weight`) takes the FP8 kernels at every row count, after an unfused
-add-and-norm (fused into the FP8 kernel, the norm's loads inside its K loop made it 2.5x slower: 27B, H100)."""
+Triton GEMVs (batch-1 decode); more rows go to cuBLAS (a few-row Triton kernel, which read each weight tile once
+for 2 to 16 rows, edged cuBLAS at the 4B batch-8 step but slowed the speculative five-row verify, H100: it was
+removed, docs/decisions/0001-few-row-kernel-removed.md). A weight kept in FP8 (`fp8.Fp8Weight`) takes the FP8
+kernels at every row count, after an unfused add-and-norm (fused into the FP8 kernel, the norm's loads inside its
+K loop made it 2.5x slower: 27B, H100)."""
 
 from __future__ import annotations
 

@@ -99,8 +99,9 @@ class Qwen35Shard:
 
     # A block's input norm is zero-centred, norm(x) * (1 + w), and only the block's first projection reads it, so
     # (1 + w) is folded into that projection's columns here and the ops get norm weight None. The one-row add-and-norm
-    # GEMV then loads one vector fewer a program: 4B batch-1 step 2.466 against 2.529 ms (H100; docs/benchmarks/log/decode.md). The
-    # scaled weight is rounded once to the model dtype, where the reference rounds the normalised activation.
+    # GEMV then loads one vector fewer a program: 4B batch-1 step 2.466 against 2.529 ms (H100;
+    # docs/benchmarks/log/decode.md). The scaled weight is rounded once to the model dtype, where the reference
+    # rounds the normalised activation.
     _BLOCK_NORMS = {
         "input_layernorm.weight": ("linear_attn.in_proj_all.weight", "self_attn.qkv_proj.weight"),
         "post_attention_layernorm.weight": ("mlp.gate_up_proj.weight",),

@@ -98,6 +98,9 @@ class OutputQueue:
 
 @dataclass
 class Request:
+    """The host's record of one request: its prompt and parameters, the tokens drawn, its output so far (ids,
+    text pieces, log-probs) and the queue its stream reads."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams

@@ -766,8 +766,8 @@ def test_fp8_kernels_pass_the_accuracy_gate_at_real_widths(size):
     """Random block-scaled FP8 projections at the 4B, 9B and 27B widths (four layers), drawn at a trained model's
     scales (`_trained_like`), on the default FP8 kernels with bf16 activations, against the same weights
     dequantised to fp32 on the torch references: top-8 log-probs of a 200-token prefill (prefill-sized projections)
-    and three decode steps within the gate (mean <= 0.06, p99 <= 0.2). The opt-in W8A8 prefill (`fp8_prefill="cublas"`) is measured and
-    logged beside it, for the record its docs cite."""
+    and three decode steps within the gate (mean <= 0.06, p99 <= 0.2). The opt-in W8A8 prefill
+    (`fp8_prefill="cublas"`) is measured and logged beside it, for the record its docs cite."""
     from helpers import top8_logprob_gaps
 
     from deltaserve.kernels.fp8 import Fp8Weight
