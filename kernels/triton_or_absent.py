@@ -27,6 +27,7 @@ except ImportError:  # the stand-in below
         cdiv=lambda a, b: -(-a // b),
         next_power_of_2=lambda n: 1 << max(0, int(n) - 1).bit_length(),
     )
+
     class constexpr:  # noqa: N801 (Triton's name): an annotation, and a value wrapper at module level
         def __init__(self, value=None) -> None:
             self.value = value

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from .engine import AsyncEngine, CapacityError, EngineDeadError, QueueFullError, RequestOutput
-from .connection import ERROR_KEY, USAGE_KEY, AccessLogger, AppRunner, access_log
+from .connection import ERROR_KEY, USAGE_KEY, AccessLogger, AppRunner, access_log, check_aiohttp
 from .openai_protocol import (
     ApiError,
     ParsedRequest,
@@ -512,6 +512,7 @@ async def serve(engine: AsyncEngine, host: str, port: int, options: ServerOption
     """Start serving on host:port, or on `sock` (bound already: the CLI binds before the model loads) (the engine
     must be started); returns the runner for `shutdown`."""
     options = options or ServerOptions()
+    check_aiohttp()
     runner = AppRunner(
         build_app(engine, options), header_timeout_s=options.header_timeout_s, handler_cancellation=True,
         keepalive_timeout=options.keep_alive_timeout_s, shutdown_timeout=2.0,
