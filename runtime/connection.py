@@ -124,8 +124,8 @@ class AppRunner(web.AppRunner):
 
 class AccessLogger(AbstractAccessLogger):
     """`127.0.0.1 "POST /v1/completions" 200 0.412s prompt=12 completion=64` (and `cached=N` when a cached prefix
-    spared N prompt tokens); a refusal says why: `400 0.001s error='max_tokens: ...'` (quoted as Python does, so no control
-    character of the client's reaches the log)."""
+    spared N prompt tokens); a refusal says why: `400 0.001s error='max_tokens: ...'` (quoted as Python does, so
+    no control character of the client's reaches the log)."""
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         usage = request.get(USAGE_KEY)
