@@ -471,7 +471,6 @@ class AsyncEngine:
             later.extend(self._apply(plan, result))
             if ahead:  # the next step is with the ranks already: the outputs go out at once
                 self._emit(later)
-                later.clear()
                 firsts = sum(work.last for work in plan.prefill)
                 if in_flight and 0 < firsts and firsts + len(plan.decode_ids) <= FEW_STREAMS:
                     # A first token: its stream writes it now, while the step handed over runs, instead of after
@@ -490,7 +489,6 @@ class AsyncEngine:
                 handing_over = plan is not None and not plan.empty
                 if not handing_over and not in_flight:
                     self._emit(later)
-                    later.clear()
                     last_done = None
                     self._wakeup.clear()
                     await self._wakeup.wait()
@@ -502,7 +500,6 @@ class AsyncEngine:
                     in_flight.append((plan, cmd, self.replica.start_step(cmd, overlapped=ahead > 0), handed))
                     self._count(plan, cmd)
                 self._emit(later)  # the step before's outputs, while this one runs
-                later.clear()
                 while in_flight and (len(in_flight) > ahead or not handing_over):
                     await finish()
             while in_flight:  # closing: the last steps' tokens come before `close` ends the requests
@@ -671,12 +668,14 @@ class AsyncEngine:
             later.append((req, sampled.token, since_last))
 
     def _emit(self, later: list) -> None:
-        """The outputs `_apply` left for later: detokenised, latency recorded, queued to their streams."""
+        """The outputs `_apply` left for later: detokenised, latency recorded, queued to their streams; `later` is
+        emptied."""
         for req, token, since_last in later:
             if req.finished:  # aborted since: its stream has had its last output
                 continue
             self.metrics.observe_token(req.arrival, req.prefill_start, since_last, req.last_token_time)
             self._detokenize(req, token)
+        later.clear()
 
     def _detokenize(self, req: Request, token: int) -> None:
         """The token's text, then the request's output: a stop string or the length ends the request."""

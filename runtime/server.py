@@ -222,7 +222,7 @@ async def _start_all(engine: AsyncEngine, prompts: list, parsed: ParsedRequest) 
     streams = []
     try:
         for ids in checked:
-            streams += engine.generate_choices(ids, parsed.params, parsed.n)
+            streams += engine.generate_choices(ids, params, parsed.n)
     except CapacityError as exc:
         _abort(engine, streams)
         raise ApiError(400, str(exc), "max_tokens", "context_length_exceeded") from None
