@@ -2,7 +2,7 @@
 
 A backend checks the devices a replica asks for, makes the collective its ranks share, and opens one
 `RankBackend` per rank: the rank's device, its op set, its all-reduce, its memory and, where the device has
-them, its decode and prefill graphs. The replica drives every backend the same way and never asks which one it has.
+them, its captured forwards (graphs). The replica drives every backend the same way and never asks which one it has.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -27,9 +28,32 @@ def kernel_cache_dir() -> str:
 
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
-GraphProgram = Callable[[], torch.Tensor]  # one step over a bucket's fixed inputs (decode or prefill); its logits
-# A graph's bucket: decode rows or prefill tokens, or (decode rows, prompt tokens) for a mixed step.
-Bucket = int | tuple[int, int]
+GraphProgram = Callable[[], object]  # one forward over a shape's fixed inputs; its outputs (tensors)
+
+
+@dataclass(frozen=True, order=True)
+class StepShape:
+    """What a captured forward is keyed by: `rows` rows of the fixed decode inputs, `tokens_per_row` tokens each
+    (1: decode; k + 1: drafts and their verification), and prompt chunks padded to `prompt_tokens` in the fixed
+    prompt inputs (0: none). Written rows, rows x tokens_per_row, then + prompt_tokens: "8", "8x5", "256", "8+256"."""
+
+    rows: int = 0
+    tokens_per_row: int = 1
+    prompt_tokens: int = 0
+
+    def __str__(self) -> str:
+        parts = [f"{self.rows}x{self.tokens_per_row}" if self.tokens_per_row > 1 else str(self.rows)] if self.rows \
+            else []
+        return "+".join(parts + ([str(self.prompt_tokens)] if self.prompt_tokens else []))
+
+    @property
+    def kind(self) -> str:
+        """For logs: decode, speculative, prefill or mixed."""
+        if self.rows and self.prompt_tokens:
+            return "mixed"
+        if self.prompt_tokens:
+            return "prefill"
+        return "speculative" if self.tokens_per_row > 1 else "decode"
 
 
 class Collective(Protocol):
@@ -42,15 +66,18 @@ class Collective(Protocol):
 
 
 class StepGraphs(Protocol):
-    """Captured steps of one kind (decode rows, prefill tokens, or both in mixed steps), one per bucket."""
+    """Captured forwards, one per shape."""
 
-    stats: dict[Bucket, dict]  # bucket -> {"nodes", "capture_s", "pool_bytes"}
-    buckets: list[Bucket]  # the captured ones, ascending
+    stats: dict[StepShape, dict]  # shape -> {"nodes", "capture_s", "pool_bytes"}
+    shapes: list[StepShape]  # the captured ones, ascending
 
-    def captured(self, bucket: Bucket) -> bool: ...
+    def captured(self, shape: StepShape) -> bool: ...
 
-    def __call__(self, bucket: Bucket) -> torch.Tensor:
-        """Replay the bucket's graph; its logits (a fixed tensor the next replay overwrites)."""
+    def __call__(self, shape: StepShape):
+        """Replay the shape's graph; its program's outputs (fixed tensors the next replay overwrites)."""
+
+    def drop(self, shapes) -> None:
+        """Replay these shapes no more (their steps run eagerly)."""
 
     def destroy(self) -> None: ...
 
@@ -61,9 +88,48 @@ class RankBackend(Protocol):
     ops: ForwardOps
     all_reduce: AllReduce | None
     graphs: StepGraphs | None
-    speculative_graphs: StepGraphs | None
-    prefill_graphs: StepGraphs | None
-    mixed_graphs: StepGraphs | None
+
+    def context(self) -> contextlib.AbstractContextManager: ...
+
+    def free_memory(self, fraction: float) -> int:
+        """Bytes this rank may still allocate for state."""
+
+    def warm_up_collective(self) -> None: ...
+
+    def check_fp8_ops(self) -> None:
+        """Before a model on FP8 weights is built: the op set's FP8 choices checked against the device (an op the
+        device lacks replaced by one it has, with a line in the log)."""
+
+    def capture(self, programs: dict[StepShape, GraphProgram], progress: bool,
+                prepare: Callable[[StepShape], None]) -> StepGraphs | None:
+        """Capture each shape's program, `prepare(shape)` first (None: this device has no graphs)."""
+
+    def close(self) -> None: ...
+
+
+class StepGraphs(Protocol):
+    """Captured forwards, one per shape."""
+
+    stats: dict[StepShape, dict]  # shape -> {"nodes", "capture_s", "pool_bytes"}
+    shapes: list[StepShape]  # the captured ones, ascending
+
+    def captured(self, shape: StepShape) -> bool: ...
+
+    def __call__(self, shape: StepShape):
+        """Replay the shape's graph; its program's outputs (fixed tensors the next replay overwrites)."""
+
+    def drop(self, shapes) -> None:
+        """Replay these shapes no more (their steps run eagerly)."""
+
+    def destroy(self) -> None: ...
+
+
+class RankBackend(Protocol):
+    rank: int
+    device: torch.device
+    ops: ForwardOps
+    all_reduce: AllReduce | None
+    graphs: StepGraphs | None
 
     def context(self) -> contextlib.AbstractContextManager: ...
 

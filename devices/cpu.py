@@ -60,7 +60,7 @@ class CpuRankBackend:
         self.rank, self.device, self.ops = rank, torch.device("cpu"), reference_ops()
         self.all_reduce = collective.for_rank(rank)
         self.memory_bytes = memory_bytes
-        self.graphs = self.speculative_graphs = self.prefill_graphs = self.mixed_graphs = None
+        self.graphs = None
 
     def context(self):
         return contextlib.nullcontext()
@@ -74,16 +74,7 @@ class CpuRankBackend:
     def check_fp8_ops(self) -> None:
         pass  # the torch references run everywhere
 
-    def capture_decode(self, programs, progress: bool) -> None:
-        return None
-
-    def capture_speculative(self, programs, progress: bool) -> None:
-        return None
-
-    def capture_prefill(self, programs, progress: bool, prepare) -> None:
-        return None
-
-    def capture_mixed(self, programs, progress: bool, prepare) -> None:
+    def capture(self, programs, progress: bool, prepare) -> None:
         return None
 
     def close(self) -> None:

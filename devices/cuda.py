@@ -24,7 +24,7 @@ from cuda.bindings import runtime as cudart
 from deltaserve.kernels.config import KernelConfig
 from deltaserve.progress import progress as show_progress
 
-from .backend import Bucket, GraphProgram, kernel_cache_dir
+from .backend import GraphProgram, StepShape, kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +137,6 @@ class CudaRankBackend:
             CudaRankBackend._open += 1
         self.all_reduce = collective.for_rank(rank) if collective is not None else None
         self.graphs: CudaGraphs | None = None
-        self.speculative_graphs: CudaGraphs | None = None
-        self.prefill_graphs: CudaGraphs | None = None
-        self.mixed_graphs: CudaGraphs | None = None
 
     @contextlib.contextmanager
     def context(self):
@@ -176,32 +173,15 @@ class CudaRankBackend:
                         "FP8 prefill runs the Triton W8A8 kernel", self.rank)
             self.ops = triton_ops(dataclasses.replace(config, fp8_prefill="w8a8"))
 
-    def capture_decode(self, programs: dict[int, GraphProgram], progress: bool) -> "CudaGraphs":
-        self.graphs = CudaGraphs(self, programs, progress, "decode")
+    def capture(self, programs: dict[StepShape, GraphProgram], progress: bool,
+                prepare: Callable[[StepShape], None]) -> "CudaGraphs":
+        self.graphs = CudaGraphs(self, programs, progress, prepare)
         return self.graphs
 
-    def capture_speculative(self, programs: dict[int, GraphProgram], progress: bool) -> "CudaGraphs":
-        self.speculative_graphs = CudaGraphs(self, programs, progress, "speculative")
-        return self.speculative_graphs
-
-    def capture_prefill(self, programs: dict[int, GraphProgram], progress: bool,
-                        prepare: Callable[[int], None]) -> "CudaGraphs":
-        self.prefill_graphs = CudaGraphs(self, programs, progress, "prefill", prepare)
-        return self.prefill_graphs
-
-    def capture_mixed(self, programs: dict[tuple[int, int], GraphProgram], progress: bool,
-                      prepare: Callable[[tuple[int, int]], None]) -> "CudaGraphs":
-        # The prefill graphs' pool: a mixed step replaces a prefill step, never runs beside one, and its
-        # activations are the prefill's plus a decode bucket's rows.
-        pool = self.prefill_graphs.pool if self.prefill_graphs is not None else None
-        self.mixed_graphs = CudaGraphs(self, programs, progress, "mixed", prepare, pool=pool)
-        return self.mixed_graphs
-
     def close(self) -> None:
-        for graphs in (self.graphs, self.speculative_graphs, self.mixed_graphs, self.prefill_graphs):
-            if graphs is not None:
-                graphs.destroy()  # graphs before the stream, the pool and the communicator
-        self.graphs = self.speculative_graphs = self.prefill_graphs = self.mixed_graphs = None
+        if self.graphs is not None:
+            self.graphs.destroy()  # graphs before the stream, the pools and the communicator
+        self.graphs = None
         self.stream.synchronize()
         check(cudart.cudaStreamDestroy(self._raw_stream), "cudaStreamDestroy")
         with CudaRankBackend._open_lock:
@@ -218,37 +198,44 @@ class CudaRankBackend:
 
 
 class CudaGraphs:
-    """A captured step per bucket, of one kind (decode rows, prefill tokens or mixed steps). Each is captured from
-    a program (a function of the bucket's fixed inputs and the state) and keeps only its executable graph and its
-    logits; `graphs(bucket)` replays one. A kind has its own memory pool unless given one: graphs of one pool may
-    replay in any order, never at once (each keeps its logits; what else they allocate is scratch)."""
+    """A captured forward per shape. Each is captured from a program (a function of the shape's fixed inputs and
+    the state) and keeps only its executable graph and its outputs; `graphs(shape)` replays one. Graphs of one
+    memory pool may replay in any order, never at once (each keeps its outputs; what else they allocate is
+    scratch): one-token steps share a pool, speculative steps another, and every step with prompt chunks a third
+    (a mixed step replaces a prefill step, never runs beside one, and its activations are the prefill's plus a
+    decode bucket's rows)."""
 
-    def __init__(self, backend: CudaRankBackend, programs: dict[Bucket, GraphProgram], progress: bool,
-                 kind: str, prepare: Callable[[Bucket], None] | None = None, pool=None) -> None:
-        """`prepare(bucket)`, when given, sets the fixed inputs up for that bucket before its program first runs
-        (outside the capture)."""
-        self.rank, self.device, self.kind = backend.rank, backend.device, kind
+    def __init__(self, backend: CudaRankBackend, programs: dict[StepShape, GraphProgram], progress: bool,
+                 prepare: Callable[[StepShape], None]) -> None:
+        """`prepare(shape)` sets the fixed inputs up for that shape before its program first runs (outside the
+        capture)."""
+        self.rank, self.device = backend.rank, backend.device
         self.torch_stream, self.stream = backend.stream, backend._raw_stream
-        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
-        # Each capture takes a use of the pool (torch counts them); its memory goes back once every use is released.
-        self.pool_uses = 0
-        self.graphs: dict[Bucket, tuple] = {}  # bucket -> (graph, exec, logits)
-        self.eager: set[Bucket] = set()
-        self.stats: dict[Bucket, dict] = {}
-        for bucket in show_progress(sorted(programs, reverse=True), unit="graph", disable=not progress,
-                                    desc=f"capturing {kind} graphs (rank {self.rank})"):
-            if prepare is not None:
-                prepare(bucket)
-            self._capture(bucket, programs[bucket])
+        self.pools: dict[str, object] = {}
+        # Each capture takes a use of its pool (torch counts them); its memory goes back once every use is released.
+        self.pool_uses: dict[str, int] = {}
+        self.graphs: dict[StepShape, tuple] = {}  # shape -> (graph, exec, outputs)
+        self.eager: set[StepShape] = set()
+        self.stats: dict[StepShape, dict] = {}
+        # By pool, the largest first (later captures reuse its blocks); one-token, speculative, prefill, mixed.
+        order = sorted(programs, key=lambda s: (s.prompt_tokens > 0, s.rows > 0 and s.prompt_tokens > 0,
+                                                s.tokens_per_row, -s.rows, -s.prompt_tokens))
+        for shape in show_progress(order, unit="graph", disable=not progress, desc=f"capturing graphs (rank {self.rank})"):
+            prepare(shape)
+            self._capture(shape, programs[shape])
         if self.eager:
-            log.warning("rank %d: CUDA graphs were requested but %s buckets %s run eagerly (capture refused)",
-                        self.rank, kind, sorted(self.eager))
+            log.warning("rank %d: CUDA graphs were requested but shapes %s run eagerly (capture refused)",
+                        self.rank, ", ".join(map(str, sorted(self.eager))))
 
     @property
-    def buckets(self) -> list[Bucket]:
+    def shapes(self) -> list[StepShape]:
         return sorted(self.graphs)
 
-    def _capture(self, bucket: Bucket, program: GraphProgram) -> None:
+    @staticmethod
+    def _pool_of(shape: StepShape) -> str:
+        return "prompts" if shape.prompt_tokens else "rows" if shape.tokens_per_row == 1 else "speculative"
+
+    def _capture(self, shape: StepShape, program: GraphProgram) -> None:
         # Two eager runs first compile every Triton kernel and initialise cuBLAS for these shapes on this thread
         # and stream.
         for _ in range(2):
@@ -257,45 +244,56 @@ class CudaGraphs:
         device = self.device.index
         started = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
-        torch._C._cuda_beginAllocateCurrentThreadToPool(device, self.pool)
-        self.pool_uses += 1
+        name = self._pool_of(shape)
+        pool = self.pools.setdefault(name, torch.cuda.graph_pool_handle())
+        torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
+        self.pool_uses[name] = self.pool_uses.get(name, 0) + 1
         graph = None
         try:
             check(cudart.cudaStreamBeginCapture(
                 self.stream, cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture")
             try:
-                logits = program()
+                outputs = program()
             finally:
                 graph = check(cudart.cudaStreamEndCapture(self.stream), "cudaStreamEndCapture")
         except Exception as exc:
-            log.error("rank %d: capture of %s bucket %s failed (%s); it will run eagerly", self.rank, self.kind,
-                      bucket, exc)
-            self.eager.add(bucket)
+            log.error("rank %d: capture of the %s step %s failed (%s); it will run eagerly", self.rank, shape.kind,
+                      shape, exc)
+            self.eager.add(shape)
             if graph is not None:
                 cudart.cudaGraphDestroy(graph)
             return
         finally:
-            torch._C._cuda_endAllocateToPool(device, self.pool)
+            torch._C._cuda_endAllocateToPool(device, pool)
         graph_exec = check(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
         check(cudart.cudaGraphUpload(graph_exec, self.stream), "cudaGraphUpload")
         self.torch_stream.synchronize()
         _, nodes = check(cudart.cudaGraphGetNodes(graph, 0), "cudaGraphGetNodes")
-        self.graphs[bucket] = (graph, graph_exec, logits)
-        self.stats[bucket] = {
+        self.graphs[shape] = (graph, graph_exec, outputs)
+        self.stats[shape] = {
             "nodes": nodes, "capture_s": time.perf_counter() - started,
             "pool_bytes": torch.cuda.memory_reserved(self.device) - before,
         }
 
-    def captured(self, bucket: Bucket) -> bool:
-        return bucket in self.graphs
+    def captured(self, shape: StepShape) -> bool:
+        return shape in self.graphs
 
-    def __call__(self, bucket: Bucket) -> torch.Tensor:
-        _, graph_exec, logits = self.graphs[bucket]
+    def __call__(self, shape: StepShape):
+        _, graph_exec, outputs = self.graphs[shape]
         check(cudart.cudaGraphLaunch(graph_exec, self.stream), "cudaGraphLaunch")
-        return logits
+        return outputs
 
-    def dot(self, bucket: Bucket, path: str) -> None:
-        check(cudart.cudaGraphDebugDotPrint(self.graphs[bucket][0], path.encode(), 0), "cudaGraphDebugDotPrint")
+    def drop(self, shapes) -> None:
+        """Replay these shapes no more (their steps run eagerly)."""
+        for shape in shapes:
+            graph, graph_exec, _ = self.graphs.pop(shape)
+            self.torch_stream.synchronize()
+            check(cudart.cudaGraphExecDestroy(graph_exec), "cudaGraphExecDestroy")
+            check(cudart.cudaGraphDestroy(graph), "cudaGraphDestroy")
+            self.stats.pop(shape)
+
+    def dot(self, shape: StepShape, path: str) -> None:
+        check(cudart.cudaGraphDebugDotPrint(self.graphs[shape][0], path.encode(), 0), "cudaGraphDebugDotPrint")
 
     def destroy(self) -> None:
         self.torch_stream.synchronize()
@@ -303,6 +301,7 @@ class CudaGraphs:
             check(cudart.cudaGraphExecDestroy(graph_exec), "cudaGraphExecDestroy")
             check(cudart.cudaGraphDestroy(graph), "cudaGraphDestroy")
         self.graphs.clear()
-        for _ in range(self.pool_uses):  # a shared pool's memory goes back with the last of its graphs' releases
-            torch._C._cuda_releasePool(self.device.index, self.pool)
-        self.pool_uses = 0
+        for name, uses in self.pool_uses.items():  # a pool's memory goes back with the last of its graphs' releases
+            for _ in range(uses):
+                torch._C._cuda_releasePool(self.device.index, self.pools[name])
+        self.pool_uses.clear()

@@ -11,23 +11,33 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.kernels.sampling import counter_uniform
-from deltaserve.model.batch import (DecodeBatch, MixedBatch, PrefillBatch, PrefillChunk, PrefillInputs, VerifyBatch,
-                                    select_rows, upload)
+from deltaserve.model.batch import (PrefillChunk, PrefillInputs, PromptChunks, StepBatch, TokenRows, select_rows,
+                                    upload)
 from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.state import ModelState
 from deltaserve.model.weights import fp8_copy
 
-from .backend import GraphProgram, StepGraphs
+from .backend import GraphProgram, StepGraphs, StepShape
 from .commands import KEPT_ON_DEVICE, UNKNOWN_TOKEN, SampledToken, SlotProtocolError, StepCommand, StepResult
 from .sampling import Draw, SlotSampling, to_host
 
 log = logging.getLogger(__name__)
+
+
+class ForwardOutputs(NamedTuple):
+    """What one forward of a step gives its draws (a graph keeps them, and each replay overwrites them)."""
+
+    row_logits: torch.Tensor | None  # [rows, V]: each row's (first) position
+    chunk_logits: torch.Tensor | None = None  # [R, V]: each chunk's last token (then a padded step's padding)
+    draft_logits: torch.Tensor | None = None  # [rows, k, V]: a speculative row's k positions after its first
+    drafts: torch.Tensor | None = None  # [rows, k]: the drafts those positions verify
 
 
 class DecodeInputs:
@@ -43,8 +53,8 @@ class DecodeInputs:
         self.seq_lens = torch.ones(rows, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((rows,), trash_page * page_size, dtype=torch.long, device=device)
 
-    def batch(self, bucket: int) -> DecodeBatch:
-        return DecodeBatch(
+    def batch(self, bucket: int) -> TokenRows:
+        return TokenRows(
             self.input_ids[:bucket], self.positions[:bucket], self.slots[:bucket], self.page_table[:bucket],
             self.seq_lens[:bucket], self.slot_mapping[:bucket],
         )
@@ -190,8 +200,8 @@ class RankRuntime:
         may draft and verify (`StepCommand.speculate`); acceptance: benchmarks' emulated draft acceptance
         (`runtime.speculation.SpeculationOverride.acceptance`); draft_head: what the drafts read in place of lm_head
         (`draft_head()`; None: lm_head). fuse_mixed_steps: a step's decode rows and prompt chunks run as one
-        forward (`MixedBatch`; a mixed graph's replay where one is captured), not the decode graph then the prefill;
-        with speculation, only steps whose decode rows do not speculate."""
+        forward (a captured shape's replay where one fits), not the rows' forward then the chunks'; with
+        speculation, only steps whose rows do not draft."""
         self.model, self.state, self.rank, self.max_batch, self.tp = model, state, rank, max_batch, tp
         self.fuse_mixed_steps = fuse_mixed_steps
         self.acceptance = acceptance
@@ -199,14 +209,11 @@ class RankRuntime:
         self.device = device
         self.inputs = DecodeInputs(max_batch, max_pages_per_seq, state.trash_page, state.page_size, device)
         self.occupied = [False] * max_batch
-        self.graphs: StepGraphs | None = None  # captured decode buckets (CUDA); the others run eagerly
-        self.speculative_graphs: StepGraphs | None = None  # the same for speculative steps
-        # Prefill steps padded to a bucket of tokens, replayed from captured graphs (CUDA): a prefill of a few
-        # hundred tokens costs its ~450 launches on the host otherwise, more than its time on the GPU.
+        # Captured forwards by shape (CUDA); a shape without one runs eagerly. Prompt chunks replay padded to a
+        # bucket of tokens in `prefill_inputs`: a prefill of a few hundred tokens costs its ~450 launches on the
+        # host otherwise, more than its time on the GPU.
+        self.graphs: StepGraphs | None = None
         self.prefill_inputs: PrefillInputs | None = None
-        self.prefill_graphs: StepGraphs | None = None
-        # Fused mixed steps replayed per (decode bucket, prompt-token bucket), over both fixed inputs.
-        self.mixed_graphs: StepGraphs | None = None
         # Rank 0 only: what each state slot's request samples with.
         self.vocab = model.cfg.vocab_size
         kernels = model.ops.config
@@ -222,99 +229,103 @@ class RankRuntime:
         self._keep_ratio = None if not acceptance else torch.tensor(
             [b / a if a > 0 else 0.0 for a, b in zip((1.0, *acceptance), acceptance)], device=device)
 
-    def prefill_programs(self, buckets: list[int], requests: int = 1) -> dict[int, GraphProgram]:
-        """For each bucket of tokens, a prefill of up to `requests` chunks over the fixed inputs and the state,
-        padded to the bucket: what a prefill graph captures. A program reads what a fill for its bucket wrote
-        (`prefill_inputs.fill`, or `fill_inert` before a capture)."""
-        state = self.state
-        head = state.num_slots if state.verify_steps else None  # the verify pools' trash row
-        inputs = self.prefill_inputs = PrefillInputs(max(buckets), self.inputs.width, state.trash_slot,
-                                                     state.trash_page, state.page_size, self.device,
-                                                     requests=requests, head_trash=head)
-        if head is not None:
-            return {b: (lambda b=b: self._prefill_with_head(inputs.batch(b), *inputs.head_inputs(b))) for b in buckets}
-        model = self.model
-        return {b: (lambda batch=inputs.batch(b): model.prefill(state, batch)) for b in buckets}
+    # Forwards ---------------------------------------------------------------------------------------------------------
+    def programs(self, shapes: list[StepShape], prompt_requests: int = 1) -> dict[StepShape, GraphProgram]:
+        """Each shape's forward over the fixed inputs (`program`): what a graph captures. Makes the fixed prompt
+        inputs first, for up to `prompt_requests` chunks and the shapes' largest prompt-token bucket."""
+        tokens = max((s.prompt_tokens for s in shapes), default=0)
+        if tokens:
+            state = self.state
+            head = state.num_slots if state.verify_steps else None  # the verify pools' trash row
+            self.prefill_inputs = PrefillInputs(tokens, self.inputs.width, state.trash_slot, state.trash_page,
+                                                state.page_size, self.device, requests=prompt_requests,
+                                                head_trash=head)
+        return {s: self.program(s) for s in shapes}
 
-    def _prefill_bucket(self, chunks: list[PrefillChunk]) -> int:
-        """The smallest captured bucket a step's prefill chunks fit together, or 0."""
-        if self.prefill_graphs is None:
-            return 0
-        return next((b for b in self.prefill_graphs.buckets if self.prefill_inputs.fits(chunks, b)), 0)
+    def program(self, shape: StepShape) -> GraphProgram:
+        """The forward of `shape` over the fixed inputs, as the step's fill (or `prepare(shape)`) left them: its
+        outputs (`ForwardOutputs`)."""
+        if shape.tokens_per_row > 1 and not self.can_speculate(shape.rows):
+            raise ValueError(f"rank {self.rank} does not speculate in steps of {shape.rows} rows")
+        prompts, b = self.prefill_inputs, shape.prompt_tokens
+        if b and (prompts is None or b > prompts.tokens):
+            raise ValueError(f"no fixed prompt inputs of {b} tokens (`programs` makes them)")
 
-    def mixed_programs(self, decode_buckets: list[int],
-                       token_buckets: list[int]) -> dict[tuple[int, int], GraphProgram]:
-        """For each decode bucket and bucket of prompt tokens, a fused mixed step over the decode inputs and the
-        prefill inputs (`prefill_programs` made those, for at least the largest token bucket): what a mixed graph
-        captures. `prepare_mixed(bucket)` sets both up inert before a capture."""
-        model, state, inputs, prefill = self.model, self.state, self.inputs, self.prefill_inputs
-        if self.speculation:
-            return {(d, t): (lambda d=d, t=t: self._mixed_with_head(MixedBatch.of(inputs.batch(d), prefill.batch(t)),
-                                                                    *prefill.head_inputs(t)))
-                    for d in decode_buckets for t in token_buckets}
-        return {(d, t): (lambda d=d, t=t: model.mixed(state, MixedBatch.of(inputs.batch(d), prefill.batch(t))))
-                for d in decode_buckets for t in token_buckets}
+        def run() -> ForwardOutputs:
+            chunks = prompts.batch(b) if b else None
+            head = prompts.head_inputs(b) if b and self.speculation else None
+            return self._forward(shape.rows, shape.tokens_per_row, chunks, head)
 
-    def prepare_mixed(self, bucket: tuple[int, int]) -> None:
-        self.inputs.fill([], [], bucket[0])
-        if self.speculation:
-            self.speculation.fill_inert()
-        self.prefill_inputs.fill_inert(bucket[1])
+        return run
 
-    def _mixed_with_head(self, batch: MixedBatch, following: torch.Tensor,
-                         head_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A speculative engine's fused mixed step: its decode rows as `_plain_decode`'s (rolled back, the head
-        over their last step, their hidden states kept), its chunks as `_prefill_with_head`'s. (Decode logits,
-        logits at each chunk's last token.)"""
-        n, slots = batch.decode_rows, batch.decode.slots
-        self._before_one_token_rows(slots, n)
-        hidden = self.model.mixed_hidden(self.state, batch)
-        self.state.verify_hidden[self.state.verify_rows(slots), 0] = hidden[:n]
-        last = self._head_over_prompts(hidden[n:], following, batch.prefill, head_rows)
-        logits = self.model.logits(torch.cat([hidden[:n], last]))
-        return logits[:n], logits[n:]
-
-    def _mixed_bucket(self, rows: int, chunks: list[PrefillChunk]) -> tuple[int, int] | None:
-        """The smallest captured mixed bucket beside `rows` decode rows that the chunks fit, or None."""
-        if self.mixed_graphs is None:
-            return None
-        return next((b for b in self.mixed_graphs.buckets if b[0] == rows and self.prefill_inputs.fits(chunks, b[1])),
-                    None)
-
-    def decode_programs(self, buckets: list[int]) -> dict[int, GraphProgram]:
-        """For each bucket, its one-token decode step over the fixed inputs and the state: what a graph captures.
-        The inputs are set to inert padding first (every row reads and writes only the trash slot and page)."""
-        self.inputs.fill([], [], max(buckets))
+    def prepare(self, shape: StepShape) -> None:
+        """Inert fixed inputs for `shape` (every row and chunk reads and writes only the trash slot and page): what
+        its program runs on before and while it is captured."""
+        if shape.rows:
+            self.inputs.fill([], [], shape.rows)
         if self.speculation:
             self.speculation.fill_inert()
-        return {b: (lambda batch=self.inputs.batch(b), b=b: self._plain_decode(batch, b)) for b in buckets}
-
-    def speculative_programs(self, buckets: list[int]) -> dict[int, GraphProgram]:
-        """`speculative_program` for each bucket that may speculate (none without speculation)."""
-        return {b: self.speculative_program(b) for b in buckets if self.can_speculate(b)}
+        if shape.prompt_tokens:
+            self.prefill_inputs.fill_inert(shape.prompt_tokens)
 
     def can_speculate(self, bucket: int) -> bool:
         """Whether a decode step of `bucket` rows may draft and verify (`speculate_up_to`); the engine decides
         per step (`StepCommand.speculate`)."""
         return self.speculation is not None and bucket <= self.speculate_up_to
 
-    def _plain_decode(self, batch: DecodeBatch, bucket: int) -> torch.Tensor:
-        """One token a row (`batch`: the fixed inputs' first `bucket` rows). In a speculative engine its rows may
-        come from a verify step: their state rolls back first; the MTP head runs over the last step's positions as
-        a speculative step's would (its KV there, which later drafts attend to); each row's hidden state is kept
-        for a later draft (the engine then sends it as promoted: verify_accepted 0)."""
-        if self.speculation is None:
-            return self.model.decode(self.state, batch)
-        self._before_one_token_rows(batch.slots, bucket)
-        hidden = self.model.decode_hidden(self.state, batch)
-        self.state.verify_hidden[self.state.verify_rows(batch.slots), 0] = hidden
-        return self.model.logits(hidden)
+    def _forward(self, rows: int, T: int, chunks: PromptChunks | None, head) -> "ForwardOutputs":
+        """One forward of a step: the fixed decode inputs' first `rows` rows, T tokens each (T > 1: drafts and
+        their verification, `_speculative_forward`), and the prompt chunks. In a speculative engine a one-token row
+        may come from a verify step: its state rolls back first, and the MTP head runs over that step's positions
+        as a speculative step's would (its KV there, which later drafts attend to); each row's hidden state is kept
+        for a later draft (the engine then sends it as promoted: verify_accepted 0); and the head runs over the
+        chunks (`head`: its inputs, see `_head_over_prompts`)."""
+        if T > 1:
+            if chunks is not None:
+                raise ValueError("a speculative step's rows run apart from prompt chunks")
+            return self._speculative_forward(rows)
+        model, state, spec = self.model, self.state, self.speculation is not None
+        row_batch = self.inputs.batch(rows) if rows else None
+        if spec and rows:
+            state.commit_verified(row_batch.slots, self.speculation.keep[:rows], model.ops.roll_back_pool)
+            self._head_over_last_step(rows)
+        batch = StepBatch.of(row_batch, chunks)
+        hidden = model.forward(state, batch)
+        n = batch.row_tokens
+        if spec and rows:
+            state.verify_hidden[state.verify_rows(row_batch.slots), 0] = hidden[:n]
+        if chunks is None:
+            return ForwardOutputs(model.logits(hidden))
+        last = self._head_over_prompts(hidden[n:], chunks, *head) if spec else hidden[batch.chunk_ends()]
+        if not n:
+            return ForwardOutputs(None, model.logits(last))
+        logits = model.logits(torch.cat([hidden[:n], last]))
+        return ForwardOutputs(logits[:n], logits[n:])
 
-    def _before_one_token_rows(self, slots: torch.Tensor, bucket: int) -> None:
-        """A speculative engine's one-token rows (`slots`, the fixed inputs' first `bucket`), before their forward:
-        their GDN state back to what their last verify step kept, and the head over that step's positions."""
-        self.state.commit_verified(slots, self.speculation.keep[:bucket], self.model.ops.roll_back_pool)
-        self._head_over_last_step(bucket)
+    def _run(self, rows: int, T: int, chunks: list[PrefillChunk], computed: list) -> "ForwardOutputs":
+        """The forward of `rows` fixed-input rows of T tokens and these chunks (of `computed`, their commands): the
+        replay of a captured shape where one fits (the chunks padded into the fixed prompt inputs), else eager."""
+        bucket = self._prompt_bucket(rows, chunks) if chunks else 0
+        shape = StepShape(rows, T, bucket)
+        if (bucket or not chunks) and self.graphs is not None and self.graphs.captured(shape):
+            if chunks:  # a graph's prefill starts each fresh prompt from a zeroed state; the eager one resets them
+                for c in chunks:
+                    if c.start == 0:
+                        self.state.reset_slot(c.slot)
+                self.prefill_inputs.fill(chunks, bucket, *self._head_inputs(computed))
+            return self.graphs(shape)
+        prompts = None
+        if chunks:
+            prompts = PromptChunks.build(chunks, self.state.page_size, self.state.trash_page, self.device)
+        head = self._head_tensors(computed) if prompts is not None and self.speculation else None
+        return self._forward(rows, T, prompts, head)
+
+    def _prompt_bucket(self, rows: int, chunks: list[PrefillChunk]) -> int:
+        """The smallest captured prompt-token bucket that the chunks fit beside `rows` rows, or 0."""
+        if self.graphs is None or self.prefill_inputs is None:
+            return 0
+        return next((s.prompt_tokens for s in self.graphs.shapes if s.rows == rows and s.tokens_per_row == 1
+                     and s.prompt_tokens and self.prefill_inputs.fits(chunks, s.prompt_tokens)), 0)
 
     # Slots ----------------------------------------------------------------------------------------------------------
     def _move_slot_within(self, src: int, dst: int) -> None:
@@ -386,8 +397,6 @@ class RankRuntime:
             raise SlotProtocolError(f"rank {self.rank}: a speculative step of bucket {cmd.bucket} "
                                     f"({len(cmd.decode_tokens)} rows), which this rank does not speculate")
         clock = StepClock(self.device) if self.sampling else None  # rank 0 times its steps
-        graphs = self.speculative_graphs if cmd.speculate else self.graphs
-        replay = graphs is not None and graphs.captured(cmd.bucket)
         queued = self.device.type == "cuda"  # launching queues the work (on the CPU it computes it)
         if not queued:
             on_launched()
@@ -422,19 +431,17 @@ class RankRuntime:
         # come from the hidden state restored with the snapshot.
         computed = [p for p in cmd.prefill if p.token_ids]
         chunks = [PrefillChunk(p.token_ids, p.start, p.slot, p.pages) for p in computed]
-        # Fused: one forward for the decode rows and the chunks (never speculative), replayed from a mixed graph;
-        # eager only on a device without graphs (eager, its launches would cost more than the second weight pass
-        # they save). A step no mixed graph fits runs apart.
-        fused = self.fuse_mixed_steps and bool(n and chunks) and not cmd.speculate
-        mixed_bucket = self._mixed_bucket(cmd.bucket, chunks) if fused else None
-        fused = fused and (mixed_bucket is not None or self.graphs is None)
-        if cmd.speculate:
-            decode_draw, speculation = self._speculative_decode(cmd, replay, index_offsets)
-        elif n:
-            decode_batch = self.inputs.batch(cmd.bucket)
-            if not fused:  # else with the prompt chunks below
-                decode_logits = self.graphs(cmd.bucket) if replay else self._plain_decode(decode_batch, cmd.bucket)
-                decode_draw = self._draw_decode(cmd, decode_logits, index_offsets)
+        # One forward for the rows and the chunks where the step can (never with drafts; on a device with graphs,
+        # only where a captured shape fits: eager, its launches would cost more than the second weight pass it
+        # saves); else the rows' forward, then the chunks'.
+        fused = (self.fuse_mixed_steps and bool(n and chunks) and not cmd.speculate
+                 and (self.graphs is None or self._prompt_bucket(cmd.bucket, chunks) > 0))
+        if n and not fused:
+            out = self._run(cmd.bucket, self.state.verify_steps + 1 if cmd.speculate else 1, [], [])
+            if cmd.speculate:
+                decode_draw, speculation = self._speculative_decode(cmd, out, index_offsets)
+            else:
+                decode_draw = self._draw_decode(cmd, out.row_logits, index_offsets)
 
         # A prompt resuming after a cached prefix: its state and the KV of its partial page, before its chunk.
         for snapshot, slot in cmd.restore_snapshots:
@@ -446,29 +453,11 @@ class RankRuntime:
             self.state.copy_page(src, dst)
         if cmd.prefill:
             prefill_logits = None  # at each computed chunk's last token
-            if mixed_bucket is not None:
-                self._reset_fresh_slots(chunks)
-                self.prefill_inputs.fill(chunks, mixed_bucket[1], *self._head_inputs(computed))
-                decode_logits, prefill_logits = self.mixed_graphs(mixed_bucket)  # as a prefill graph's rows
-                decode_draw = self._draw_decode(cmd, decode_logits, index_offsets)
-            elif fused:
-                prefill = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
-                batch = MixedBatch.of(decode_batch, prefill)
-                if self.state.verify_steps:
-                    decode_logits, prefill_logits = self._mixed_with_head(batch, *self._head_tensors(computed))
-                else:
-                    decode_logits, prefill_logits = self.model.mixed(self.state, batch)
-                decode_draw = self._draw_decode(cmd, decode_logits, index_offsets)
-            elif chunks and (bucket := self._prefill_bucket(chunks)):
-                self._reset_fresh_slots(chunks)
-                self.prefill_inputs.fill(chunks, bucket, *self._head_inputs(computed))
-                prefill_logits = self.prefill_graphs(bucket)  # row i is chunk i's, the rest the padding's
-            elif chunks:
-                batch = PrefillBatch.build(chunks, self.state.page_size, self.state.trash_page, self.device)
-                if self.state.verify_steps:
-                    prefill_logits = self._prefill_with_head(batch, *self._head_tensors(computed))
-                else:
-                    prefill_logits = self.model.prefill(self.state, batch)
+            if chunks:
+                out = self._run(cmd.bucket if fused else 0, 1, chunks, computed)
+                prefill_logits = out.chunk_logits  # row i is chunk i's (a padded step's padding after)
+                if fused:
+                    decode_draw = self._draw_decode(cmd, out.row_logits, index_offsets)
             for slot, snapshot in cmd.save_snapshots:
                 self._check_request_slot(slot)
                 self.state.copy_slot(slot, self.state.snapshot_slot(snapshot))
@@ -486,12 +475,6 @@ class RankRuntime:
         if queued:
             on_launched()
         return LaunchedStep(self, cmd, decode_draw, prefill_draw, speculation, clock) if self.sampling else None
-
-    def _reset_fresh_slots(self, chunks: list[PrefillChunk]) -> None:
-        """A graph's prefill starts each fresh prompt from a zeroed state; the eager one resets them itself."""
-        for c in chunks:
-            if c.start == 0:
-                self.state.reset_slot(c.slot)
 
     def _carry_in(self, cmd: StepCommand) -> torch.Tensor | None:
         """The decode rows' inputs that the step before holds on the device (overlap scheduling): an UNKNOWN_TOKEN
@@ -548,57 +531,46 @@ class RankRuntime:
         longs = upload({"following": following, "rows": rows}, torch.long, self.device)
         return longs["following"], longs["rows"]
 
-    def _prefill_with_head(self, batch: PrefillBatch, following: torch.Tensor, head_rows: torch.Tensor) -> torch.Tensor:
-        """A prefill whose chunks the MTP head also runs over (its KV at every prompt position; a prompt's last
-        position, whose next token this step draws, is run again when the request first drafts). Keeps each
-        finished prompt's last hidden state (`head_rows`), what its first draft starts from. Logits at the last
-        tokens. A program over fixed inputs too: what a speculative engine's prefill graph captures."""
-        hidden = self.model.prefill_hidden(self.state, batch)
-        return self.model.logits(self._head_over_prompts(hidden, following, batch, head_rows))
-
-    def _head_over_prompts(self, hidden: torch.Tensor, following: torch.Tensor, batch: PrefillBatch,
+    def _head_over_prompts(self, hidden: torch.Tensor, chunks: PromptChunks, following: torch.Tensor,
                            head_rows: torch.Tensor) -> torch.Tensor:
-        """The MTP head over the chunks' tokens (`hidden`: the model's at each); keeps each chunk's last hidden
-        state in `head_rows` and returns them [R, H]."""
-        self.model.mtp(following, hidden, self.state, batch)
-        last = hidden[batch.last_token]
+        """The MTP head over the chunks' tokens (`hidden`: the model's at each; `following`: each token's next
+        token), its KV at every prompt position (a prompt's last position, whose next token this step draws, is
+        run again when the request first drafts). Keeps each chunk's last hidden state in its verify-pool row
+        (`head_rows`: what a finished prompt's first draft starts from; the trash row for the others) and returns
+        them [R, H]."""
+        self.model.mtp(following, hidden, self.state, StepBatch.of(chunks=chunks))
+        last = hidden[chunks.last_token]
         self.state.verify_hidden[head_rows, 0] = last
         return last
 
-    def speculative_program(self, bucket: int) -> GraphProgram:
-        """A speculative decode step over the fixed inputs of `bucket` rows (what a graph captures; eagerly, what
-        runs): draft k tokens with the MTP head from the hidden state before the row's input token, and verify the
-        input token and the drafts in one forward (k + 1 tokens a row), whose GDN layers start from the state after
-        the tokens the row's last step kept (`SpeculationInputs.keep`). Returns the logits of every row's first
-        position [bucket, V], of the k after it [bucket, k, V] (views of one [bucket, k + 1, V]), and the drafts
-        [bucket, k]."""
-        model, state, spec = self.model, self.state, self.speculation
+    def _speculative_forward(self, bucket: int) -> "ForwardOutputs":
+        """A speculative step over the fixed inputs' first `bucket` rows: draft k tokens with the MTP head from the
+        hidden state before the row's input token, and verify the input token and the drafts in one forward (k + 1
+        tokens a row), whose GDN layers start from the state after the tokens the row's last step kept
+        (`SpeculationInputs.keep`). Its outputs: the logits of every row's first position [bucket, V] and of the k
+        after it [bucket, k, V] (views of one [bucket, k + 1, V]), and the drafts [bucket, k]."""
+        model, state, spec, inputs = self.model, self.state, self.speculation, self.inputs
         k, ps = state.verify_steps, state.page_size
         T = k + 1
-        inputs = self.inputs
-
-        def program():
-            tokens, positions = inputs.input_ids[:bucket], inputs.positions[:bucket]
-            slots, table = inputs.slots[:bucket], inputs.page_table[:bucket]
-            rows = state.verify_rows(slots)
-            h = self._head_over_last_step(bucket)
-            drafts = [self._draft(h)]
-            for j in range(1, k):  # the head's chain: its own output and its last draft
-                at = positions + (j - 1)
-                mapping = table.long().gather(1, (at // ps)[:, None]).squeeze(1) * ps + at % ps
-                h = model.mtp(drafts[-1], h, state, DecodeBatch(tokens, at, slots, table, at + 1, mapping))
-                drafts.append(self._draft(h))
-            drafted = torch.stack(drafts, dim=1)
-            drafted = torch.where(spec.use_override[:bucket, None], spec.override[:bucket], drafted)
-            batch = self._verify_batch(bucket, positions)
-            batch.input_ids = torch.cat([tokens[:, None], drafted], dim=1).flatten()
-            hidden = model.verify_hidden(state, batch).view(bucket, T, -1)
-            state.verify_hidden[rows] = hidden
-            state.drafts[rows] = drafted
-            logits = model.logits(hidden.flatten(0, 1)).view(bucket, T, -1)  # lm_head read once for all positions
-            return logits[:, 0], logits[:, 1:], drafted
-
-        return program
+        tokens, positions = inputs.input_ids[:bucket], inputs.positions[:bucket]
+        slots, table = inputs.slots[:bucket], inputs.page_table[:bucket]
+        pool_rows = state.verify_rows(slots)
+        h = self._head_over_last_step(bucket)
+        drafts = [self._draft(h)]
+        for j in range(1, k):  # the head's chain: its own output and its last draft
+            at = positions + (j - 1)
+            mapping = table.long().gather(1, (at // ps)[:, None]).squeeze(1) * ps + at % ps
+            h = model.mtp(drafts[-1], h, state, StepBatch.of(TokenRows(tokens, at, slots, table, at + 1, mapping)))
+            drafts.append(self._draft(h))
+        drafted = torch.stack(drafts, dim=1)
+        drafted = torch.where(spec.use_override[:bucket, None], spec.override[:bucket], drafted)
+        verify = self._verify_rows(bucket, positions)
+        verify.input_ids = torch.cat([tokens[:, None], drafted], dim=1).flatten()
+        hidden = model.forward(state, StepBatch.of(verify)).view(bucket, T, -1)
+        state.verify_hidden[pool_rows] = hidden
+        state.drafts[pool_rows] = drafted
+        logits = model.logits(hidden.flatten(0, 1)).view(bucket, T, -1)  # lm_head read once for all positions
+        return ForwardOutputs(logits[:, 0], None, logits[:, 1:], drafted)
 
     def _draft(self, h: torch.Tensor) -> torch.Tensor:
         """The head's greedy token from its output `h`, from the draft head when there is one."""
@@ -606,17 +578,16 @@ class RankRuntime:
             return self.model.logits(h).argmax(-1)
         return self.model.ops.linear(h, self.draft_head).argmax(-1)
 
-    def _verify_batch(self, bucket: int, starts: torch.Tensor) -> VerifyBatch:
+    def _verify_rows(self, bucket: int, starts: torch.Tensor) -> TokenRows:
         """The fixed inputs' first `bucket` rows as k + 1 tokens a row from `starts` (the input tokens only)."""
         inputs, state, spec = self.inputs, self.state, self.speculation
         T, ps = state.verify_steps + 1, state.page_size
         table = inputs.page_table[:bucket]
         where = starts[:, None] + spec.steps  # [bucket, T]
         pages = table.long().gather(1, where // ps)
-        return VerifyBatch(input_ids=inputs.input_ids[:bucket], positions=where.flatten(), slots=inputs.slots[:bucket],
-                           page_table=table.repeat_interleave(T, dim=0), seq_lens=where.flatten() + 1,
-                           slot_mapping=(pages * ps + where % ps).flatten(), tokens_per_row=T,
-                           kept=spec.keep[:bucket])
+        return TokenRows(input_ids=inputs.input_ids[:bucket], positions=where.flatten(), slots=inputs.slots[:bucket],
+                         page_table=table.repeat_interleave(T, dim=0), seq_lens=where.flatten() + 1,
+                         slot_mapping=(pages * ps + where % ps).flatten(), tokens_per_row=T, kept=spec.keep[:bucket])
 
     def _head_over_last_step(self, bucket: int) -> torch.Tensor:
         """The MTP head over each row's last step's positions, each with the token after it (the kept drafts,
@@ -629,18 +600,18 @@ class RankRuntime:
         before = accepted - 1
         following = torch.cat([state.drafts[rows], tokens[:, None]], dim=1).scatter(1, before[:, None], tokens[:, None])
         h = model.mtp(following.flatten(), state.verify_hidden[rows].flatten(0, 1), state,
-                      self._verify_batch(bucket, (inputs.positions[:bucket] - accepted).clamp(min=0)))
+                      StepBatch.of(self._verify_rows(bucket, (inputs.positions[:bucket] - accepted).clamp(min=0))))
         return h.view(bucket, T, -1).gather(1, before.view(-1, 1, 1).expand(-1, 1, h.shape[-1])).squeeze(1)
 
-    def _speculative_decode(self, cmd: StepCommand, replay: bool, index_offsets: torch.Tensor | None) -> tuple:
-        """Run the speculative step (a graph's replay, or its program); rank 0 draws every row's first token as a
-        plain decode step would, and the k positions after it for the rows without penalties (whose counts would
-        see the drafts), then keeps each row's drafts on the device (`_keep_drafts`)."""
+    def _speculative_decode(self, cmd: StepCommand, out: "ForwardOutputs",
+                            index_offsets: torch.Tensor | None) -> tuple:
+        """Behind the speculative forward (`out`), rank 0 draws every row's first token as a plain decode step
+        would, and the k positions after it for the rows without penalties (whose counts would see the drafts),
+        then keeps each row's drafts on the device (`_keep_drafts`)."""
         n = len(cmd.decode_tokens)
-        outputs = self.speculative_graphs(cmd.bucket) if replay else self.speculative_program(cmd.bucket)()
         if not self.sampling:
             return None, None
-        first_logits, extra_logits, drafted = outputs
+        first_logits, extra_logits, drafted = out.row_logits, out.draft_logits, out.drafts
         k, slots = self.state.verify_steps, list(range(n))
         free = [i for i in slots if not self.sampling.settings[i].needs_counts]
         # One draw: every row's first position, then the k after it of the free rows (each its own row: the

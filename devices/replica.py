@@ -23,7 +23,7 @@ from deltaserve.model.sharding import LocalSizes
 from deltaserve.model.state import ModelState, StateSizes, decode_activation_bytes, prefill_activation_bytes
 from deltaserve.model.weights import bytes_by_dtype, load_rank_weights, random_rank_weights
 
-from .backend import device_backend
+from .backend import StepShape, device_backend
 from .capacity import (PREFILL_SCRATCH_SHARE, PREFILL_TOKEN_BUDGET, CapacityPlan, default_prefill_token_budget,
                        plan_capacity)
 from .commands import StepCommand, StepResult, positions_past_end
@@ -101,11 +101,12 @@ def mixed_graph_buckets(prefill_buckets: list[int]) -> list[int]:
     return buckets
 
 
-def _describe(buckets: list) -> str:
-    """Buckets for the log: a mixed kind's as its decode rows by its prompt tokens."""
-    if buckets and isinstance(buckets[0], tuple):
-        return f"{sorted({d for d, _ in buckets})} decode rows x {sorted({t for _, t in buckets})} prompt tokens"
-    return str(buckets)
+def _describe(shapes: list[StepShape]) -> str:
+    """Shapes for the log: mixed ones as their decode rows by their prompt tokens."""
+    if shapes and shapes[0].rows and shapes[0].prompt_tokens:
+        return (f"{sorted({s.rows for s in shapes})} decode rows x {sorted({s.prompt_tokens for s in shapes})} "
+                "prompt tokens")
+    return "[" + ", ".join(map(str, shapes)) + "]"
 
 
 class _Rank:
@@ -209,24 +210,22 @@ class Replica:
                 raise RuntimeError(
                     f"CUDA graph capture did not complete (watchdog {spec.capture_timeout_s:.0f} s): {exc}; "
                     "start with --no-cuda-graph to serve eagerly") from exc
-            for kind in ("prefill_graphs", "mixed_graphs"):
-                captured = {tuple(getattr(r.runtime, kind).buckets) for r in self.ranks if getattr(r.runtime, kind)}
-                if len(captured) > 1:  # a bucket eager on one rank only would all-reduce other sizes than the rest
-                    log.warning("%s captured for different buckets on different ranks (%s): those steps run "
-                                "without them", kind.replace("_", " "), sorted(captured))
-                    for r in self.ranks:
-                        setattr(r.runtime, kind, None)
-            backend = self.ranks[0].backend
-            kinds = [("decode", backend.graphs), ("prefill", backend.prefill_graphs)]
-            if spec.speculative_tokens:
-                kinds.insert(1, ("speculative", backend.speculative_graphs))
-            if self.mixed_token_buckets:
-                kinds.append(("mixed", backend.mixed_graphs))
-            for kind, graphs in kinds:
-                stats = graphs.stats if graphs is not None else {}
-                log.info("%d %s graphs per rank (buckets %s; %d nodes in the largest, %.0f MiB of pool)", len(stats),
-                         kind, _describe(sorted(stats)), stats[max(stats)]["nodes"] if stats else 0,
-                         sum(st["pool_bytes"] for st in stats.values()) / 2**20)
+            # A prompt shape replayed on one rank only would pad its chunks (and fuse its step) there alone: the
+            # ranks would all-reduce other sizes. Each rank keeps those that every rank captured.
+            prompt_shapes = [{s for s in r.runtime.graphs.shapes if s.prompt_tokens} for r in self.ranks]
+            common = set.intersection(*prompt_shapes)
+            if any(shapes != common for shapes in prompt_shapes):
+                log.warning("prompt steps captured for different shapes on different ranks: %s run without graphs",
+                            ", ".join(map(str, sorted(set.union(*prompt_shapes) - common))))
+                for r, shapes in zip(self.ranks, prompt_shapes):
+                    r.runtime.graphs.drop(shapes - common)
+            stats = self.ranks[0].runtime.graphs.stats
+            for kind in ("decode", "speculative", "prefill", "mixed"):
+                shapes = sorted(s for s in stats if s.kind == kind)
+                if shapes:
+                    log.info("%d %s graphs per rank (shapes %s; %d nodes in the largest, %.0f MiB of pool)",
+                             len(shapes), kind, _describe(shapes), stats[shapes[-1]]["nodes"],
+                             sum(stats[s]["pool_bytes"] for s in shapes) / 2**20)
             log.info("graphs captured in %.1f s", time.perf_counter() - started)
 
     def _speculative_rows(self, bucket: int) -> int:
@@ -266,6 +265,19 @@ class Replica:
         the context, so a bucket's chunk always fits the page table's width (pages for max_model_len)."""
         return prefill_graph_buckets(min(self.spec.prefill_graph_tokens, self.prefill_token_budget,
                                          self.spec.max_model_len))
+
+    @property
+    def graph_shapes(self) -> list[StepShape]:
+        """The shapes captured at start-up (none without graphs): each decode bucket's one-token step, and its
+        speculative step where it may speculate; each prefill bucket; each decode bucket beside each mixed
+        prompt-token bucket."""
+        if not self._graphs:
+            return []
+        k, most = self.spec.speculative_tokens, self.spec.speculative_max_batch
+        speculative = [StepShape(b, k + 1) for b in self.buckets if k and (most is None or b <= most)]
+        return ([StepShape(b) for b in self.buckets] + speculative
+                + [StepShape(0, 1, t) for t in self.prefill_buckets]
+                + [StepShape(b, 1, t) for b in self.buckets for t in self.mixed_token_buckets])
 
     @property
     def prefill_buckets(self) -> list[int]:
@@ -330,18 +342,8 @@ class Replica:
         r = self.ranks[rank]
         with r.backend.context():
             r.backend.warm_up_collective()
-            r.runtime.graphs = r.backend.capture_decode(r.runtime.decode_programs(self.buckets), progress=rank == 0)
-            if self.spec.speculative_tokens:
-                r.runtime.speculative_graphs = r.backend.capture_speculative(
-                    r.runtime.speculative_programs(self.buckets), progress=rank == 0)
-            if self.prefill_buckets:
-                programs = r.runtime.prefill_programs(self.prefill_buckets, self.plan.prefill_slots)
-                r.runtime.prefill_graphs = r.backend.capture_prefill(programs, progress=rank == 0,
-                                                                     prepare=r.runtime.prefill_inputs.fill_inert)
-            if self.mixed_token_buckets:
-                r.runtime.mixed_graphs = r.backend.capture_mixed(
-                    r.runtime.mixed_programs(self.buckets, self.mixed_token_buckets), progress=rank == 0,
-                    prepare=r.runtime.prepare_mixed)
+            programs = r.runtime.programs(self.graph_shapes, self.plan.prefill_slots)
+            r.runtime.graphs = r.backend.capture(programs, progress=rank == 0, prepare=r.runtime.prepare)
 
     # Steps ----------------------------------------------------------------------------------------------------------
     def start_step(self, cmd: StepCommand, overlapped: bool = False) -> Awaitable[StepResult]:

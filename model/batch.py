@@ -1,7 +1,9 @@
-"""Device-side inputs of one forward: packed prefill chunks, one decode token per row, or both (a mixed step).
+"""Device-side inputs of one forward (`StepBatch`): rows that each add one token or a few to a cached sequence
+(`TokenRows`: decode and speculative verify rows), prompt chunks (`PromptChunks`), or both.
 
-Built from plain Python lists (what the scheduler hands the workers) by `PrefillBatch.build` and
-`DecodeBatch.build`; the tensors are what the ops read, the host lists what the reference ops loop over.
+Built from plain Python lists (what the scheduler hands the workers) by `TokenRows.build` and
+`PromptChunks.build`, or read from the fixed-address buffers a CUDA graph captures (`PrefillInputs`, and the
+rank's decode inputs); the tensors are what the ops read, the host lists what the reference ops loop over.
 """
 
 from __future__ import annotations
@@ -70,7 +72,11 @@ class PrefillChunk:
 
 
 @dataclass
-class PrefillBatch:
+class PromptChunks:
+    """Prompt chunks packed token after token: chunk r is request r's slice of prompt, its tokens
+    cu_seqlens[r] .. cu_seqlens[r + 1] of the segment."""
+
+
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     cu_seqlens: torch.Tensor  # [R+1] int32
@@ -83,7 +89,7 @@ class PrefillBatch:
     gdn_chunks: GdnChunks  # the GDN prefill's chunk layout, built here once for every layer
 
     @classmethod
-    def build(cls, chunks: list[PrefillChunk], page_size: int, trash_page: int, device) -> "PrefillBatch":
+    def build(cls, chunks: list[PrefillChunk], page_size: int, trash_page: int, device) -> "PromptChunks":
         """The tokens' positions and KV slots are derived on the device from the chunks' starts and page table: on
         the host, an 8k-token prompt's two lists took over a millisecond before the first kernel could launch."""
         ids, cu, last = array("q"), [0], []
@@ -118,82 +124,13 @@ class PrefillBatch:
 
 
 @dataclass
-class DecodeBatch:
-    input_ids: torch.Tensor  # [N] long
-    positions: torch.Tensor  # [N] long: position of the new token
-    slots: torch.Tensor  # [N] long, -1 for padding rows
-    page_table: torch.Tensor  # [N, P] int32
-    seq_lens: torch.Tensor  # [N] long: tokens cached after this step (position + 1)
-    slot_mapping: torch.Tensor  # [N] long
-
-    @classmethod
-    def build(
-        cls,
-        token_ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        pages: list[list[int]],
-        page_size: int,
-        trash_page: int,
-        device,
-        width: int | None = None,
-    ) -> "DecodeBatch":
-        width = width or max(len(p) for p in pages)
-        table, mapping = [], []
-        for pos, row_pages in zip(positions, pages):
-            if pos // page_size >= len(row_pages):
-                raise ValueError(f"decode position {pos} has no page (only {len(row_pages)} pages)")
-            if len(row_pages) > width:
-                raise ValueError(f"a row holds {len(row_pages)} pages, more than the table width {width}")
-            table.append(row_pages + [trash_page] * (width - len(row_pages)))
-            mapping.append(row_pages[pos // page_size] * page_size + pos % page_size)
-
-        def t(values, dtype=torch.long):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        return cls(
-            input_ids=t(token_ids),
-            positions=t(positions),
-            slots=t(slots),
-            page_table=t(table, torch.int32),
-            seq_lens=t([p + 1 for p in positions]),
-            slot_mapping=t(mapping),
-        )
-
-
-@dataclass
-class MixedBatch:
-    """A step's decode rows and prompt chunks as one forward: the decode rows first, then the chunks' tokens. Each
-    projection reads the weights once for both (run apart, a step carrying a chunk reads them twice); the GDN and
-    attention cores run each part on its own kernels."""
-
-    decode: DecodeBatch
-    prefill: PrefillBatch
-    input_ids: torch.Tensor  # [N + T] long
-    positions: torch.Tensor  # [N + T] long
-    slot_mapping: torch.Tensor  # [N + T] long
-    logit_rows: torch.Tensor  # [N + R] long: every decode row, then each request's last token
-
-    @classmethod
-    def of(cls, decode: DecodeBatch, prefill: PrefillBatch) -> "MixedBatch":
-        n = decode.input_ids.shape[0]
-        rows = torch.cat([torch.arange(n, device=prefill.last_token.device), prefill.last_token + n])
-        return cls(decode, prefill, torch.cat([decode.input_ids, prefill.input_ids]),
-                   torch.cat([decode.positions, prefill.positions]),
-                   torch.cat([decode.slot_mapping, prefill.slot_mapping]), rows)
-
-    @property
-    def decode_rows(self) -> int:
-        return self.decode.input_ids.shape[0]
-
-
-@dataclass
-class VerifyBatch:
-    """A speculative decoding step: T = k + 1 tokens per row (the last accepted token and k drafts), at positions
-    start .. start + k. Attention takes each token as a decode row over its own prefix (its K/V are written first,
-    so a token sees the row's earlier ones): the split-K decode kernel, which fills the GPU where a prefill's tiles
-    of a few queries would not. The GDN layers start from the state after the tokens each row's last verify step
-    kept (`kept`), step token by token, and keep the state after each of the first k tokens for the next one."""
+class TokenRows:
+    """Rows that each extend their slot's cached sequence by `tokens_per_row` consecutive tokens: one for a decode
+    row, k + 1 for a speculative verify row (the last accepted token and k drafts). Attention takes each token as a
+    row over its own prefix (its K/V are written first, so a token sees its row's earlier ones): the split-K
+    decode kernel, which fills the GPU where a prefill's tiles of a few queries would not. A row of several tokens
+    steps the GDN recurrence token by token from the state after the tokens its last verify step kept (`kept`),
+    and keeps the state after each of its first T - 1 tokens for the next roll-back."""
 
     input_ids: torch.Tensor  # [R*T] long, row-major
     positions: torch.Tensor  # [R*T] long
@@ -201,33 +138,72 @@ class VerifyBatch:
     page_table: torch.Tensor  # [R*T, P] int32: each token's row's pages
     seq_lens: torch.Tensor  # [R*T] long: each token's position + 1
     slot_mapping: torch.Tensor  # [R*T] long
-    tokens_per_row: int
-    # [R] long: tokens of each row's last verify step its GDN state keeps (1 .. T; T: no roll-back), applied as the
-    # verify kernels read the state
+    tokens_per_row: int = 1
+    # [R] long, rows of several tokens only: tokens of each row's last verify step its GDN state keeps (1 .. T; T:
+    # no roll-back), applied as the verify kernels read the state
     kept: torch.Tensor | None = None
 
     @classmethod
     def build(cls, token_rows: list[list[int]], starts: list[int], slots: list[int], pages: list[list[int]],
               page_size: int, trash_page: int, device, width: int | None = None,
-              kept: list[int] | None = None) -> "VerifyBatch":
+              kept: list[int] | None = None) -> "TokenRows":
+        """Row i: tokens `token_rows[i]` at positions starts[i].., state in slots[i], KV in pages[i]."""
         T = len(token_rows[0])
         width = width or max(len(p) for p in pages)
         ids, positions, mapping, table = [], [], [], []
         for tokens, start, row_pages in zip(token_rows, starts, pages):
             if len(tokens) != T:
-                raise ValueError(f"every verify row needs {T} tokens, one has {len(tokens)}")
+                raise ValueError(f"every row needs {T} tokens, one has {len(tokens)}")
             if (start + T - 1) // page_size >= len(row_pages) or len(row_pages) > width:
-                raise ValueError(f"a verify row at {start} needs pages for {T} tokens within the table width "
-                                 f"{width}; it has {len(row_pages)}")
+                raise ValueError(f"a row at {start} needs pages for {T} tokens within the table width {width}; it "
+                                 f"has {len(row_pages)}")
             ids.extend(tokens)
             positions.extend(range(start, start + T))
             mapping.extend(row_pages[p // page_size] * page_size + p % page_size for p in range(start, start + T))
             table.extend((row_pages + [trash_page] * (width - len(row_pages))) * T)
+        several = {"kept": kept or [T] * len(token_rows)} if T > 1 else {}
         longs = upload({"input_ids": ids, "positions": positions, "slots": slots,
-                        "seq_lens": [p + 1 for p in positions], "slot_mapping": mapping,
-                        "kept": kept or [T] * len(token_rows)}, torch.long, device)
+                        "seq_lens": [p + 1 for p in positions], "slot_mapping": mapping, **several}, torch.long, device)
         table_t = upload({"page_table": table}, torch.int32, device)["page_table"].view(-1, width)
         return cls(**longs, page_table=table_t, tokens_per_row=T)
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+@dataclass
+class StepBatch:
+    """One forward's tokens: the rows' (`TokenRows`, row-major), then the prompt chunks' (`PromptChunks`); either
+    part may be absent. Every projection reads the weights once for all of them; each mixer runs each part on its
+    own kernels."""
+
+    rows: TokenRows | None
+    chunks: PromptChunks | None
+    input_ids: torch.Tensor  # [N] long
+    positions: torch.Tensor  # [N] long
+    slot_mapping: torch.Tensor  # [N] long
+
+    @classmethod
+    def of(cls, rows: TokenRows | None = None, chunks: PromptChunks | None = None) -> "StepBatch":
+        parts = [part for part in (rows, chunks) if part is not None]
+        if not parts:
+            raise ValueError("a step needs rows or prompt chunks")
+        if len(parts) == 1:
+            (part,) = parts
+            return cls(rows, chunks, part.input_ids, part.positions, part.slot_mapping)
+        return cls(rows, chunks, *(torch.cat([getattr(rows, f), getattr(chunks, f)])
+                                   for f in ("input_ids", "positions", "slot_mapping")))
+
+    @property
+    def row_tokens(self) -> int:
+        """Tokens of the rows: where the chunks' tokens start."""
+        return 0 if self.rows is None else self.rows.tokens
+
+    def chunk_ends(self) -> torch.Tensor:
+        """Index of each chunk's last token in the step [R] (the chunks must be present)."""
+        n = self.row_tokens
+        return self.chunks.last_token + n if n else self.chunks.last_token
 
 
 class PrefillInputs:
@@ -269,9 +245,9 @@ class PrefillInputs:
         dtype, offset = self._views[name]
         return self._flat[dtype][offset : offset + n]
 
-    def batch(self, bucket: int) -> PrefillBatch:
+    def batch(self, bucket: int) -> PromptChunks:
         n, R = self.chunks(bucket), self.requests + 1
-        return PrefillBatch(
+        return PromptChunks(
             input_ids=self._view("input_ids", bucket), positions=self._view("positions", bucket),
             cu_seqlens=self._view("cu_seqlens", R + 1), slots=self._view("slots", R),
             context_lens=self._view("context_lens", R),

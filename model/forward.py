@@ -1,7 +1,8 @@
 """One tensor-parallel rank's Qwen3.5 forward, built only from the ops of a `kernels.ops.ForwardOps` (torch
 references or Triton).
 
-Prefill runs packed variable-length chunks; decode runs one token for each of N rows as one batched forward.
+One forward computes any step (`StepBatch`): rows of one token (decode) or k + 1 (speculative verify) and packed
+prompt chunks of any length, in one pass over the weights; each mixer runs each part on its own kernels.
 Under tensor parallelism the three row-parallel projections (GDN out_proj, attention o_proj, MLP down_proj)
 are followed by `all_reduce`, an in-place sum over ranks.
 """
@@ -15,7 +16,7 @@ import torch
 from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.kernels.ops import ForwardOps, reference_ops
 
-from .batch import DecodeBatch, MixedBatch, PrefillBatch, VerifyBatch
+from .batch import PromptChunks, StepBatch, TokenRows
 from .config import ModelConfig
 from .sharding import LocalSizes
 from .state import ModelState
@@ -169,50 +170,35 @@ class Qwen35Shard:
         normed = self.ops.gated_rms_norm(o, z.reshape(T, -1, dv), self.w[la + "norm.weight"], self.cfg.rms_norm_eps)
         return self.all_reduce(self.ops.linear(normed.reshape(T, -1), self.w[la + "out_proj.weight"]))
 
-    def _gdn_prefill(self, x, residual, p, state: ModelState, batch: PrefillBatch, j: int):
+    def _gdn(self, x, residual, p, state: ModelState, batch: StepBatch, j: int):
+        """One projection for all of the step's tokens, then each part's own recurrence."""
         mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
-        return self._gdn_output(self._gdn_prefill_core(mixed, a, b, p, state, batch, j), z, p), residual
+        o = self._by_part(batch, lambda *t: self._gdn_rows(*t, p, state, batch.rows, j),
+                          lambda *t: self._gdn_chunks(*t, p, state, batch.chunks, j), mixed, a, b)
+        return self._gdn_output(o, z, p), residual
 
-    def _gdn_prefill_core(self, mixed, a, b, p, state: ModelState, batch: PrefillBatch, j: int) -> torch.Tensor:
+    def _gdn_chunks(self, mixed, a, b, p, state: ModelState, chunks: PromptChunks, j: int) -> torch.Tensor:
         cfg, w, la = self.cfg, self.w, p + "linear_attn."
-        mixed = self.ops.conv1d_prefill(mixed, w[la + "conv1d.weight"], state.conv[j], batch.cu_seqlens, batch.slots)
+        mixed = self.ops.conv1d_prefill(mixed, w[la + "conv1d.weight"], state.conv[j], chunks.cu_seqlens, chunks.slots)
         return self.ops.gdn_prefill(
-            mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], batch.cu_seqlens, batch.slots,
-            self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, batch.gdn_chunks,
+            mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], chunks.cu_seqlens, chunks.slots,
+            self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, chunks.gdn_chunks,
         )
 
-    def _gdn_decode(self, x, residual, p, state: ModelState, batch: DecodeBatch, j: int):
-        mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
-        return self._gdn_output(self._gdn_decode_core(mixed, a, b, p, state, batch, j), z, p), residual
-
-    def _gdn_decode_core(self, mixed, a, b, p, state: ModelState, batch: DecodeBatch, j: int) -> torch.Tensor:
-        cfg, w, la = self.cfg, self.w, p + "linear_attn."
-        mixed = self.ops.conv1d_decode(mixed, w[la + "conv1d.weight"], state.conv[j], batch.slots)
-        return self.ops.gdn_decode(
-            mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], batch.slots,
-            self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-        )
-
-    def _gdn_mixed(self, x, residual, p, state: ModelState, batch: MixedBatch, j: int):
-        """One projection for the step's decode rows and prompt tokens, then each part's own recurrence."""
-        mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
-        n = batch.decode_rows
-        o = torch.cat([self._gdn_decode_core(mixed[:n], a[:n], b[:n], p, state, batch.decode, j),
-                       self._gdn_prefill_core(mixed[n:], a[n:], b[n:], p, state, batch.prefill, j)])
-        return self._gdn_output(o, z, p), residual
-
-    def _gdn_verify(self, x, residual, p, state: ModelState, batch: VerifyBatch, j: int):
-        """T tokens a row, one recurrent step each, from the state the row's last verify step kept (`batch.kept`);
-        the state after each of the first T - 1 goes to the verify-step pools for the next roll-back."""
-        cfg, w, la, T = self.cfg, self.w, p + "linear_attn.", batch.tokens_per_row
-        mixed, z, a, b, residual = self._gdn_inputs(x, residual, p)
-        mixed = self.ops.conv1d_verify(mixed, w[la + "conv1d.weight"], state.conv[j], state.conv_steps[j],
-                                       batch.slots, batch.kept, T)
-        o = self.ops.gdn_verify(
-            mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], state.ssm_steps[j], batch.slots,
-            batch.kept, T, self.local.gdn_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-        )
-        return self._gdn_output(o, z, p), residual
+    def _gdn_rows(self, mixed, a, b, p, state: ModelState, rows: TokenRows, j: int) -> torch.Tensor:
+        """One recurrent step a token. A row of T > 1 tokens (verify) starts from the state after the tokens its
+        last verify step kept (`rows.kept`); the state after each of its first T - 1 goes to the verify-step pools
+        for the next roll-back."""
+        cfg, w, la, T = self.cfg, self.w, p + "linear_attn.", rows.tokens_per_row
+        conv, heads = w[la + "conv1d.weight"], (self.local.gdn_key_heads, cfg.linear_key_head_dim,
+                                                cfg.linear_value_head_dim)
+        if T == 1:
+            mixed = self.ops.conv1d_decode(mixed, conv, state.conv[j], rows.slots)
+            return self.ops.gdn_decode(mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j], rows.slots,
+                                       *heads)
+        mixed = self.ops.conv1d_verify(mixed, conv, state.conv[j], state.conv_steps[j], rows.slots, rows.kept, T)
+        return self.ops.gdn_verify(mixed, a, b, w[la + "A_log"], w[la + "dt_bias"], state.ssm[j],
+                                   state.ssm_steps[j], rows.slots, rows.kept, T, *heads)
 
     def _attn_inputs(self, x, residual, p, state: ModelState, j: int, positions, slot_mapping):
         """The fused q/k/v projection, then q/k norms, RoPE and the paged K/V write; (rotated q, gate view, new
@@ -231,47 +217,59 @@ class Qwen35Shard:
     def _attn_output(self, o: torch.Tensor, p: str) -> torch.Tensor:
         return self.all_reduce(self.ops.linear(o.reshape(o.shape[0], -1), self.w[p + "self_attn.o_proj.weight"]))
 
-    def _attn_prefill(self, x, residual, p, state: ModelState, batch: PrefillBatch, j: int):
+    def _attention(self, x, residual, p, state: ModelState, batch: StepBatch, j: int):
+        """One q/k/v projection (and K/V write) for all of the step's tokens, then each part's own attention
+        kernel (the sigmoid output gate applied inside): a decode row a token for the rows, the prefill kernel for
+        the chunks."""
         q, gate, residual = self._attn_inputs(x, residual, p, state, j, batch.positions, batch.slot_mapping)
-        return self._attn_output(self._attn_prefill_core(q, gate, state, batch, j), p), residual
+        k_cache, v_cache = state.k_cache[j], state.v_cache[j]
 
-    def _attn_prefill_core(self, q, gate, state: ModelState, batch: PrefillBatch, j: int) -> torch.Tensor:
-        return self.ops.prefill_attention(  # the sigmoid output gate is applied inside
-            q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.cu_seqlens, batch.context_lens, self.scale,
-            gate,
-        )
+        def rows(q, gate):
+            r = batch.rows
+            o = self.ops.decode_attention(q, k_cache, v_cache, r.page_table, r.seq_lens, self.scale, gate)
+            return o.reshape(o.shape[0], -1)
 
-    def _attn_decode(self, x, residual, p, state: ModelState, batch: DecodeBatch, j: int):
-        q, gate, residual = self._attn_inputs(x, residual, p, state, j, batch.positions, batch.slot_mapping)
-        return self._attn_output(self._attn_decode_core(q, gate, state, batch, j), p), residual
+        def chunks(q, gate):
+            c = batch.chunks
+            o = self.ops.prefill_attention(q, k_cache, v_cache, c.page_table, c.cu_seqlens, c.context_lens,
+                                           self.scale, gate)
+            return o.reshape(o.shape[0], -1)
 
-    def _attn_decode_core(self, q, gate, state: ModelState, batch: DecodeBatch, j: int) -> torch.Tensor:
-        return self.ops.decode_attention(  # the sigmoid output gate is applied inside
-            q, state.k_cache[j], state.v_cache[j], batch.page_table, batch.seq_lens, self.scale, gate
-        )
+        return self._attn_output(self._by_part(batch, rows, chunks, q, gate), p), residual
 
-    def _attn_mixed(self, x, residual, p, state: ModelState, batch: MixedBatch, j: int):
-        """One q/k/v projection (and K/V write) for the step's decode rows and prompt tokens, then each part's own
-        attention kernel."""
-        q, gate, residual = self._attn_inputs(x, residual, p, state, j, batch.positions, batch.slot_mapping)
-        n = batch.decode_rows
-        o = torch.cat([self._attn_decode_core(q[:n], gate[:n], state, batch.decode, j).reshape(n, -1),
-                       self._attn_prefill_core(q[n:], gate[n:], state, batch.prefill, j).reshape(q.shape[0] - n, -1)])
-        return self._attn_output(o, p), residual
+    @staticmethod
+    def _by_part(batch: StepBatch, on_rows, on_chunks, *tensors: torch.Tensor) -> torch.Tensor:
+        """`on_rows` over the rows' slice of each token-major tensor and `on_chunks` over the chunks', their
+        outputs joined in token order (a step of one part: that part's output, no copy)."""
+        if batch.chunks is None:
+            return on_rows(*tensors)
+        if batch.rows is None:
+            return on_chunks(*tensors)
+        n = batch.row_tokens
+        return torch.cat([on_rows(*(t[:n] for t in tensors)), on_chunks(*(t[n:] for t in tensors))])
 
     # Whole model --------------------------------------------------------------------------------------------------
-    def _run(self, input_ids, state, batch: PrefillBatch | DecodeBatch | VerifyBatch | MixedBatch) -> torch.Tensor:
-        """The final-normed hidden state of every token: what lm_head reads, and what the MTP head takes."""
-        cfg, w, ops = self.cfg, self.w, self.ops
-        x = w["embed_tokens.weight"][input_ids]
+    @torch.inference_mode()
+    def forward(self, state: ModelState, batch: StepBatch) -> torch.Tensor:
+        """Any mix of rows and prompt chunks; the final-normed hidden state of every token [N, H] (what lm_head
+        reads, and what the MTP head takes), in the batch's token order. A chunk starting its prompt starts from a
+        zeroed state (`chunks.fresh_slots`); each chunk's last hidden state is kept with its slot
+        (`ModelState.last_hidden`). A row's GDN state ends after all of its tokens, and after each earlier one in
+        the verify-step pools: the next verify step (`rows.kept`) or `ModelState.commit_verified` rolls it back to
+        the tokens kept."""
+        cfg, w, ops, chunks = self.cfg, self.w, self.ops, batch.chunks
+        if chunks is not None and chunks.fresh_slots.numel():
+            state.reset_slots(chunks.fresh_slots)
+        x = w["embed_tokens.weight"][batch.input_ids]
         residual = None
-        attn, gdn = self._mixers(batch)
         for i, kind in enumerate(cfg.layer_types):
             p = f"layers.{i}."
-            mix = attn if kind == "full_attention" else gdn
+            mix = self._attention if kind == "full_attention" else self._gdn
             x, residual = mix(x, residual, p, state, batch, self.state_index[i])
             x, residual = self._mlp(x, residual, p)
         hidden, _ = ops.add_rms_norm(x, residual, w["norm.weight"], cfg.rms_norm_eps)
+        if chunks is not None:
+            state.last_hidden[chunks.slots] = hidden[batch.chunk_ends()]
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -279,71 +277,10 @@ class Qwen35Shard:
         made (at batch 64 on the 248k vocabulary, 96 MB of traffic a step)."""
         return self.ops.linear(hidden, self.w["lm_head.weight"])
 
-    def _mixers(self, batch):
-        """(attention, GDN) layer functions for the batch's kind."""
-        if isinstance(batch, MixedBatch):
-            return self._attn_mixed, self._gdn_mixed
-        if isinstance(batch, PrefillBatch):
-            return self._attn_prefill, self._gdn_prefill
-        if isinstance(batch, VerifyBatch):  # attention: a decode row a token, each over its own prefix
-            return self._attn_decode, self._gdn_verify
-        return self._attn_decode, self._gdn_decode
-
-    @torch.inference_mode()
-    def prefill_hidden(self, state: ModelState, batch: PrefillBatch) -> torch.Tensor:
-        """Run packed chunks; the final-normed hidden state of every token, [T, H]. Each chunk's last one is kept
-        with its slot's state (`ModelState.last_hidden`)."""
-        if batch.fresh_slots.numel():
-            state.reset_slots(batch.fresh_slots)
-        hidden = self._run(batch.input_ids, state, batch)
-        state.last_hidden[batch.slots] = hidden[batch.last_token]
-        return hidden
-
-    @torch.inference_mode()
-    def verify_hidden(self, state: ModelState, batch: VerifyBatch) -> torch.Tensor:
-        """A speculative step's T tokens a row; the final-normed hidden states [R*T, H], row-major. Each slot's
-        GDN state ends after all T tokens, and after each earlier one in the verify-step pools: the next verify
-        step (`batch.kept`) or `ModelState.commit_verified` rolls it back to the tokens kept."""
-        return self._run(batch.input_ids, state, batch)
-
-    @torch.inference_mode()
-    def prefill(self, state: ModelState, batch: PrefillBatch, all_logits: bool = False) -> torch.Tensor:
-        """Run packed chunks; logits [R, V] at each request's last token (or [T, V] for every token)."""
-        hidden = self.prefill_hidden(state, batch)
-        return self.logits(hidden if all_logits else hidden[batch.last_token])
-
-    @torch.inference_mode()
-    def mixed_hidden(self, state: ModelState, batch: MixedBatch) -> torch.Tensor:
-        """A step's decode rows and prompt chunks in one forward: the final-normed hidden state of every decode
-        row, then of every chunk token, [N + T, H]."""
-        if batch.prefill.fresh_slots.numel():
-            state.reset_slots(batch.prefill.fresh_slots)
-        hidden = self._run(batch.input_ids, state, batch)
-        state.last_hidden[batch.prefill.slots] = hidden[batch.prefill.last_token + batch.decode_rows]
-        return hidden
-
-    @torch.inference_mode()
-    def mixed(self, state: ModelState, batch: MixedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [N, V] of the decode rows, logits [R, V] at each request's last token), as `decode` and
-        `prefill` would give them run one after the other."""
-        logits = self.logits(self.mixed_hidden(state, batch)[batch.logit_rows])
-        n = batch.decode_rows
-        return logits[:n], logits[n:]
-
-    @torch.inference_mode()
-    def decode_hidden(self, state: ModelState, batch: DecodeBatch) -> torch.Tensor:
-        """One token for each row; the final-normed hidden states [N, H]."""
-        return self._run(batch.input_ids, state, batch)
-
-    @torch.inference_mode()
-    def decode(self, state: ModelState, batch: DecodeBatch) -> torch.Tensor:
-        """One token for each row; logits [N, V]."""
-        return self.logits(self.decode_hidden(state, batch))
-
     # The multi-token-prediction head ------------------------------------------------------------------------------
     @torch.inference_mode()
     def mtp(self, token_ids: torch.Tensor, hidden: torch.Tensor, state: ModelState,
-            batch: PrefillBatch | DecodeBatch | VerifyBatch) -> torch.Tensor:
+            batch: StepBatch) -> torch.Tensor:
         """The head at each token of `batch`: at position i it takes the model's final-normed hidden state at i and
         the token at i + 1 (`token_ids`), and returns its own final-normed hidden state, from which lm_head gives
         the token at i + 2. Its attention layer reads and writes its KV at the batch's positions (the pools' last
@@ -356,8 +293,7 @@ class Qwen35Shard:
                                        w.get("mtp.pre_fc_norm_embedding.weight"), cfg.rms_norm_eps)
         normed, _ = ops.add_rms_norm(hidden, None, w.get("mtp.pre_fc_norm_hidden.weight"), cfg.rms_norm_eps)
         x = ops.linear(torch.cat([embedded, normed], dim=1), w["mtp.fc.weight"])
-        attn, _ = self._mixers(batch)
-        x, residual = attn(x, None, p, state, batch, self.mtp_kv_index)
+        x, residual = self._attention(x, None, p, state, batch, self.mtp_kv_index)
         x, residual = self._mlp(x, residual, p)
         out, _ = ops.add_rms_norm(x, residual, w["mtp.norm.weight"], cfg.rms_norm_eps)
         return out

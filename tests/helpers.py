@@ -8,7 +8,7 @@ from collections import Counter
 
 import torch
 
-from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk, VerifyBatch
+from deltaserve.model.batch import PrefillChunk, PromptChunks, StepBatch, TokenRows
 from deltaserve.model.config import load_model_config
 from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.sharding import LocalSizes
@@ -79,6 +79,11 @@ def hf_step(hf, ids: torch.Tensor, cache=None):
     return out.logits, getattr(out, name)
 
 
+def prompt_logits(model, state, chunks: PromptChunks) -> torch.Tensor:
+    """Logits at each chunk's last token (of a padded batch, the padding request's after)."""
+    return model.logits(model.forward(state, StepBatch.of(chunks=chunks))[chunks.last_token])
+
+
 class CpuRunner:
     """Our model on one rank with a state pool and a trivial page allocator, for tests; on the CPU unless a device
     is named."""
@@ -110,29 +115,28 @@ class CpuRunner:
         for slot, ids in prompts.items():
             start = starts.get(slot, 0)
             chunks.append(PrefillChunk(list(ids), start, slot, self._ensure_pages(slot, start + len(ids))))
-        batch = PrefillBatch.build(chunks, PAGE_SIZE, self.state.trash_page, self.device)
-        return self.model.prefill(self.state, batch, all_logits=all_logits)
+        batch = StepBatch.of(chunks=PromptChunks.build(chunks, PAGE_SIZE, self.state.trash_page, self.device))
+        hidden = self.model.forward(self.state, batch)
+        return self.model.logits(hidden if all_logits else hidden[batch.chunks.last_token])
 
-    def prefill_batch(self, slot: int, ids: list[int], start: int = 0) -> PrefillBatch:
+    def prefill_batch(self, slot: int, ids: list[int], start: int = 0) -> StepBatch:
         chunk = PrefillChunk(list(ids), start, slot, self._ensure_pages(slot, start + len(ids)))
-        return PrefillBatch.build([chunk], PAGE_SIZE, self.state.trash_page, self.device)
+        return StepBatch.of(chunks=PromptChunks.build([chunk], PAGE_SIZE, self.state.trash_page, self.device))
 
-    def decode_batch(self, tokens: dict[int, int], positions: dict[int, int]) -> DecodeBatch:
-        slots = list(tokens)
-        pages = [self._ensure_pages(s, positions[s] + 1) for s in slots]
-        return DecodeBatch.build([tokens[s] for s in slots], [positions[s] for s in slots], slots, pages,
-                                 PAGE_SIZE, self.state.trash_page, self.device)
+    def decode_batch(self, tokens: dict[int, int], positions: dict[int, int]) -> StepBatch:
+        """One token a row: slot -> its token, at positions[slot]."""
+        return self.verify_batch({s: [t] for s, t in tokens.items()}, positions)
 
-    def verify_batch(self, rows: dict[int, list[int]], starts: dict[int, int]) -> VerifyBatch:
+    def verify_batch(self, rows: dict[int, list[int]], starts: dict[int, int]) -> StepBatch:
         """rows: slot -> the step's tokens (slot -1: a padding row, in the trash page)."""
         slots = list(rows)
         T = len(rows[slots[0]])
         pages = [self._ensure_pages(s, starts[s] + T) if s >= 0 else [self.state.trash_page] for s in slots]
-        return VerifyBatch.build([rows[s] for s in slots], [starts[s] if s >= 0 else 0 for s in slots], slots, pages,
-                                 PAGE_SIZE, self.state.trash_page, self.device)
+        return StepBatch.of(TokenRows.build([rows[s] for s in slots], [starts[s] if s >= 0 else 0 for s in slots],
+                                            slots, pages, PAGE_SIZE, self.state.trash_page, self.device))
 
     def decode(self, tokens: dict[int, int], positions: dict[int, int]):
-        return self.model.decode(self.state, self.decode_batch(tokens, positions))
+        return self.model.logits(self.model.forward(self.state, self.decode_batch(tokens, positions)))
 
 
 def top8_logprob_gaps(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -157,19 +161,29 @@ async def wait_free(engine, timeout=10.0) -> bool:
 
 
 class EagerPrograms:
-    """The CPU's stand-in for a rank's prefill graphs: each bucket's program run eagerly, so the padded fixed-input
-    path a graph replays (`RankRuntime.prefill_programs`) runs through the engine in CI."""
+    """The CPU's stand-in for a rank's graphs: each shape's program run eagerly, so the padded fixed-input path a
+    graph replays (`RankRuntime.programs`) runs through the engine in CI. `replays`: by shape."""
 
     def __init__(self, programs) -> None:
-        self.programs, self.stats, self.buckets = programs, {}, sorted(programs)
+        self.programs, self.stats, self.shapes = programs, {}, sorted(programs)
         self.replays = Counter()
 
-    def captured(self, bucket: int) -> bool:
-        return bucket in self.programs
+    @classmethod
+    def install(cls, runtime, shapes, prompt_requests: int = 1) -> "EagerPrograms":
+        runtime.graphs = cls(runtime.programs(shapes, prompt_requests))
+        return runtime.graphs
 
-    def __call__(self, bucket: int):
-        self.replays[bucket] += 1
-        return self.programs[bucket]()
+    def captured(self, shape) -> bool:
+        return shape in self.programs
+
+    def __call__(self, shape):
+        self.replays[shape] += 1
+        return self.programs[shape]()
+
+    def drop(self, shapes) -> None:
+        for shape in shapes:
+            del self.programs[shape]
+        self.shapes = sorted(self.programs)
 
     def destroy(self) -> None:
         pass

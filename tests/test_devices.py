@@ -321,7 +321,7 @@ def test_capture_check_cpu_mode_checks_the_eager_path(tiny_ckpt, capsys):
     assert "CUDA graphs need a CUDA device" in out and out.strip().endswith("OK")
     rows = [line.split()[:2] for line in out.splitlines() if line.split()[:1] in (["decode"], ["prefill"], ["mixed"])]
     assert rows == [["decode", "1"], ["decode", "2"], ["decode", "4"], ["prefill", "16"], ["prefill", "32"],
-                    ["prefill", "64"], ["mixed", "1x64"]]
+                    ["prefill", "64"], ["mixed", "1+64"]]
 
 
 @pytest.mark.parametrize("saved_by,context,extra", [("transformers", 40, []), ("transformers", 100, []),
@@ -357,9 +357,9 @@ def test_live_decode_batch_leaves_the_state_as_it_found_it(tiny_ckpt):
                 state = replica.ranks[rank].runtime.state
                 with live_decode_batch(replica, rank, 3, 40) as (r, batch):
                     before = state.conv.clone(), state.ssm.clone()
-                    r.model.decode(state, batch)
+                    r.model.forward(state, batch)
                     stepped = not torch.equal(state.ssm, before[1])
-                    rows = batch.input_ids.shape[0], int((batch.slots >= 0).sum())
+                    rows = batch.input_ids.shape[0], int((batch.rows.slots >= 0).sum())
                 return stepped, rows, torch.equal(state.conv, before[0]) and torch.equal(state.ssm, before[1])
 
             return await replica.group.call(on_rank)

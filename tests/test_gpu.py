@@ -601,9 +601,9 @@ def test_capture_check_exits_zero(tmp_path, size, layers):
     ckpt = write_checkpoint(str(tmp_path), size, layers=layers, weights=False)
     assert capture_check.main(["--model", ckpt, "--load-format", "random", "--buckets", "1,2,8,24,32",
                                "--prefill-tokens", "1024", "--context", "600", "--dot", str(tmp_path / "dot")]) == 0
-    assert (tmp_path / "dot" / "decode_bucket8.dot").is_file()
-    assert (tmp_path / "dot" / "prefill_bucket512.dot").is_file()
-    assert (tmp_path / "dot" / "mixed_bucket1x64.dot").is_file()
+    assert (tmp_path / "dot" / "decode_8.dot").is_file()
+    assert (tmp_path / "dot" / "prefill_512.dot").is_file()
+    assert (tmp_path / "dot" / "mixed_1+64.dot").is_file()
 
 
 @pytest.mark.parametrize("context", [40, 300])

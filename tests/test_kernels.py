@@ -306,7 +306,7 @@ def test_fused_qk_norm_rope_and_cache_write(T_):
 
 
 def test_the_forward_on_triton_ops_matches_the_reference_forward(tiny_ckpt):
-    from helpers import CpuRunner
+    from helpers import CpuRunner, prompt_logits
 
     if DEVICE != "cpu":
         pytest.skip("covered on the GPU by the engine tests")
@@ -324,11 +324,11 @@ def test_the_forward_on_triton_ops_matches_the_reference_forward(tiny_ckpt):
 
 @pytest.mark.parametrize("ops", ["reference", "triton"])
 def test_a_mixed_step_in_one_forward_equals_its_decode_then_its_prefill(tiny_ckpt, ops):
-    """The decode rows and the prompt chunks of a step share one pass over the weights (`MixedBatch`): the logits,
+    """The decode rows and the prompt chunks of a step share one pass over the weights (`StepBatch`): the logits,
     and every GDN, conv and KV state after it, are what the decode then the prefill give, on either ops."""
-    from helpers import CpuRunner
+    from helpers import CpuRunner, prompt_logits
 
-    from deltaserve.model.batch import MixedBatch, PrefillBatch, PrefillChunk
+    from deltaserve.model.batch import PrefillChunk, PromptChunks, StepBatch
 
     if DEVICE != "cpu" and ops == "reference":
         pytest.skip("the reference ops on the CPU are CI's")
@@ -343,12 +343,15 @@ def test_a_mixed_step_in_one_forward_equals_its_decode_then_its_prefill(tiny_ckp
         decode = runner.decode_batch({0: 5, 1: 6, 2: 11}, {0: 37, 1: 3, 2: 20})
         chunks = [PrefillChunk(list(range(230, 251)), 30, 4, runner._ensure_pages(4, 51)),
                   PrefillChunk([9, 10, 11, 12, 13], 0, 5, runner._ensure_pages(5, 5))]  # a fresh prompt
-        return decode, PrefillBatch.build(chunks, 16, runner.state.trash_page, DEVICE)
+        return decode.rows, PromptChunks.build(chunks, 16, runner.state.trash_page, DEVICE)
 
-    decode, prefill = step(apart)
-    want_decode = apart.model.decode(apart.state, decode)
-    want_prefill = apart.model.prefill(apart.state, prefill)
-    got_decode, got_prefill = together.model.mixed(together.state, MixedBatch.of(*step(together)))
+    rows, chunks = step(apart)
+    want_decode = apart.model.logits(apart.model.forward(apart.state, StepBatch.of(rows)))
+    want_prefill = prompt_logits(apart.model, apart.state, chunks)
+    batch = StepBatch.of(*step(together))
+    hidden = together.model.forward(together.state, batch)
+    got_decode = together.model.logits(hidden[: batch.row_tokens])
+    got_prefill = together.model.logits(hidden[batch.chunk_ends()])
     tolerance = 1e-5 if ops == "reference" else REDUCTION
     vocab = want_decode.shape[1]
     assert got_decode.shape == (3, vocab) and got_prefill.shape == want_prefill.shape == (2, vocab)
@@ -561,14 +564,14 @@ def test_knockout_stand_in_skips_every_launch_of_its_kernel():
 def test_an_eager_prefill_batch_places_its_tokens_as_the_graph_inputs_do():
     """The eager batch derives its tokens' positions and KV slots on the device; the graphs' inputs write them on
     the host. Packed chunks with cached starts (mid-page too) and shuffled pages get the same ones from both."""
-    from deltaserve.model.batch import PrefillBatch, PrefillChunk, PrefillInputs
+    from deltaserve.model.batch import PrefillChunk, PrefillInputs, PromptChunks
 
     page, pages_used, chunks = 16, iter(torch.randperm(200, generator=torch.Generator().manual_seed(0)).tolist()), []
     for slot, (start, n) in enumerate([(0, 37), (16, 1), (21, 60), (200, 16)]):
         pages = [next(pages_used) for _ in range(-(-(start + n) // page))]
         chunks.append(PrefillChunk(list(range(n)), start, slot, pages))
     T = sum(len(c.token_ids) for c in chunks)
-    eager = PrefillBatch.build(chunks, page, 255, DEVICE)
+    eager = PromptChunks.build(chunks, page, 255, DEVICE)
     inputs = PrefillInputs(128, 16, 7, 255, page, DEVICE, requests=4)
     inputs.fill(chunks, 128)
     graph = inputs.batch(128)
@@ -584,9 +587,9 @@ def test_a_padded_one_chunk_prefill_equals_the_chunk_alone(tiny_ckpt, start, n, 
     request in the trash slot and page whose GDN chunks end in empty ones, on the Triton ops (interpreted on the
     CPU). The chunk's logits, its slot's state and its KV pages equal those of the chunk run alone; the padding
     touches nothing but the trash slot and page."""
-    from helpers import CpuRunner
+    from helpers import CpuRunner, prompt_logits
 
-    from deltaserve.model.batch import PrefillBatch, PrefillChunk, PrefillInputs
+    from deltaserve.model.batch import PrefillChunk, PrefillInputs, PromptChunks
     from deltaserve.model.state import PAGE_SIZE
 
     runner = CpuRunner(tiny_ckpt, ops=triton_ops(), device=DEVICE)
@@ -597,7 +600,7 @@ def test_a_padded_one_chunk_prefill_equals_the_chunk_alone(tiny_ckpt, start, n, 
     pages = runner._ensure_pages(3, start + n)
     chunk = PrefillChunk(prompt[start:], start, 3, pages)
     before = [t.clone() for t in (state.conv, state.ssm, state.k_cache, state.v_cache)]
-    alone = runner.model.prefill(state, PrefillBatch.build([chunk], PAGE_SIZE, state.trash_page, DEVICE))
+    alone = prompt_logits(runner.model, state, PromptChunks.build([chunk], PAGE_SIZE, state.trash_page, DEVICE))
     after_alone = [t.clone() for t in (state.conv, state.ssm, state.k_cache, state.v_cache)]
     for t, saved in zip((state.conv, state.ssm, state.k_cache, state.v_cache), before):
         t.copy_(saved)
@@ -607,7 +610,7 @@ def test_a_padded_one_chunk_prefill_equals_the_chunk_alone(tiny_ckpt, start, n, 
     if start == 0:
         state.reset_slot(3)  # the rank does this before the replay (a graph's batch has no fresh slots)
     inputs.fill([chunk], bucket)
-    padded = runner.model.prefill(state, inputs.batch(bucket))
+    padded = prompt_logits(runner.model, state, inputs.batch(bucket))
     assert padded.shape[0] == 2
     assert rel(padded[0], alone[0]) <= REDUCTION
     conv, ssm, k, v = (state.conv, state.ssm, state.k_cache, state.v_cache)
@@ -624,9 +627,9 @@ def test_packed_chunks_padded_to_a_bucket_equal_them_unpadded(tiny_ckpt):
     """A prefill graph's step of several chunks (one resuming after its cached prefix): three chunks in inputs for
     up to four, padded to 64 tokens by a request in the trash slot and an empty one. Each chunk's logits, its
     slot's state and its KV pages equal those of the same chunks packed without padding; nothing else changes."""
-    from helpers import CpuRunner
+    from helpers import CpuRunner, prompt_logits
 
-    from deltaserve.model.batch import PrefillBatch, PrefillChunk, PrefillInputs
+    from deltaserve.model.batch import PrefillChunk, PrefillInputs, PromptChunks
     from deltaserve.model.state import PAGE_SIZE
 
     runner = CpuRunner(tiny_ckpt, ops=triton_ops(), device=DEVICE)
@@ -639,7 +642,7 @@ def test_packed_chunks_padded_to_a_bucket_equal_them_unpadded(tiny_ckpt):
                                    runner._ensure_pages(slot, n)))
     tensors = (state.conv, state.ssm, state.k_cache, state.v_cache)
     before = [t.clone() for t in tensors]
-    packed = runner.model.prefill(state, PrefillBatch.build(chunks, PAGE_SIZE, state.trash_page, DEVICE))
+    packed = prompt_logits(runner.model, state, PromptChunks.build(chunks, PAGE_SIZE, state.trash_page, DEVICE))
     after_packed = [t.clone() for t in tensors]
     for t, saved in zip(tensors, before):
         t.copy_(saved)
@@ -649,7 +652,7 @@ def test_packed_chunks_padded_to_a_bucket_equal_them_unpadded(tiny_ckpt):
     for c in chunks[1:]:
         state.reset_slot(c.slot)
     inputs.fill(chunks, 64)
-    padded = runner.model.prefill(state, inputs.batch(64))
+    padded = prompt_logits(runner.model, state, inputs.batch(64))
     assert padded.shape[0] == 5
     assert rel(padded[:3], packed) <= REDUCTION
     slots, pages = [2, 3, 4], sorted({p for c in chunks for p in c.pages})

@@ -17,6 +17,7 @@ import torch
 from helpers import CpuRunner, EagerPrograms, flagging_every_filtered_row, hf_model, rel_err
 from safetensors.torch import load_file
 
+from deltaserve.devices.backend import StepShape
 from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.model.synthetic import write_checkpoint
 from deltaserve.model.weights import checkpoint_files
@@ -67,11 +68,11 @@ def test_the_mtp_head_matches_its_oracle_over_chunks_and_decode(tiny_ckpt):
     ours = []
     for start, stop in ((0, 23), (23, L)):  # a chunk boundary inside a page
         batch = runner.prefill_batch(0, seq[start:stop].tolist(), start)
-        hidden = model.prefill_hidden(state, batch)
+        hidden = model.forward(state, batch)
         ours.append(model.logits(model.mtp(seq[start + 1 : stop + 1], hidden, state, batch)))
     for pos in (L, L + 1):
         batch = runner.decode_batch({0: int(seq[pos])}, {0: pos})
-        hidden = model.decode_hidden(state, batch)
+        hidden = model.forward(state, batch)
         ours.append(model.logits(model.mtp(seq[pos + 1 : pos + 2], hidden, state, batch)))
     oracle = mtp_oracle(tiny_ckpt, hf_model(tiny_ckpt), seq[: L + 2], int(seq[L + 2]))
     assert rel_err(torch.cat(ours), oracle) <= 1e-4
@@ -80,7 +81,7 @@ def test_the_mtp_head_matches_its_oracle_over_chunks_and_decode(tiny_ckpt):
 def test_a_model_without_its_head_refuses_to_draft(tiny_ckpt):
     runner = CpuRunner(tiny_ckpt)
     batch = runner.prefill_batch(0, [1, 2, 3])
-    hidden = runner.model.prefill_hidden(runner.state, batch)
+    hidden = runner.model.forward(runner.state, batch)
     with pytest.raises(RuntimeError, match="without its MTP head"):
         runner.model.mtp(torch.tensor([2, 3, 4]), hidden, runner.state, batch)
 
@@ -98,8 +99,8 @@ def test_a_verify_step_computes_what_decoding_its_tokens_does_and_rolls_back_to_
         spec.prefill({s: ids})
     starts = {s: len(ids) for s, ids in prompts.items()}
     batch = spec.verify_batch({0: steps[0], -1: [5] * (k + 1), 1: steps[1]}, {**starts, -1: 0})
-    verified = spec.model.logits(spec.model.verify_hidden(spec.state, batch)).view(3, k + 1, -1)
-    spec.state.commit_verified(batch.slots, torch.tensor([accepted[0], 1, accepted[1]]))
+    verified = spec.model.logits(spec.model.forward(spec.state, batch)).view(3, k + 1, -1)
+    spec.state.commit_verified(batch.rows.slots, torch.tensor([accepted[0], 1, accepted[1]]))
     for row, s in ((0, 0), (2, 1)):
         plain = CpuRunner(tiny_ckpt)
         plain.prefill({s: prompts[s]})
@@ -123,9 +124,9 @@ def test_the_verify_step_and_the_head_on_the_triton_ops_match_the_references(tin
         runner = CpuRunner(tiny_ckpt, ops=ops, mtp=True, verify_steps=k)
         runner.prefill({0: prompt})
         batch = runner.verify_batch({0: step, -1: [1] * (k + 1)}, {0: len(prompt), -1: 0})
-        hidden = runner.model.verify_hidden(runner.state, batch)
+        hidden = runner.model.forward(runner.state, batch)
         head = runner.model.mtp(batch.input_ids.roll(-1), hidden, runner.state, batch)
-        runner.state.commit_verified(batch.slots, torch.tensor([2, 1]))
+        runner.state.commit_verified(batch.rows.slots, torch.tensor([2, 1]))
         results.append((runner.model.logits(hidden), runner.model.logits(head), runner.state.ssm[:, 0].clone()))
     for ours, ref in zip(results[1], results[0]):
         assert rel_err(ours, ref) <= 1e-4
@@ -362,49 +363,47 @@ def test_the_speculative_programs_on_inert_inputs_touch_only_the_trash(tiny_ckpt
         return [state.conv[:, :6], state.ssm[:, :6], state.verify_hidden[:6], state.drafts[:6]]
     before = [t.clone() for t in request_state()]
     pages = [state.k_cache[:, :40].clone(), state.v_cache[:, :40].clone()]
-    for b, program in runtime.decode_programs([1, 2, 4]).items():  # sets the inputs inert
-        assert program().shape[0] == b
-    for b, program in runtime.speculative_programs([1, 2, 4]).items():
-        first, extra, drafted = program()
-        assert first.shape[0] == b and extra.shape[:2] == (b, 3) and drafted.shape == (b, 3)
-    runtime.prefill_programs([16, 32], 2)
-    for b, program in runtime.mixed_programs([1, 4], [16, 32]).items():
-        runtime.prepare_mixed(b)
-        decode, prompt = program()
-        assert decode.shape[0] == b[0] and prompt.shape[0] == 3  # two chunks and the padding request
+    shapes = ([StepShape(b) for b in (1, 2, 4)] + [StepShape(b, 4) for b in (1, 2, 4)]
+              + [StepShape(b, 1, t) for b in (0, 1, 4) for t in (16, 32)])
+    for shape, program in runtime.programs(shapes, prompt_requests=2).items():
+        runtime.prepare(shape)
+        out = program()
+        if shape.tokens_per_row > 1:
+            assert out.row_logits.shape[0] == shape.rows and out.draft_logits.shape[:2] == (shape.rows, 3)
+            assert out.drafts.shape == (shape.rows, 3)
+        elif shape.rows:
+            assert out.row_logits.shape[0] == shape.rows
+        if shape.prompt_tokens:
+            assert out.chunk_logits.shape[0] == 3  # two chunks and the padding request
     assert all(torch.equal(x, y) for x, y in zip(before, request_state()))
     assert torch.equal(pages[0], state.k_cache[:, :40]) and torch.equal(pages[1], state.v_cache[:, :40])
 
 
 def test_a_fused_mixed_step_leaves_the_head_what_its_steps_apart_do(tiny_ckpt):
-    """A speculative engine's fused mixed step (`RankRuntime._mixed_with_head`) against its one-token decode step
-    then its prefill with the head: the same logits, and the same state after it, the MTP head's KV and the
-    hidden states its next drafts start from included; one decode row rolls back first, the other keeps all."""
-    from deltaserve.model.batch import MixedBatch, PrefillBatch, PrefillChunk
+    """A speculative engine's fused mixed step against its one-token decode step then its prefill with the head
+    (each shape's program over the fixed inputs): the same logits, and the same state after it, the MTP head's KV
+    and the hidden states its next drafts start from included; one decode row rolls back first, the other keeps
+    all."""
+    from deltaserve.model.batch import PrefillChunk
 
     runtime, pools = _speculative_rank(tiny_ckpt)
-    state = runtime.state
     start = [t.clone() for t in pools]
+    programs = runtime.programs([StepShape(2), StepShape(0, 1, 16), StepShape(2, 1, 16)])
     runtime.inputs.table_host[0], runtime.inputs.table_host[1] = range(8), range(8, 16)
-    runtime.speculation.accepted[:2] = torch.tensor([2, 4])
-    runtime.speculation.keep[:2] = torch.tensor([2, 4])
     chunk = PrefillChunk([3, 14, 15, 9, 26, 5, 35, 8, 9, 7], 0, 4, [16])
-    following = torch.tensor(chunk.token_ids[1:] + [11])
-    head_rows = torch.tensor([4])
 
-    def step(fused: bool):
+    def step(shapes: list[StepShape]):
         for pool, values in zip(pools, start):
             pool.copy_(values)
         runtime.inputs.fill([21, 17], [37, 70], 2)
-        prefill = PrefillBatch.build([chunk], state.page_size, state.trash_page, "cpu")
-        if fused:
-            logits = runtime._mixed_with_head(MixedBatch.of(runtime.inputs.batch(2), prefill), following, head_rows)
-        else:
-            logits = (runtime._plain_decode(runtime.inputs.batch(2), 2),
-                      runtime._prefill_with_head(prefill, following, head_rows))
-        return logits, [t.clone() for t in pools]
+        runtime.speculation.accepted[:2] = torch.tensor([2, 4])
+        runtime.speculation.keep[:2] = torch.tensor([2, 4])
+        runtime.prefill_inputs.fill([chunk], 16, chunk.token_ids[1:] + [11], [4])
+        runtime.state.reset_slot(4)
+        outs = [programs[s]() for s in shapes]
+        return (outs[0].row_logits, outs[-1].chunk_logits[:1]), [t.clone() for t in pools]
 
-    (apart, apart_state), (fused, fused_state) = step(False), step(True)
+    (apart, apart_state), (fused, fused_state) = step([StepShape(2), StepShape(0, 1, 16)]), step([StepShape(2, 1, 16)])
     for ours, ref in zip(fused, apart):
         assert rel_err(ours, ref) <= 1e-5
     for ours, ref in zip(fused_state, apart_state):
@@ -575,8 +574,9 @@ def test_capture_check_runs_the_speculative_programs(tiny_ckpt, capsys):
     assert capture_check.main(["--model", tiny_ckpt, "--device", "cpu", "--buckets", "1,2,4", "--prefill-tokens",
                                "128", "--speculative-tokens", "2"]) == 0
     out = capsys.readouterr().out
-    rows = [line.split()[:2] for line in out.splitlines() if line.split()[:1] in (["verify"], ["mixed"])]
-    assert rows == [["verify", "1"], ["verify", "2"], ["verify", "4"], ["mixed", "1x64"], ["mixed", "2x128"]]
+    rows = [line.split()[:2] for line in out.splitlines() if line.split()[:1] in (["speculative"], ["mixed"])]
+    assert rows == [["speculative", "1x3"], ["speculative", "2x3"], ["speculative", "4x3"], ["mixed", "1+64"],
+                    ["mixed", "2+128"]]
     assert out.strip().endswith("OK")  # the mixed steps' roll-back and head as the steps apart
 
 
@@ -764,13 +764,13 @@ def test_a_speculative_engines_padded_prefills_change_no_output_and_no_draft(tin
         async with AsyncEngine(args) as engine:
             runtime = engine.replica.ranks[0].runtime
             if padded:
-                runtime.prefill_graphs = EagerPrograms(runtime.prefill_programs([16, 32, 64], 2))
+                EagerPrograms.install(runtime, [StepShape(0, 1, t) for t in (16, 32, 64)], 2)
             outs, drafts = [], []
             for i, p in enumerate(prompts):
                 outs.append(await _collect(engine, p, _greedy(i)))
                 drafts.append(runtime.state.drafts[:4].clone())
             outs += await asyncio.gather(*[_collect(engine, p, _greedy(i)) for i, p in enumerate(prompts[:3])])
-            return outs, torch.cat(drafts), sum(runtime.prefill_graphs.replays.values()) if padded else 0
+            return outs, torch.cat(drafts), sum(runtime.graphs.replays.values()) if padded else 0
 
     padded, padded_drafts, replays = asyncio.run(serve(True))
     eager, eager_drafts, _ = asyncio.run(serve(False))
@@ -782,44 +782,47 @@ def test_a_speculative_engines_padded_prefills_change_no_output_and_no_draft(tin
 
 
 def test_the_padded_prefill_with_the_head_writes_what_the_eager_one_writes(tiny_ckpt):
-    """A speculative engine's prefill program over the padded fixed inputs (two chunks, one ending its prompt, one
-    not) against the eager prefill with the head: the logits, the head's KV and the last hidden state kept for
-    the first draft (only for the chunk that ends its prompt) are the same; nothing else changes."""
+    """A speculative engine's prefill step (two chunks, one ending its prompt, one not) replayed over the padded
+    fixed inputs against the same step run eagerly: the head's KV, the hidden state each prompt's first draft
+    starts from (only for the chunk that ends its prompt) and every other state are the same; and the padded
+    program's logits are the model's at each chunk's last token."""
     from deltaserve.devices.commands import PrefillCommand, StepCommand
     from deltaserve.devices.rank import RankRuntime
-    from deltaserve.model.batch import PrefillBatch, PrefillChunk
+
+    from helpers import EagerPrograms
 
     runner = CpuRunner(tiny_ckpt, mtp=True, verify_steps=3, num_slots=6, num_pages=40)
     state = runner.state
-    runtime = RankRuntime(runner.model, state, rank=1, max_batch=2, max_pages_per_seq=8, device="cpu")
+    runtime = RankRuntime(runner.model, state, rank=1, max_batch=2, max_pages_per_seq=8, device=torch.device("cpu"))
     g = torch.Generator().manual_seed(3)
     ends, goes_on = (torch.randint(0, 300, (n,), generator=g).tolist() for n in (21, 12))
     cmd = StepCommand(prefill=[PrefillCommand(ends, 0, 2, [0, 1], True),
                                PrefillCommand(goes_on, 0, 3, [4], False, next_token=77)])
-    chunks = [PrefillChunk(p.token_ids, p.start, p.slot, p.pages) for p in cmd.prefill]
     state.verify_hidden.copy_(torch.randn_like(state.verify_hidden))
-    pools = (state.k_cache, state.v_cache, state.verify_hidden, state.conv, state.ssm)
+    pools = (state.k_cache, state.v_cache, state.verify_hidden, state.conv, state.ssm, state.last_hidden)
     before = [t.clone() for t in pools]
 
-    following, rows = runtime._head_inputs(cmd.prefill)
-    assert following[len(ends) - 1] == 0 and following[-1] == 77 and rows == [2, state.num_slots]
-    eager = runtime._prefill_with_head(PrefillBatch.build(chunks, 16, state.trash_page, "cpu"),
-                                       torch.tensor(following), torch.tensor(rows))
+    runtime.launch(cmd)
     after_eager = [t.clone() for t in pools]
     for t, saved in zip(pools, before):
         t.copy_(saved)
-    programs = runtime.prefill_programs([32, 64], requests=2)
-    runtime.prefill_inputs.fill(chunks, 64, following, rows)
-    for c in chunks:
-        state.reset_slot(c.slot)
-    padded = programs[64]()
-    assert padded.shape[0] == 3 and rel_err(padded[:2], eager) <= 1e-5
-    hidden_rows, pages = [0, 1, 2, 3, 4, 5], [0, 1, 4]
-    assert rel_err(state.verify_hidden[hidden_rows], after_eager[2][hidden_rows]) <= 1e-5
+    outputs = []
+    graphs = EagerPrograms.install(runtime, [StepShape(0, 1, 32), StepShape(0, 1, 64)], prompt_requests=2)
+    graphs.programs = {s: (lambda p=p: outputs.append(p()) or outputs[-1]) for s, p in graphs.programs.items()}
+    runtime.launch(cmd)
+    assert graphs.replays == {StepShape(0, 1, 64): 1}
+    (padded,) = outputs
+    assert padded.chunk_logits.shape[0] == 3
+    assert rel_err(padded.chunk_logits[:2], runner.model.logits(state.last_hidden[[2, 3]])) <= 1e-6
+    # Every request slot's state and every page but the trash the padding writes to.
+    requests = [(slice(None), slice(None, state.num_pages)), (slice(None), slice(None, state.num_pages)),
+                (slice(None, state.num_slots),), (slice(None), slice(None, state.num_slots)),
+                (slice(None), slice(None, state.num_slots)), (slice(None, state.num_slots),)]
+    for now, want, part in zip(pools, after_eager, requests):
+        assert rel_err(now[part], want[part]) <= 1e-5
     assert not torch.equal(state.verify_hidden[2], before[2][2])  # the prompt that ended kept its last hidden
     assert torch.equal(state.verify_hidden[3], before[2][3])  # the one that goes on did not
-    for now, want in zip(state.k_cache[-1:], after_eager[0][-1:]):  # the head's KV layer
-        assert rel_err(now[pages], want[pages]) <= 1e-5
+    assert not torch.equal(state.k_cache[-1][[0, 1, 4]], before[0][-1][[0, 1, 4]])  # the head wrote its KV
 
 
 @pytest.mark.parametrize("tp", [1, 2])

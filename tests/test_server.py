@@ -298,7 +298,7 @@ def test_a_failed_device_turns_health_and_new_requests_into_503(tiny_ckpt):
         def broken(*args, **kwargs):
             raise RuntimeError("device fell over")
 
-        runtime.model.decode = broken
+        runtime.model.forward = broken
         async with aiohttp.ClientSession() as session:
             async with session.post(url + "/v1/completions", json={
                     "model": "tiny", "prompt": "hi", "max_tokens": 5, "ignore_eos": True}) as r:
@@ -506,7 +506,7 @@ def test_n_choices_streamed_and_not(tiny_ckpt, path):
 def test_a_device_failure_mid_stream_sends_an_error_event_then_done(tiny_ckpt, path):
     async def body(engine, url):
         runtime = engine.replica.ranks[0].runtime
-        decode, calls = runtime.model.decode, []
+        decode, calls = runtime.model.forward, []
 
         def fails_later(*args, **kwargs):
             calls.append(1)
@@ -514,7 +514,7 @@ def test_a_device_failure_mid_stream_sends_an_error_event_then_done(tiny_ckpt, p
                 raise RuntimeError("device fell over mid-stream")
             return decode(*args, **kwargs)
 
-        runtime.model.decode = fails_later
+        runtime.model.forward = fails_later
         async with aiohttp.ClientSession() as session:
             async with session.post(url + path, json=request_body(
                     path, max_tokens=50, ignore_eos=True, stream=True)) as r:

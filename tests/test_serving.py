@@ -22,6 +22,7 @@ import pytest
 import torch
 from helpers import CpuRunner, EagerPrograms, flagging_every_filtered_row, hf_model, wait_free
 
+from deltaserve.devices.backend import StepShape
 from deltaserve.devices.commands import UNKNOWN_TOKEN
 from deltaserve.devices.rank import RankRuntime
 from deltaserve.kernels.sampling import counter_uniform
@@ -145,8 +146,7 @@ def test_one_chunk_prefills_padded_to_a_bucket_change_no_output(tiny_tp_ckpt, tp
             programs = []
             if padded:
                 for r in engine.replica.ranks:
-                    r.runtime.prefill_graphs = EagerPrograms(r.runtime.prefill_programs([16, 32, 64], 2))
-                    programs.append(r.runtime.prefill_graphs)
+                    programs.append(EagerPrograms.install(r.runtime, [StepShape(0, 1, t) for t in (16, 32, 64)], 2))
                     fill = r.runtime.prefill_inputs.fill
                     r.runtime.prefill_inputs.fill = lambda chunks, bucket, *head, fill=fill: (
                         packed.append(len(chunks)), fill(chunks, bucket, *head))
@@ -165,7 +165,7 @@ def test_one_chunk_prefills_padded_to_a_bucket_change_no_output(tiny_tp_ckpt, tp
             assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) <= LOGPROB_ATOL_OURS
     assert padded[6].num_cached_tokens == 40  # the resumed ones did resume
     # Every rank replayed every bucket, packed chunks too (two prefill slots).
-    assert all(set(p.replays) == {16, 32, 64} for p in programs) and max(packed) == 2
+    assert all({s.prompt_tokens for s in p.replays} == {16, 32, 64} for p in programs) and max(packed) == 2
     assert all(sum(p.replays.values()) == sum(programs[0].replays.values()) for p in programs)
 
 

@@ -123,18 +123,18 @@ def test_a_rank_that_raises_mid_step_poisons_the_engine(tiny_tp_ckpt, monkeypatc
             first = await streams[0].__anext__()
             assert not first.finished
             runtime = engine.replica.ranks[1].runtime
-            original = runtime.model.decode
+            original = runtime.model.forward
 
             def broken(*a, **k):
                 raise RuntimeError("rank 1 exploded")
 
-            runtime.model.decode = broken
+            runtime.model.forward = broken
             outs = await asyncio.wait_for(asyncio.gather(*[_collect(s) for s in streams]), timeout=60)
             assert all(o.finished and o.finish_reason == "error" and "exploded" in o.error for o in outs)
             assert not engine.healthy
             with pytest.raises(Exception, match="exploded"):
                 engine.generate([1, 2], SamplingParams(max_tokens=2))
-            runtime.model.decode = original
+            runtime.model.forward = original
         return True
 
     assert asyncio.run(asyncio.wait_for(main(), timeout=120))
@@ -162,16 +162,23 @@ def test_rank_memory_for_the_27b_geometry_at_tp2():
 def test_fused_mixed_steps_change_no_output(tiny_tp_ckpt, tp, padded, speculative, monkeypatch):
     """Decode rows and prompt chunks in one forward (`fused_mixed_steps`) give the tokens they give apart: prompts
     arrive while others decode, chunked (a budget of 24 tokens a step), some resuming after a cached prefix.
-    Padded: the steps run what a mixed graph replays (`RankRuntime.mixed_programs`: the decode rows padded to a
+    Padded: the steps run what a mixed graph replays (`RankRuntime.programs`: the decode rows padded to a
     bucket and the chunks to a bucket of tokens, in the fixed inputs), on every rank. Speculative: the decode-only
     steps draft 3 tokens with the head and verify them; a fused step rolls back what the one before it left."""
     from helpers import EagerPrograms
 
+    from deltaserve.devices.backend import StepShape
     from deltaserve.model.forward import Qwen35Shard
 
-    fused_steps = []
-    mixed = Qwen35Shard.mixed_hidden
-    monkeypatch.setattr(Qwen35Shard, "mixed_hidden", lambda self, *a: fused_steps.append(1) or mixed(self, *a))
+    fused_steps = []  # forwards of rows and chunks together
+    forward = Qwen35Shard.forward
+
+    def counted(self, state, batch):
+        if batch.rows is not None and batch.chunks is not None:
+            fused_steps.append(1)
+        return forward(self, state, batch)
+
+    monkeypatch.setattr(Qwen35Shard, "forward", counted)
     shared = [11 + j % 50 for j in range(40)]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     longer = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -182,10 +189,9 @@ def test_fused_mixed_steps_change_no_output(tiny_tp_ckpt, tp, padded, speculativ
                           speculative_tokens=speculative if fused else 0, speculative_adaptive=False)
         async with AsyncEngine(args) as engine:
             if fused and padded:
+                shapes = [StepShape(b, 1, t) for b in [0] + engine.replica.buckets for t in (16, 32)]
                 for r in engine.replica.ranks:
-                    r.runtime.prefill_graphs = EagerPrograms(r.runtime.prefill_programs([16, 32], 4))
-                    r.runtime.mixed_graphs = EagerPrograms(r.runtime.mixed_programs(engine.replica.buckets, [16, 32]))
-                    replays.append(r.runtime.mixed_graphs.replays)
+                    replays.append(EagerPrograms.install(r.runtime, shapes, 4).replays)
             first = [engine.generate([7 + i, 40, 3 * i + 1], longer) for i in range(3)]
             heads = [await stream.__anext__() for stream in first]  # decoding, while the rest prefill beside them
             later = [_collect(engine.generate(shared + [60 + i] * (i + 1), greedy)) for i in range(4)]
@@ -201,4 +207,5 @@ def test_fused_mixed_steps_change_no_output(tiny_tp_ckpt, tp, padded, speculativ
     assert (drafted > 0) == bool(speculative)
     if padded:
         assert len(replays) == tp and all(r == replays[0] for r in replays)
-        assert sum(replays[0].values()) == len(fused_steps) // tp and len(replays[0]) >= 2
+        mixed = {s: n for s, n in replays[0].items() if s.rows}
+        assert sum(mixed.values()) == len(fused_steps) // tp and len(mixed) >= 2

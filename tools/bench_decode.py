@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from deltaserve.devices.backend import StepShape
 from deltaserve.kernels.config import DEFAULT, KernelConfig
 from deltaserve.kernels.sampling import SamplingTensors
 from deltaserve.kernels.triton_sampling import draw
@@ -173,10 +174,10 @@ async def speculative_run(ns) -> str:
 
 def _measure(replica, rank, rows, context):
     with live_decode_batch(replica, rank, rows, context) as (r, batch):
-        runtime, model, graphs = r.runtime, r.model, r.backend.graphs
-        eager = time_per_call(lambda: model.decode(runtime.state, batch), r.backend.device, iters=10)
-        replay = time_per_call(lambda: graphs(rows), r.backend.device, iters=50)
-        logits = graphs(rows)
+        runtime, model, graphs, shape = r.runtime, r.model, r.runtime.graphs, StepShape(rows)
+        eager = time_per_call(lambda: model.logits(model.forward(runtime.state, batch)), r.backend.device, iters=10)
+        replay = time_per_call(lambda: graphs(shape), r.backend.device, iters=50)
+        logits = graphs(shape).row_logits
         # What the engine runs after the replay: the Triton sampler (Qwen's default filters, and greedy).
         p = SamplingTensors.filled(rows, logits.device, temperature=0.7, top_k=20, top_p=0.8, seeds=1)
         # No row has top-p without top-k, so, as in the engine, no top-p race rounds.

@@ -1,21 +1,17 @@
-"""Diagnostics for the CUDA graphs: capture every decode and prefill bucket and compare each replay with the
-eager step.
+"""Diagnostics for the CUDA graphs: capture every step shape (decode rows, speculative rows, prompt tokens, and
+decode rows beside prompt tokens) and compare each replay with the same forward run eagerly.
 
     python -m deltaserve.tools.capture_check --model DIR [--device cuda|cpu] [--tp N] [--buckets 1,2,4,...]
         [--load-format safetensors|random] [--context 512] [--dot DIR] [--speculative-tokens K]
 
-Per bucket: graph nodes, graph memory (private pool growth), capture time, max |replay - eager| over the live
-rows' logits, eager and replay step times and the speed-up. A prefill bucket replays a one-chunk prefill of 7/8
-of its tokens, padded to the bucket, against the same padded inputs run eagerly; its speed-up is against the
-chunk prefilled eagerly unpadded, as without the graph. Exit status 1 on any capture failure or mismatch. On
-the CPU there are no graphs: it says so and checks that each decode bucket's batched eager step equals running its
-rows one at a time, and each prefill bucket's padded inputs, run eagerly, the chunk alone. With
---speculative-tokens K each decode bucket's speculative step ("verify" rows, beside its one-token step) is checked
-the same way against its program run eagerly (on the CPU: against itself, run again from the same state). Where
-fused mixed steps are on (CUDA's default; on the CPU with prefill buckets), each prompt-token bucket's mixed step
-(beside the decode buckets in turn: live rows, with a speculative engine's roll-back, and a chunk of 7/8 of the
-bucket) is checked against the same padded inputs run eagerly; on the CPU, against its decode rows and its chunk
-run apart.
+Per shape: graph nodes, graph memory (private pool growth), capture time, max |replay - eager| over its outputs
+(the live rows' logits, the chunk's last logits, a speculative step's drafts exactly), eager and replay step
+times and the speed-up. The rows are live (random state and KV near --context; with speculation, as after a
+verify step that kept a random number of its tokens, so a one-token step rolls back); the prompt is one fresh
+chunk of 7/8 of the shape's tokens, padded to them. Exit status 1 on any capture failure or mismatch. On the CPU
+there are no graphs: it says so and checks each shape's padded fixed-input forward against the step computed
+another way: one-token rows one at a time, the chunk alone unpadded, a mixed step's rows then its chunk (a
+speculative step, with nothing independent to check it against, against itself run again from the same state).
 """
 
 from __future__ import annotations
@@ -27,14 +23,13 @@ import os
 import sys
 import time
 
-from dataclasses import fields
-
 import torch
 
-from deltaserve.model.batch import DecodeBatch, MixedBatch, PrefillBatch, PrefillChunk, upload
+from deltaserve.devices.backend import StepShape
+from deltaserve.model.batch import PrefillChunk, PromptChunks, StepBatch, TokenRows
 from deltaserve.devices.replica import mixed_graph_buckets
 from deltaserve.runtime import AsyncEngine, EngineArgs
-from deltaserve.tools.live_rows import fill_live_rows, restore, snapshot
+from deltaserve.tools.live_rows import fill_live_rows
 
 log = logging.getLogger("capture_check")
 
@@ -56,88 +51,104 @@ def time_per_call(fn, device, iters: int = 20) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def check_bucket(rank_objs, bucket: int, context: int, dot_dir: str | None, rank: int) -> dict:
+def check_shape(rank_objs, shape: StepShape, context: int, dot_dir: str | None, rank: int) -> dict:
+    """One shape's replay (on the CPU: its program) against its forward run eagerly (on the CPU: computed
+    another way, see the module's text), from the same state; the outputs' largest difference and scale."""
     backend, model, runtime = rank_objs.backend, rank_objs.model, rank_objs.runtime
-    rows = bucket
-    fill_live_rows(runtime, rows, bucket, context, seed=bucket)
-    if runtime.speculation:  # rows whose last step kept everything: the one-token graph rolls nothing back
-        runtime.speculation.fill_inert()
-    batch = runtime.inputs.batch(bucket)
-    saved = snapshot(runtime.state)
-    eager = model.decode(runtime.state, batch)[:rows].float().clone()
-    restore(runtime.state, saved)
-    graphs = getattr(backend, "graphs", None)
-    result = {"bucket": bucket}
-    if graphs is None:  # CPU: the batched eager step against one row at a time
-        singles = []
-        for r in range(rows):
-            restore(runtime.state, saved)
-            row = DecodeBatch(*(getattr(batch, f.name)[r : r + 1] for f in fields(DecodeBatch)))
-            singles.append(model.decode(runtime.state, row)[0].float())
-        restore(runtime.state, saved)
-        reference = torch.stack(singles)
-        result["diff"] = (reference - eager).abs().max().item()
-        result["scale"] = reference.abs().max().item()
-        fill_live_rows(runtime, rows, bucket, context, seed=bucket)
-        result["eager_s"] = time_per_call(lambda: model.decode(runtime.state, runtime.inputs.batch(bucket)), backend.device, 3)
-        return result
-    if not graphs.captured(bucket):
+    state, spec, k = runtime.state, runtime.speculation, runtime.state.verify_steps
+    graphs = runtime.graphs
+    result = {"shape": shape}
+    if graphs is not None and not graphs.captured(shape):
         result["failed"] = True
         return result
-    replay = graphs(bucket)[:rows].float().clone()
-    backend.stream.synchronize()
-    restore(runtime.state, saved)
-    result["diff"] = (replay - eager).abs().max().item()
-    result["scale"] = eager.abs().max().item()
-    result.update(graphs.stats[bucket])
-    result["eager_s"] = time_per_call(lambda: model.decode(runtime.state, batch), backend.device)
-    result["replay_s"] = time_per_call(lambda: graphs(bucket), backend.device)
-    restore(runtime.state, saved)
-    if dot_dir and rank == 0:
-        os.makedirs(dot_dir, exist_ok=True)
-        graphs.dot(bucket, os.path.join(dot_dir, f"decode_bucket{bucket}.dot"))
-    return result
-
-
-def check_speculative_bucket(rank_objs, bucket: int, context: int, dot_dir: str | None, rank: int) -> dict:
-    """A speculative step (roll-back, drafts, verify of k + 1 tokens a row) over `bucket` live rows that kept a
-    random number of their last step's tokens. With graphs: the replay against the program run eagerly from the
-    same state (first positions' logits, the others', and the drafts exactly). On the CPU: the program run twice
-    from the same state agrees with itself (it reads nothing it has not written or been given) and is finite."""
-    backend, runtime = rank_objs.backend, rank_objs.runtime
-    fill_live_rows(runtime, bucket, bucket, context, seed=bucket, lookahead=runtime.state.verify_steps)
-    runtime.speculation.use_override[:bucket] = False
-    rows = rows_after_a_verify_step(runtime, bucket, seed=bucket)
-    saved = [pool.clone() for pool in rows]
+    if graphs is None and shape.prompt_tokens:  # the CPU: fixed prompt inputs for this shape
+        runtime.programs([shape])
+    program = runtime.program(shape)
+    rows, tokens = shape.rows, shape.prompt_tokens
+    seed = rows * 1000 + tokens
+    pools = [state.conv[:, :rows], state.ssm[:, :rows]]
+    if rows:
+        fill_live_rows(runtime, rows, rows, context, seed=seed, lookahead=k)
+        if spec:
+            spec.use_override[:rows] = False
+            pools = rows_after_a_verify_step(runtime, rows, seed=seed)
+    chunk = following = None
+    if tokens:
+        slot, n = runtime.max_batch, max(1, tokens * 7 // 8)  # the first prefill slot
+        held = set(runtime.inputs.table_host[:rows].flatten().tolist())
+        free = [p for p in range(state.num_pages) if p not in held]
+        ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+        chunk = PrefillChunk(ids, 0, slot, free[: -(-n // state.page_size)])
+        following = ids[1:] + [0]
+        pools = pools + [state.conv[:, slot], state.ssm[:, slot]]
+    saved = [pool.clone() for pool in pools]
 
     def put_back():
-        for pool, copy in zip(rows, saved):
+        for pool, copy in zip(pools, saved):
             pool.copy_(copy)
+        if tokens:
+            runtime.prefill_inputs.fill([chunk], tokens, *((following, [slot]) if spec else ()))
 
-    program = runtime.speculative_program(bucket)
-    graphs = getattr(backend, "speculative_graphs", None)
-    result = {"bucket": bucket}
-    if graphs is not None and not graphs.captured(bucket):
-        result["failed"] = True
-        return result
-    first, others, drafts = (t.float().clone() for t in program())
+    def outputs(out) -> list[torch.Tensor]:
+        """The outputs a step reads: live rows' logits (a speculative step's others and drafts), the chunk's."""
+        got = []
+        if rows:
+            got.append(out.row_logits[:rows])
+            if shape.tokens_per_row > 1:
+                got += [out.draft_logits[:rows], out.drafts[:rows]]
+        if tokens:
+            got.append(out.chunk_logits[:1])
+        return [t.float().clone() for t in got]
+
+    def reference() -> list[torch.Tensor]:
+        """The CPU's other way: one-token rows one at a time (with no roll-back to make), then the chunk alone,
+        unpadded; a speculative step, or a speculative engine's rows, its own program run again."""
+        put_back()
+        if rows and (spec or shape.tokens_per_row > 1):
+            want = outputs(program())[: 3 if shape.tokens_per_row > 1 else 1]
+        elif rows:
+            batch = runtime.inputs.batch(rows)
+            want = [torch.cat([model.logits(model.forward(state, StepBatch.of(TokenRows(
+                batch.input_ids[r:r + 1], batch.positions[r:r + 1], batch.slots[r:r + 1],
+                batch.page_table[r:r + 1], batch.seq_lens[r:r + 1], batch.slot_mapping[r:r + 1]))))
+                for r in range(rows)]).float()]
+        else:
+            want = []
+        if tokens:
+            state.reset_slot(slot)
+            alone = PromptChunks.build([chunk], state.page_size, state.trash_page, backend.device)
+            want.append(model.logits(model.forward(state, StepBatch.of(chunks=alone))[alone.last_token]).float())
+        return want
+
+    def replay():
+        if tokens:
+            state.reset_slot(slot)
+        return graphs(shape) if graphs is not None else program()
+
+    if graphs is None:
+        want = reference()
+    else:
+        put_back()
+        if tokens:
+            state.reset_slot(slot)
+        want = outputs(program())
     put_back()
-    got = graphs(bucket) if graphs is not None else program()
-    got = [t.float().clone() for t in got]
+    got = outputs(replay())
     put_back()
-    result["diff"] = max((got[0] - first).abs().max().item(), (got[1] - others).abs().max().item())
-    result["scale"] = first.abs().max().item()
-    if not torch.equal(got[2], drafts) or not torch.isfinite(first).all():
-        result["diff"] = float("inf")  # different drafts: a mismatch whatever the logits
+    diffs = [(g - w).abs().max().item() for g, w in zip(got, want) if g.dtype.is_floating_point]
+    result["diff"] = max(diffs)
+    result["scale"] = max(w.abs().max().item() for w in want if w.dtype.is_floating_point)
+    if any(not torch.equal(g, w) for g, w in zip(got, want) if not g.dtype.is_floating_point):
+        result["diff"] = float("inf")  # other drafts: a mismatch whatever the logits
     result["eager_s"] = time_per_call(program, backend.device, 3 if graphs is None else 10)
     put_back()
     if graphs is not None:
-        result.update(graphs.stats[bucket])
-        result["replay_s"] = time_per_call(lambda: graphs(bucket), backend.device)
-        put_back()
+        result.update(graphs.stats[shape])
+        result["replay_s"] = time_per_call(lambda: graphs(shape), backend.device)
         if dot_dir and rank == 0:
             os.makedirs(dot_dir, exist_ok=True)
-            graphs.dot(bucket, os.path.join(dot_dir, f"speculative_bucket{bucket}.dot"))
+            graphs.dot(shape, os.path.join(dot_dir, f"{shape.kind}_{shape}.dot"))
+    put_back()
     return result
 
 
@@ -203,78 +214,10 @@ def check_prefill_bucket(rank_objs, bucket: int, dot_dir: str | None, rank: int)
     return result
 
 
-def check_mixed_bucket(rank_objs, bucket: tuple[int, int], context: int, dot_dir: str | None, rank: int) -> dict:
-    """A fused mixed step of `bucket` = (decode rows, prompt tokens): live decode rows (with speculation, having
-    kept a random number of their last verify step's tokens) beside a fresh chunk of 7/8 of the token bucket, on
-    pages no row holds. With graphs: the replay against the same padded inputs run eagerly. On the CPU: the padded
-    inputs run eagerly against the decode rows' one-token step and the chunk's prefill, apart."""
-    backend, model, runtime = rank_objs.backend, rank_objs.model, rank_objs.runtime
-    state, spec, (rows, tokens) = runtime.state, runtime.speculation, bucket
-    k = state.verify_steps
-    fill_live_rows(runtime, rows, rows, context, seed=rows * 1000 + tokens, lookahead=k)
-    pools = rows_after_a_verify_step(runtime, rows, seed=tokens) if spec else \
-        [state.conv[:, :rows], state.ssm[:, :rows]]
-    saved = [pool.clone() for pool in pools]
-    slot, n = runtime.max_batch, max(1, tokens * 7 // 8)  # the first prefill slot
-    held = set(runtime.inputs.table_host[:rows].flatten().tolist())
-    free = [p for p in range(state.num_pages) if p not in held]
-    ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(tokens)).tolist()
-    chunk = PrefillChunk(ids, 0, slot, free[: -(-n // state.page_size)])
-    following = ids[1:] + [0]
-    graphs = getattr(backend, "mixed_graphs", None)
-    if graphs is None:  # the CPU: padded inputs of this bucket, run eagerly
-        runtime.prefill_programs([tokens], 1)
-        program = runtime.mixed_programs([rows], [tokens])[bucket]
-
-    def put_back():
-        for pool, copy in zip(pools, saved):
-            pool.copy_(copy)
-        state.reset_slot(slot)
-
-    def padded(replay: bool):
-        put_back()
-        runtime.prefill_inputs.fill([chunk], tokens, *((following, [slot]) if spec else ()))
-        if replay:
-            return graphs(bucket)
-        if graphs is None:
-            return program()
-        batch = MixedBatch.of(runtime.inputs.batch(rows), runtime.prefill_inputs.batch(tokens))
-        if spec:
-            return runtime._mixed_with_head(batch, *runtime.prefill_inputs.head_inputs(tokens))
-        return model.mixed(state, batch)
-
-    def apart():
-        put_back()
-        decode = runtime._plain_decode(runtime.inputs.batch(rows), rows)
-        batch = PrefillBatch.build([chunk], state.page_size, state.trash_page, backend.device)
-        if spec:
-            head = upload({"following": following, "rows": [slot]}, torch.long, backend.device)
-            return decode, runtime._prefill_with_head(batch, head["following"], head["rows"])
-        return decode, model.prefill(state, batch)
-
-    result = {"bucket": f"{rows}x{tokens}"}
-    if graphs is not None and not graphs.captured(bucket):
-        result["failed"] = True
-        return result
-    want = [t[:m].float().clone() for t, m in zip(apart() if graphs is None else padded(replay=False), (rows, 1))]
-    got = [t[:m].float().clone() for t, m in zip(padded(replay=graphs is not None), (rows, 1))]
-    result["diff"] = max((g - w).abs().max().item() for g, w in zip(got, want))
-    result["scale"] = max(w.abs().max().item() for w in want)
-    result["eager_s"] = time_per_call(apart, backend.device, 3 if graphs is None else 10)
-    if graphs is not None:
-        result.update(graphs.stats[bucket])
-        result["replay_s"] = time_per_call(lambda: padded(replay=True), backend.device, 10)
-        if dot_dir and rank == 0:
-            os.makedirs(dot_dir, exist_ok=True)
-            graphs.dot(bucket, os.path.join(dot_dir, f"mixed_bucket{rows}x{tokens}.dot"))
-    put_back()
-    return result
-
-
-def report(kind: str, bucket: "int | str", r: dict, tolerance: float) -> bool:
-    """Print a bucket's row; True when it failed (capture refused, or a mismatch)."""
+def report(shape: StepShape, r: dict, tolerance: float) -> bool:
+    """Print a shape's row; True when it failed (capture refused, or a mismatch)."""
     if r.get("failed"):
-        print(f"{kind:>7} {bucket:>6}  CAPTURE FAILED (bucket runs eagerly)")
+        print(f"{shape.kind:>11} {shape!s:>8}  CAPTURE FAILED (the shape runs eagerly)")
         return True
     rel = r["diff"] / max(r["scale"], 1e-12)
     bad = rel > tolerance
@@ -283,7 +226,7 @@ def report(kind: str, bucket: "int | str", r: dict, tolerance: float) -> bool:
     cap = f"{r['capture_s']:.3f}" if "capture_s" in r else "-"
     replay = f"{r['replay_s'] * 1e3:.3f}" if "replay_s" in r else "-"
     speed = f"{r['eager_s'] / r['replay_s']:.2f}x" if "replay_s" in r else "-"
-    print(f"{kind:>7} {bucket:>6} {nodes!s:>6} {mib:>9} {cap:>9} {r['diff']:>10.3g} {rel:>8.2g} "
+    print(f"{shape.kind:>11} {shape!s:>8} {nodes!s:>6} {mib:>9} {cap:>9} {r['diff']:>10.3g} {rel:>8.2g} "
           f"{r['eager_s'] * 1e3:>9.3f} {replay:>9} {speed:>8}{'  MISMATCH' if bad else ''}")
     return bad
 
@@ -298,34 +241,31 @@ async def run(ns) -> int:
                       speculative_tokens=ns.speculative_tokens,
                       fused_mixed_steps=True if device != "cuda" and ns.prefill_tokens else None)
     if device != "cuda":
-        print("CUDA graphs need a CUDA device: checking the batched eager decode path only.")
+        print("CUDA graphs need a CUDA device: checking each shape's eager forward against another way only.")
     async with AsyncEngine(args) as engine:
         replica = engine.replica
         failures = 0
-        print(f"{'kind':>7} {'bucket':>6} {'nodes':>6} {'graph MiB':>9} {'capture s':>9} {'max|diff|':>10} "
+        print(f"{'kind':>11} {'shape':>8} {'nodes':>6} {'graph MiB':>9} {'capture s':>9} {'max|diff|':>10} "
               f"{'rel':>8} {'eager ms':>9} {'replay ms':>9} {'speed-up':>8}")
-        for bucket in replica.buckets:
-            checks = [("decode", check_bucket)]
-            if replica.ranks[0].runtime.can_speculate(bucket):
-                checks.append(("verify", check_speculative_bucket))
-            for kind, check in checks:
-                results = await replica.group.call(
-                    lambda rank: _on_rank(replica, rank, check, bucket, ns.context, ns.dot), timeout_s=600)
-                failures += report(kind, bucket, results[0], ns.tolerance)
-        for bucket in replica.prefill_bucket_sizes if ns.prefill_tokens else []:
+        for shape in check_shapes(replica, bool(ns.prefill_tokens)):
             results = await replica.group.call(
-                lambda rank: _on_rank(replica, rank, check_prefill_bucket, bucket, ns.dot), timeout_s=600)
-            failures += report("prefill", bucket, results[0], ns.tolerance)
-        if replica.spec.fused_mixed_steps:  # each token bucket once, beside the decode buckets in turn
-            tokens = mixed_graph_buckets(replica.prefill_bucket_sizes)
-            for i, t in enumerate(tokens):
-                bucket = (replica.buckets[i % len(replica.buckets)], t)
-                results = await replica.group.call(
-                    lambda rank: _on_rank(replica, rank, check_mixed_bucket, bucket, ns.context, ns.dot),
-                    timeout_s=600)
-                failures += report("mixed", results[0]["bucket"], results[0], ns.tolerance)
-    print("OK" if failures == 0 else f"FAILED: {failures} bucket(s)")
+                lambda rank: _on_rank(replica, rank, check_shape, shape, ns.context, ns.dot), timeout_s=600)
+            failures += report(shape, results[0], ns.tolerance)
+    print("OK" if failures == 0 else f"FAILED: {failures} shape(s)")
     return 1 if failures else 0
+
+
+def check_shapes(replica, prompts: bool) -> list[StepShape]:
+    """Each decode bucket's one-token step and, where it may speculate, its speculative step; with `prompts`, each
+    prefill bucket and, where steps fuse, each mixed prompt-token bucket once, beside the decode buckets in turn."""
+    runtime, k = replica.ranks[0].runtime, replica.spec.speculative_tokens
+    shapes = [StepShape(b, t) for b in replica.buckets for t in sorted({1, k + 1}) if t == 1 or runtime.can_speculate(b)]
+    if prompts:
+        shapes += [StepShape(0, 1, t) for t in replica.prefill_bucket_sizes]
+        if replica.spec.fused_mixed_steps:
+            mixed = mixed_graph_buckets(replica.prefill_bucket_sizes)
+            shapes += [StepShape(replica.buckets[i % len(replica.buckets)], 1, t) for i, t in enumerate(mixed)]
+    return shapes
 
 
 def _on_rank(replica, rank, check, *args):

@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+from deltaserve.model.batch import StepBatch
+
 
 def fill_live_rows(runtime, rows: int, bucket: int, context: int, seed: int = 0, lookahead: int = 0) -> None:
     """Give decode slots 0..rows-1 random GDN state, random KV pages and a position near `context` (pages for
@@ -55,13 +57,13 @@ def restore(state, saved) -> None:
 @contextlib.contextmanager
 def live_decode_batch(replica, rank: int, rows: int, context: int, lookahead: int = 0):
     """On one rank, in its device context and inference mode: `rows` live rows (`fill_live_rows`, the bucket no
-    larger, pages for `lookahead` positions more) and their decode batch, as (the rank, the batch). The GDN state
+    larger, pages for `lookahead` positions more) and their one-token step's batch, as (the rank, the batch). The GDN state
     comes back as it was on exit, so the steps a measurement runs leave no trace."""
     r = replica.ranks[rank]
     with r.backend.context(), torch.inference_mode():
         fill_live_rows(r.runtime, rows, rows, context, seed=rows, lookahead=lookahead)
         saved = snapshot(r.runtime.state)
         try:
-            yield r, r.runtime.inputs.batch(rows)
+            yield r, StepBatch.of(r.runtime.inputs.batch(rows))
         finally:
             restore(r.runtime.state, saved)

@@ -39,6 +39,9 @@
 # fused   #30: the decode graph then the prefill (--no-fused-mixed-steps) against a step's decode rows and prompt
 #         chunk as one graphed forward (the default): what a 256-token chunk adds beside 60 rows, then the c64 row
 #         and its step log, each way
+# compare bench_decode on the tree in BASELINE (a `git archive` tarball; default .baseline/base.tar, carried) and
+#         on this one, in the one call, base then new: the 4B at 1, 8 and 64 rows, plain and with 4 drafts
+#         (COMPARE="ARGS;ARGS" for others, e.g. "--size 27b --batches 1,64 --fp8")
 set -uo pipefail
 STAGES=${1:-tests,spec,prefix}
 DIR=${OUT:-gpu-session}
@@ -53,6 +56,18 @@ for stage in ${STAGES//,/ }; do
           -k "${TESTS:-closed_in_process or torch_caches or strand or capture_sweep or prefix_cache or capture_check}" \
           > "$DIR/tests.log" 2>&1
       grep -E "passed|failed|speculation k=|on/off|launches waited|reserved after" "$DIR/tests.log" | tail -12 ;;
+    compare)
+      rm -rf /tmp/base /tmp/basepkg && mkdir -p /tmp/base && tar -xf "${BASELINE:-.baseline/base.tar}" -C /tmp/base
+      python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/basepkg /tmp/base > "$DIR/base-install.log" 2>&1
+      IFS=';' read -ra RUNS <<< "${COMPARE:---size 4b --batches 1,8,64 --speculative-tokens 4}"
+      for args in "${RUNS[@]}"; do
+        for tree in base new; do
+          name=compare-$tree$(echo " $args" | sed 's/ --size /-/; s/ --batches /-b/; s/ --speculative-tokens /-k/; s/ --/-/g; s/,/-/g')
+          path=$([ $tree = base ] && echo /tmp/basepkg:)${PYTHONPATH:-}
+          PYTHONPATH=$path timeout 200 python3 -m deltaserve.tools.bench_decode $args > "$DIR/$name.md" 2>&1
+          grep "^| [0-9]" "$DIR/$name.md" | sed "s/^/$tree $args: /"
+        done
+      done ;;
     spec)
       for head in --fp8-draft-head --no-fp8-draft-head; do
         timeout 150 python3 -m deltaserve.tools.bench_decode --size 4b --batches 1,8 --speculative-tokens 4 \

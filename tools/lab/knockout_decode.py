@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from deltaserve.devices.backend import StepShape
 from deltaserve.kernels import attention, conv1d, gdn, gemv, norm
 from deltaserve.tools.bench_decode import add_engine_args, kernel_config, open_engine
 from deltaserve.tools.capture_check import time_per_call
@@ -47,11 +48,11 @@ class SkippedLaunches:
 def _step_time(replica, rank: int, rows: int, context: int, stand_in: SkippedLaunches | None) -> tuple[float, int]:
     """(seconds per graph replay, the stand-in's launches in one eager step, or 0 without one)."""
     with live_decode_batch(replica, rank, rows, context) as (r, batch):
-        seconds = time_per_call(lambda: r.backend.graphs(rows), r.backend.device, iters=100)
+        seconds = time_per_call(lambda: r.runtime.graphs(StepShape(rows)), r.backend.device, iters=100)
         calls = 0
         if stand_in is not None:
             stand_in.calls = 0
-            r.model.decode(r.runtime.state, batch)
+            r.model.logits(r.model.forward(r.runtime.state, batch))
             calls = stand_in.calls
         return seconds, calls
 

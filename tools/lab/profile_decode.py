@@ -24,6 +24,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from deltaserve.devices.backend import StepShape
 from deltaserve.tools.bench_decode import add_engine_args, kernel_config, open_engine
 from deltaserve.tools.capture_check import rows_after_a_verify_step, time_per_call
 from deltaserve.tools.live_rows import live_decode_batch
@@ -35,11 +36,10 @@ def _profile(replica, rank: int, rows: int, context: int, speculative: bool, ste
         runtime = r.runtime
         if speculative:  # the rows as after a verify step; its graph runs the drafts, then the verify forward
             rows_after_a_verify_step(runtime, rows, seed=rows)
-            graphs, eager = r.backend.speculative_graphs, runtime.speculative_program(rows)
-        else:
-            graphs, eager = r.backend.graphs, lambda: r.model.decode(runtime.state, batch)
-        step_s = time_per_call(lambda: graphs(rows), r.backend.device, iters=50)
-        per_name = _kernel_times(lambda: graphs(rows), steps)
+        shape = StepShape(rows, runtime.state.verify_steps + 1 if speculative else 1)
+        graphs, eager = runtime.graphs, runtime.program(shape)
+        step_s = time_per_call(lambda: graphs(shape), r.backend.device, iters=50)
+        per_name = _kernel_times(lambda: graphs(shape), steps)
         source = "speculative graph replay" if speculative else "graph replay"
         if not per_name:  # a profiler that cannot see inside graphs: the same kernels, launched eagerly
             per_name = _kernel_times(eager, steps)
