@@ -10,6 +10,7 @@ import torch
 
 from deltaserve.kernels import attention, conv1d, gdn, gemv, launch, norm  # noqa: F401
 from deltaserve.kernels.config import DEFAULT, GDN_FACTOR_MODES, KernelConfig
+from deltaserve.devices.backend import StepShape
 from deltaserve.kernels.ops import triton_ops
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.synthetic import text_config, write_checkpoint
@@ -436,17 +437,20 @@ def first_token_gaps(ours, reference) -> torch.Tensor:
 
 
 class _Counting:
-    """Step graphs that record the buckets they replay."""
+    """Step graphs that record the shapes they replay."""
 
     def __init__(self, graphs):
-        self.graphs, self.replays, self.buckets = graphs, [], graphs.buckets
+        self.graphs, self.replays, self.shapes = graphs, [], graphs.shapes
 
-    def captured(self, bucket):
-        return self.graphs.captured(bucket)
+    def captured(self, shape):
+        return self.graphs.captured(shape)
 
-    def __call__(self, bucket):
-        self.replays.append(bucket)
-        return self.graphs(bucket)
+    def __call__(self, shape):
+        self.replays.append(shape)
+        return self.graphs(shape)
+
+    def destroy(self):
+        self.graphs.destroy()
 
 
 def test_prefill_graphs_compute_what_the_eager_prefill_does(real_geometry_ckpt):
@@ -469,12 +473,12 @@ def test_prefill_graphs_compute_what_the_eager_prefill_does(real_geometry_ckpt):
         async with AsyncEngine(args) as engine:
             runtime = engine.replica.ranks[0].runtime
             if prefill_graphs:
-                assert runtime.prefill_graphs.buckets == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896,
-                                                          1024]
-                runtime.prefill_graphs = _Counting(runtime.prefill_graphs)
+                assert [s.prompt_tokens for s in runtime.graphs.shapes if s.prompt_tokens and not s.rows] == [
+                    16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
+                runtime.graphs = _Counting(runtime.graphs)
             outs = [(await _last(engine.generate(p, params))) for p in prompts]
             outs += await asyncio.gather(*[_last(engine.generate(p, params)) for p in prompts[:4]])
-        return outs, runtime.prefill_graphs
+        return outs, runtime.graphs
 
     graphed, counting = asyncio.run(run(True))
     eager, _ = asyncio.run(run(False))
@@ -482,7 +486,7 @@ def test_prefill_graphs_compute_what_the_eager_prefill_does(real_geometry_ckpt):
     logging.getLogger(__name__).info("prefill graphs on/off: |Δ log-prob| max %.2e over %d; replays %s",
                                      gaps.max(), len(gaps), counting.replays)
     assert len(gaps) >= 8 * len(graphed) * 3 // 4 and gaps.max() <= 2e-3
-    assert {16, 32, 128, 512, 1024} <= set(counting.replays)
+    assert {16, 32, 128, 512, 1024} <= {s.prompt_tokens for s in counting.replays if not s.rows}
     assert graphed[8].num_cached_tokens == 700  # the 700-token prompt's end
 
 
@@ -506,9 +510,9 @@ def test_fused_mixed_graphs_compute_what_steps_apart_do(real_geometry_ckpt):
         async with AsyncEngine(args) as engine:
             runtime = engine.replica.ranks[0].runtime
             if fused:
-                assert runtime.mixed_graphs.buckets == [(d, t) for d in (1, 2, 4, 8, 16)
-                                                        for t in (64, 128, 192, 256, 384, 512)]
-                runtime.mixed_graphs = _Counting(runtime.mixed_graphs)
+                assert [s for s in runtime.graphs.shapes if s.rows and s.prompt_tokens] == [
+                    StepShape(d, 1, t) for d in (1, 2, 4, 8, 16) for t in (64, 128, 192, 256, 384, 512)]
+                runtime.graphs = _Counting(runtime.graphs)
             started, tasks = asyncio.Event(), []
 
             async def one(prompt):
@@ -523,9 +527,10 @@ def test_fused_mixed_graphs_compute_what_steps_apart_do(real_geometry_ckpt):
                 tasks.append(asyncio.create_task(one(prompt)))
                 await started.wait()
             outs = await asyncio.gather(*tasks)
-        return outs, runtime.mixed_graphs
+        return outs, runtime.graphs
 
     fused, counting = asyncio.run(run(True))
+    mixed = [s for s in counting.replays if s.rows and s.prompt_tokens]
     apart, _ = asyncio.run(run(False))
     gaps, same = [], 0
     for a, b in zip(fused, apart):
@@ -538,9 +543,9 @@ def test_fused_mixed_graphs_compute_what_steps_apart_do(real_geometry_ckpt):
     gaps = torch.tensor(gaps)
     logging.getLogger(__name__).info("fused mixed graphs / apart: |Δ log-prob| max %.2e over %d, %d of %d tokens "
                                      "the same; replays %s", gaps.max(), len(gaps), same, 10 * len(prompts),
-                                     sorted(set(counting.replays)))
+                                     sorted(set(map(str, mixed))))
     assert same == 10 * len(prompts) and gaps.max() <= 2e-3
-    assert len(set(counting.replays)) >= 4 and any(d > 1 for d, _ in counting.replays)
+    assert len(set(mixed)) >= 4 and any(s.rows > 1 for s in mixed)
 
 
 def test_an_engine_closed_in_process_gives_its_graph_pools_back(real_geometry_ckpt):
@@ -559,7 +564,7 @@ def test_an_engine_closed_in_process_gives_its_graph_pools_back(real_geometry_ck
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         async with AsyncEngine(args) as engine:
-            assert engine.replica.ranks[0].runtime.mixed_graphs is not None
+            assert any(s.rows and s.prompt_tokens for s in engine.replica.ranks[0].runtime.graphs.shapes)
             await _last(engine.generate(list(range(1, 300)), SamplingParams(max_tokens=4, ignore_eos=True)))
         left = torch.cuda.memory_reserved() - before
         assert left <= 1 << 30, f"{left / 2**30:.1f} GiB more reserved by torch after the engine closed"
@@ -715,7 +720,7 @@ def test_speculative_decoding_keeps_the_tokens_of_plain_decoding(real_geometry_c
                           speculative_adaptive=False, prefill_graph_tokens=0)
         async with AsyncEngine(args, speculation_override=SpeculationOverride(drafter)) as engine:
             graphs = engine.replica.ranks[0].backend.graphs
-            assert graphs.buckets and not graphs.eager  # the speculative steps replay captured graphs
+            assert not graphs.eager and (not k or any(s.tokens_per_row == k + 1 for s in graphs.shapes))
             outs = await asyncio.gather(*[_last(engine.generate(p, params)) for p in prompts])
             accepted = engine.metrics.spec_accepted._value.get()
             assert engine.resources_free()
@@ -771,7 +776,7 @@ def test_fp8_kernels_pass_the_accuracy_gate_at_real_widths(size):
     from helpers import top8_logprob_gaps
 
     from deltaserve.kernels.fp8 import Fp8Weight
-    from deltaserve.model.batch import DecodeBatch, PrefillBatch, PrefillChunk
+    from deltaserve.model.batch import PrefillChunk, PromptChunks, StepBatch, TokenRows
     from deltaserve.model.forward import Qwen35Shard
     from deltaserve.model.sharding import LocalSizes
     from deltaserve.model.state import ModelState
@@ -792,12 +797,14 @@ def test_fp8_kernels_pass_the_accuracy_gate_at_real_widths(size):
     def gaps(config: KernelConfig, weights=kept) -> torch.Tensor:
         models = [Qwen35Shard(cfg, weights, local, ops=triton_ops(config)), reference]
         states = [ModelState(cfg, local, 2, 16, dtype, dev) for dtype in (torch.bfloat16, torch.float32)]
-        logits = [m.prefill(s, PrefillBatch.build([PrefillChunk(ids, 0, 0, pages)], 16, s.trash_page, dev),
-                            all_logits=True) for m, s in zip(models, states)]
+        logits = [m.logits(m.forward(s, StepBatch.of(chunks=PromptChunks.build([PrefillChunk(ids, 0, 0, pages)], 16,
+                                                                                  s.trash_page, dev))))
+                  for m, s in zip(models, states)]
         found = [top8_logprob_gaps(*logits)]
         for t, token in enumerate((11, 12, 13)):
             pos = len(ids) + t
-            logits = [m.decode(s, DecodeBatch.build([token], [pos], [0], [pages], 16, s.trash_page, dev))
+            logits = [m.logits(m.forward(s, StepBatch.of(TokenRows.build([[token]], [pos], [0], [pages], 16,
+                                                                          s.trash_page, dev))))
                       for m, s in zip(models, states)]
             found.append(top8_logprob_gaps(*logits))
         return torch.cat(found)
