@@ -11,7 +11,7 @@ import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -28,7 +28,16 @@ def kernel_cache_dir() -> str:
 
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
-GraphProgram = Callable[[], object]  # one forward over a shape's fixed inputs; its outputs (tensors)
+class ForwardOutputs(NamedTuple):
+    """What one forward of a step gives its draws (a graph keeps them, and each replay overwrites them)."""
+
+    row_logits: torch.Tensor | None  # [rows, V]: each row's (first) position
+    chunk_logits: torch.Tensor | None = None  # [R, V]: each chunk's last token (then a padded step's padding)
+    draft_logits: torch.Tensor | None = None  # [rows, k, V]: a speculative row's k positions after its first
+    drafts: torch.Tensor | None = None  # [rows, k]: the drafts those positions verify
+
+
+GraphProgram = Callable[[], ForwardOutputs]  # one forward over a shape's fixed inputs
 
 
 @dataclass(frozen=True, order=True)
@@ -103,60 +112,6 @@ class RankBackend(Protocol):
     def capture(self, programs: dict[StepShape, GraphProgram], progress: bool,
                 prepare: Callable[[StepShape], None]) -> StepGraphs | None:
         """Capture each shape's program, `prepare(shape)` first (None: this device has no graphs)."""
-
-    def close(self) -> None: ...
-
-
-class StepGraphs(Protocol):
-    """Captured forwards, one per shape."""
-
-    stats: dict[StepShape, dict]  # shape -> {"nodes", "capture_s", "pool_bytes"}
-    shapes: list[StepShape]  # the captured ones, ascending
-
-    def captured(self, shape: StepShape) -> bool: ...
-
-    def __call__(self, shape: StepShape):
-        """Replay the shape's graph; its program's outputs (fixed tensors the next replay overwrites)."""
-
-    def drop(self, shapes) -> None:
-        """Replay these shapes no more (their steps run eagerly)."""
-
-    def destroy(self) -> None: ...
-
-
-class RankBackend(Protocol):
-    rank: int
-    device: torch.device
-    ops: ForwardOps
-    all_reduce: AllReduce | None
-    graphs: StepGraphs | None
-
-    def context(self) -> contextlib.AbstractContextManager: ...
-
-    def free_memory(self, fraction: float) -> int:
-        """Bytes this rank may still allocate for state."""
-
-    def warm_up_collective(self) -> None: ...
-
-    def check_fp8_ops(self) -> None:
-        """Before a model on FP8 weights is built: the op set's FP8 choices checked against the device (an op the
-        device lacks replaced by one it has, with a line in the log)."""
-
-    def capture_decode(self, programs: dict[int, GraphProgram], progress: bool) -> StepGraphs | None:
-        """Capture each bucket's decode program (None: this device has no graphs)."""
-
-    def capture_speculative(self, programs: dict[int, GraphProgram], progress: bool) -> StepGraphs | None:
-        """Capture each bucket's speculative decode program (None: this device has no graphs)."""
-
-    def capture_prefill(self, programs: dict[int, GraphProgram], progress: bool,
-                        prepare: Callable[[int], None]) -> StepGraphs | None:
-        """Capture each bucket's padded prefill program, `prepare(bucket)` first (None: this device has
-        no graphs)."""
-
-    def capture_mixed(self, programs: dict[tuple[int, int], GraphProgram], progress: bool,
-                      prepare: Callable[[tuple[int, int]], None]) -> StepGraphs | None:
-        """Capture each (decode rows, prompt tokens) bucket's mixed-step program, `prepare(bucket)` first, in the
-        prefill graphs' memory pool (None: this device has no graphs)."""
 
     def close(self) -> None: ...
 

@@ -223,13 +223,11 @@ class CudaGraphs:
         for shape in show_progress(order, unit="graph", disable=not progress, desc=f"capturing graphs (rank {self.rank})"):
             prepare(shape)
             self._capture(shape, programs[shape])
+        self.shapes = sorted(self.graphs)  # the captured ones, ascending (read by every step with prompt chunks)
         if self.eager:
             log.warning("rank %d: CUDA graphs were requested but shapes %s run eagerly (capture refused)",
                         self.rank, ", ".join(map(str, sorted(self.eager))))
 
-    @property
-    def shapes(self) -> list[StepShape]:
-        return sorted(self.graphs)
 
     @staticmethod
     def _pool_of(shape: StepShape) -> str:
@@ -291,6 +289,7 @@ class CudaGraphs:
             check(cudart.cudaGraphExecDestroy(graph_exec), "cudaGraphExecDestroy")
             check(cudart.cudaGraphDestroy(graph), "cudaGraphDestroy")
             self.stats.pop(shape)
+        self.shapes = sorted(self.graphs)
 
     def dot(self, shape: StepShape, path: str) -> None:
         check(cudart.cudaGraphDebugDotPrint(self.graphs[shape][0], path.encode(), 0), "cudaGraphDebugDotPrint")
@@ -301,6 +300,7 @@ class CudaGraphs:
             check(cudart.cudaGraphExecDestroy(graph_exec), "cudaGraphExecDestroy")
             check(cudart.cudaGraphDestroy(graph), "cudaGraphDestroy")
         self.graphs.clear()
+        self.shapes = []
         for name, uses in self.pool_uses.items():  # a pool's memory goes back with the last of its graphs' releases
             for _ in range(uses):
                 torch._C._cuda_releasePool(self.device.index, self.pools[name])

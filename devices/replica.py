@@ -27,7 +27,8 @@ from .backend import StepShape, device_backend
 from .capacity import (PREFILL_SCRATCH_SHARE, PREFILL_TOKEN_BUDGET, CapacityPlan, default_prefill_token_budget,
                        plan_capacity)
 from .commands import StepCommand, StepResult, positions_past_end
-from .rank import RankRuntime, draft_head
+from .rank import RankRuntime
+from .speculation import draft_head
 from .worker import WorkerGroup
 
 log = logging.getLogger(__name__)

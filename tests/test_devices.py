@@ -129,13 +129,13 @@ def test_promotion_copies_state_and_compaction_moves_it(tiny_ckpt):
     promoted = rt.state.ssm[:, 5].clone()
     rt.execute(StepCommand(promotions=[PromoteSlot(4, 0, [0]), PromoteSlot(5, 1, [1])],
                            decode_tokens=[1, 2], decode_positions=[3, 2], decode_token_index=[1, 1], bucket=2))
-    assert rt.occupied[:2] == [True, True]
+    assert rt.slots.occupied[:2] == [True, True]
     state_b = rt.state.ssm[:, 1].clone()
     assert not torch.equal(state_b, promoted)  # it decoded one token from the promoted state
     # Retire slot 0: slot 1 moves into the hole, with its state and page-table row.
-    rt._apply_slot_changes(StepCommand(compactions=[RetireSlot(0, 1)], decode_tokens=[3], decode_positions=[3],
-                                       decode_token_index=[2], bucket=1))
-    assert rt.occupied[:2] == [True, False]
+    rt.slots.before_step(StepCommand(compactions=[RetireSlot(0, 1)], decode_tokens=[3], decode_positions=[3],
+                                     decode_token_index=[2], bucket=1), roll_back=None)
+    assert rt.slots.occupied[:2] == [True, False]
     assert torch.equal(rt.state.ssm[:, 0], state_b) and rt.inputs.table_host[0, 0] == 1
 
 
@@ -304,7 +304,7 @@ def test_bad_compaction_from_the_engine_poisons_and_fails_requests(tiny_ckpt):
             stream = engine.generate([4, 5, 6], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
             await stream.__anext__()  # first token (prefill)
             await stream.__anext__()  # second token: the request now owns decode slot 0
-            engine.replica.ranks[0].runtime.occupied[0] = False  # corrupt the worker's view
+            engine.replica.ranks[0].runtime.slots.occupied[0] = False  # corrupt the worker's view
             outs = [o async for o in stream]
             assert outs[-1].finish_reason == "error" and "decode rows" in outs[-1].error
             assert not engine.healthy

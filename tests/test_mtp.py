@@ -9,7 +9,6 @@
 
 import asyncio
 import logging
-import statistics
 import time
 
 import pytest
@@ -727,11 +726,11 @@ def test_a_draft_vocabulary_limits_the_drafts_not_the_output(tiny_tp_ckpt, plain
             lm_head = runtime.model.w["lm_head.weight"]
             rows = draft_vocab or lm_head.shape[0]
             if fp8:
-                assert isinstance(runtime.draft_head, Fp8Weight) and runtime.draft_head.shape == (rows, lm_head.shape[1])
-                err = (runtime.draft_head.dequantise() - lm_head[:rows].float()).abs().max()
+                assert isinstance(runtime.speculation.draft_head, Fp8Weight) and runtime.speculation.draft_head.shape == (rows, lm_head.shape[1])
+                err = (runtime.speculation.draft_head.dequantise() - lm_head[:rows].float()).abs().max()
                 assert 0 < err <= lm_head.abs().max() / 8  # e4m3 keeps 3 mantissa bits
             else:
-                assert runtime.draft_head is None if not draft_vocab else runtime.draft_head.data_ptr() == \
+                assert runtime.speculation.draft_head is None if not draft_vocab else runtime.speculation.draft_head.data_ptr() == \
                     lm_head.data_ptr()  # a view of lm_head's first rows
             state = runtime.state
             drafts = []
@@ -840,7 +839,7 @@ def test_speculation_on_an_fp8_checkpoint_keeps_the_tokens_of_plain_decoding(tmp
 def test_the_draft_head_is_lm_heads_first_rows_in_the_form_asked():
     """`draft_head`: None for the whole bf16 lm_head, a view of its first rows, or an FP8 copy quantised a few rows
     at a time exactly as a whole (the same blocks); an lm_head stored in FP8 gives its rows with their scales."""
-    from deltaserve.devices.rank import draft_head
+    from deltaserve.devices.speculation import draft_head
     from deltaserve.model.weights import fp8_copy, quantise_fp8
 
     lm = torch.randn(300, 256, generator=torch.Generator().manual_seed(2))

@@ -169,51 +169,6 @@ def rows_after_a_verify_step(runtime, rows: int, seed: int) -> list[torch.Tensor
     return pools
 
 
-def check_prefill_bucket(rank_objs, bucket: int, dot_dir: str | None, rank: int) -> dict:
-    """A one-chunk prefill of 7/8 of the bucket. With graphs: the replay against the same padded inputs run eagerly
-    (the same shapes, so the same rounding), timed against the chunk prefilled eagerly unpadded, as it would be
-    without the graph. On the CPU: the padded inputs run eagerly against the chunk alone."""
-    backend, model, runtime = rank_objs.backend, rank_objs.model, rank_objs.runtime
-    state = runtime.state
-    graphs = getattr(backend, "prefill_graphs", None)
-    programs = runtime.prefill_programs([bucket]) if graphs is None else None
-    slot, n = runtime.max_batch, max(1, bucket * 7 // 8)  # the first prefill slot; the padding request runs too
-    ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(bucket)).tolist()
-    chunk = PrefillChunk(ids, 0, slot, list(range(-(-n // state.page_size))))
-
-    def unpadded():
-        return model.prefill(state, PrefillBatch.build([chunk], state.page_size, state.trash_page, backend.device))
-
-    def padded(replay: bool):
-        state.reset_slot(slot)
-        head = (ids[1:] + [0], [slot]) if runtime.speculation else ()  # a speculative engine's head inputs
-        runtime.prefill_inputs.fill([chunk], bucket, *head)
-        if replay:
-            return graphs(bucket)
-        return programs[bucket]() if programs else model.prefill(state, runtime.prefill_inputs.batch(bucket))
-
-    result = {"bucket": bucket}
-    if graphs is not None and not graphs.captured(bucket):
-        result["failed"] = True
-        return result
-    saved = snapshot(state)
-    want = (unpadded() if graphs is None else padded(replay=False))[0].float().clone()
-    restore(state, saved)
-    got = padded(replay=graphs is not None)[0].float().clone()
-    restore(state, saved)
-    result["diff"] = (got - want).abs().max().item()
-    result["scale"] = want.abs().max().item()
-    result["eager_s"] = time_per_call(unpadded, backend.device, 3 if graphs is None else 20)
-    if graphs is not None:
-        result.update(graphs.stats[bucket])
-        result["replay_s"] = time_per_call(lambda: padded(replay=True), backend.device)
-        if dot_dir and rank == 0:
-            os.makedirs(dot_dir, exist_ok=True)
-            graphs.dot(bucket, os.path.join(dot_dir, f"prefill_bucket{bucket}.dot"))
-    restore(state, saved)
-    return result
-
-
 def report(shape: StepShape, r: dict, tolerance: float) -> bool:
     """Print a shape's row; True when it failed (capture refused, or a mismatch)."""
     if r.get("failed"):
