@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.args import EngineArgs
 from deltaserve.kernels.config import KernelConfig
 from deltaserve.kernels.fp8 import Fp8Weight
 from deltaserve.model.config import ModelConfig
@@ -39,40 +40,26 @@ log = logging.getLogger(__name__)
 LAUNCH_WAIT_S = 2e-3
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReplicaSpec:
-    checkpoint: str
+    """What a replica runs: the engine's arguments as given (not copied), and what the engine resolved from them
+    and the checkpoint."""
+
+    args: EngineArgs
     cfg: ModelConfig
-    device: str  # "cpu" | "cuda"
-    tp: int
-    dtype: str  # a torch dtype's name: "bfloat16", "float16", "float32"
-    max_batch: int
     max_model_len: int
-    prefill_slots: int
-    prefill_token_budget: int | None  # None: `capacity.default_prefill_token_budget`
-    buckets: list[int]
-    cuda_graph: bool
-    memory_fraction: float
-    cpu_memory_bytes: int
-    step_timeout_s: float = 600.0
-    capture_timeout_s: float = 900.0
-    use_nccl: bool | None = None  # cuda: None means NCCL only when tp > 1 (tp = 1 can force a 1-rank communicator)
-    random_weights: bool = False  # generate weights on the device instead of reading the checkpoint's
-    seed: int = 0
-    kernel_config: KernelConfig | None = None  # cuda: the Triton ops' launch choices (None: the defaults)
-    # Per rank, for the prefix cache's state snapshots; None: SNAPSHOT_FRACTION of the memory after the weights.
-    snapshot_bytes: int | None = 0
-    # With graphs: prefill steps of up to this many tokens replay a graph captured per bucket (0: none).
-    prefill_graph_tokens: int = 2048
-    # Speculative decoding with the checkpoint's MTP head: k drafts a decode row (0: off).
-    speculative_tokens: int = 0
+    buckets: list[int]  # decode buckets, ascending
+    fused_mixed_steps: bool  # EngineArgs.fused_mixed_steps, resolved (None: where its steps are graphed)
     speculative_acceptance: tuple[float, ...] | None = None  # benchmarks: SpeculationOverride.acceptance
-    speculative_draft_vocab: int = 0  # drafts among the first N token ids (0: all)
-    speculative_fp8_draft_head: bool = False  # the drafts read an FP8 copy of lm_head (EngineArgs)
-    fp8_kernels: bool = False  # FP8 checkpoints: weights kept in FP8 (EngineArgs.fp8_kernels)
-    # Decode rows and prompt chunks in one forward (EngineArgs.fused_mixed_steps, resolved; not speculative steps).
-    fused_mixed_steps: bool = False
-    speculative_max_batch: int | None = None  # larger decode steps decode one token a row (None: none larger)
+
+    @property
+    def snapshot_bytes(self) -> int | None:
+        """Per rank, for the prefix cache's state snapshots: 0 with the cache off; None: SNAPSHOT_FRACTION of the
+        memory after the weights."""
+        args = self.args
+        if not args.enable_prefix_caching:
+            return 0
+        return None if args.prefix_cache_state_gib is None else int(args.prefix_cache_state_gib * 2**30)
 
 
 SNAPSHOT_FRACTION = 0.1
@@ -138,26 +125,26 @@ class _Launched:
 class Replica:
     def __init__(self, spec: ReplicaSpec) -> None:
         self.spec = spec
-        self.backend = device_backend(spec.device, cpu_memory_bytes=spec.cpu_memory_bytes,
-                                      kernel_config=spec.kernel_config or KernelConfig())
-        self.backend.check_devices(spec.tp)
-        self.local = LocalSizes.of(spec.cfg, spec.tp)  # refuses a tp the heads do not split, before any weight is read
-        self.dtype: torch.dtype = getattr(torch, spec.dtype)
-        self.ranks = [_Rank() for _ in range(spec.tp)]
+        self.backend = device_backend(spec.args.device, cpu_memory_bytes=spec.args.cpu_memory_bytes,
+                                      kernel_config=spec.args.kernel_config or KernelConfig())
+        self.backend.check_devices(spec.args.tp)
+        self.local = LocalSizes.of(spec.cfg, spec.args.tp)  # refuses a tp the heads do not split, before any weight is read
+        self.dtype: torch.dtype = getattr(torch, spec.args.dtype)
+        self.ranks = [_Rank() for _ in range(spec.args.tp)]
         self.collective = None
         self.group: WorkerGroup | None = None
         self.plan: CapacityPlan | None = None
         self.prefill_token_budget: int | None = None  # prompt tokens a step carries at most: set by `start`
-        self.sizes = StateSizes.of(spec.cfg, self.local, self.dtype, speculative_tokens=spec.speculative_tokens)
+        self.sizes = StateSizes.of(spec.cfg, self.local, self.dtype, speculative_tokens=spec.args.speculative_tokens)
 
     # Start-up -------------------------------------------------------------------------------------------------------
     async def start(self) -> None:
         spec = self.spec
-        self.collective = self.backend.make_collective(spec.tp, spec.use_nccl, spec.step_timeout_s)
-        self.group = WorkerGroup(spec.tp, spec.step_timeout_s, on_abort=self._abort_collective)
+        self.collective = self.backend.make_collective(spec.args.tp, spec.args.use_nccl, spec.args.step_timeout_s)
+        self.group = WorkerGroup(spec.args.tp, spec.args.step_timeout_s, on_abort=self._abort_collective)
         started = time.perf_counter()
         free = await self.group.call(self._load, timeout_s=3600)
-        log.info("weights loaded on %d rank(s) in %.1f s", spec.tp, time.perf_counter() - started)
+        log.info("weights loaded on %d rank(s) in %.1f s", spec.args.tp, time.perf_counter() - started)
         snapshot_bytes = int(SNAPSHOT_FRACTION * min(free)) if spec.snapshot_bytes is None else spec.snapshot_bytes
         self.prefill_token_budget = self._prefill_token_budget(min(free))
         self.plan = plan_capacity(
@@ -166,12 +153,12 @@ class Replica:
             bytes_per_snapshot=self.sizes.bytes_per_snapshot,
             bytes_per_page=self.sizes.kv_bytes_per_page,
             page_size=self.sizes.page_size,
-            max_model_len=spec.max_model_len + positions_past_end(spec.speculative_tokens),
-            requested_batch=spec.max_batch,
-            prefill_slots=spec.prefill_slots,
+            max_model_len=spec.max_model_len + positions_past_end(spec.args.speculative_tokens),
+            requested_batch=spec.args.max_batch,
+            prefill_slots=spec.args.prefill_slots,
             # The CPU budget counts state only; on a GPU the prefill activations come out of the same memory.
             prefill_scratch_bytes=prefill_activation_bytes(spec.cfg, self.local, self.dtype, self.prefill_token_budget)
-            if spec.device == "cuda" else 0,
+            if spec.args.device == "cuda" else 0,
             buckets=spec.buckets,
             # A pool each: one-token decode steps, speculative ones, prefill steps (mixed steps in the prefill
             # pool, with a decode bucket's rows more).
@@ -183,8 +170,8 @@ class Replica:
                 if self.prefill_buckets else 0) if self._graphs else 0,
             snapshot_bytes=snapshot_bytes,
         )
-        if self.plan.max_batch < spec.max_batch:
-            log.warning("max_batch lowered from %d to %d to fit memory", spec.max_batch, self.plan.max_batch)
+        if self.plan.max_batch < spec.args.max_batch:
+            log.warning("max_batch lowered from %d to %d to fit memory", spec.args.max_batch, self.plan.max_batch)
         log.info(
             "per rank: %.1f MiB state per slot (conv %.2f + recurrent %.2f + speculative %.2f), %.3f MiB per KV "
             "page of %d tokens; %d decode slots + %d prefill slots, %d KV pages (%d tokens), largest graph bucket %d",
@@ -194,7 +181,7 @@ class Replica:
             self.plan.max_batch, self.plan.prefill_slots, self.plan.num_pages, self.plan.num_pages * self.plan.page_size,
             self.plan.largest_bucket,
         )
-        longest = spec.max_model_len + positions_past_end(spec.speculative_tokens)
+        longest = spec.max_model_len + positions_past_end(spec.args.speculative_tokens)
         full_length = self.plan.num_pages // -(-longest // self.plan.page_size)
         if full_length < self.plan.max_batch:
             log.info("the KV pages hold %d requests of max_model_len %d at once; shorter ones share them (admission "
@@ -206,10 +193,10 @@ class Replica:
         if self._graphs:
             started = time.perf_counter()
             try:
-                await self.group.call(self._capture, timeout_s=spec.capture_timeout_s)
+                await self.group.call(self._capture, timeout_s=spec.args.capture_timeout_s)
             except Exception as exc:
                 raise RuntimeError(
-                    f"CUDA graph capture did not complete (watchdog {spec.capture_timeout_s:.0f} s): {exc}; "
+                    f"CUDA graph capture did not complete (watchdog {spec.args.capture_timeout_s:.0f} s): {exc}; "
                     "start with --no-cuda-graph to serve eagerly") from exc
             # A prompt shape replayed on one rank only would pad its chunks (and fuse its step) there alone: the
             # ranks would all-reduce other sizes. Each rank keeps those that every rank captured.
@@ -231,12 +218,12 @@ class Replica:
 
     def _speculative_rows(self, bucket: int) -> int:
         """Token rows of the largest speculative step up to `bucket` rows (k + 1 a row; 0 without speculation)."""
-        k, most = self.spec.speculative_tokens, self.spec.speculative_max_batch
+        k, most = self.spec.args.speculative_tokens, self.spec.args.speculative_max_batch
         return min(bucket, bucket if most is None else most) * (k + 1) if k else 0
 
     @property
     def _graphs(self) -> bool:
-        return self.backend.has_graphs and self.spec.cuda_graph
+        return self.backend.has_graphs and self.spec.args.cuda_graph
 
     @property
     def buckets(self) -> list[int]:
@@ -248,9 +235,9 @@ class Replica:
     def _prefill_token_budget(self, free_bytes: int) -> int:
         """The spec's budget, or where it sets none the default that fits the memory left after the weights (on
         the CPU, whose budget counts state only, the default)."""
-        if self.spec.prefill_token_budget is not None:
-            return self.spec.prefill_token_budget
-        if self.spec.device != "cuda":
+        if self.spec.args.prefill_token_budget is not None:
+            return self.spec.args.prefill_token_budget
+        if self.spec.args.device != "cuda":
             return PREFILL_TOKEN_BUDGET
         tokens = default_prefill_token_budget(
             free_bytes, lambda t: prefill_activation_bytes(self.spec.cfg, self.local, self.dtype, t))
@@ -264,7 +251,7 @@ class Replica:
     def prefill_bucket_sizes(self) -> list[int]:
         """The prefill steps' padded sizes in tokens, captured or not: at most a step's prompt tokens and at most
         the context, so a bucket's chunk always fits the page table's width (pages for max_model_len)."""
-        return prefill_graph_buckets(min(self.spec.prefill_graph_tokens, self.prefill_token_budget,
+        return prefill_graph_buckets(min(self.spec.args.prefill_graph_tokens, self.prefill_token_budget,
                                          self.spec.max_model_len))
 
     @property
@@ -274,7 +261,7 @@ class Replica:
         prompt-token bucket."""
         if not self._graphs:
             return []
-        k, most = self.spec.speculative_tokens, self.spec.speculative_max_batch
+        k, most = self.spec.args.speculative_tokens, self.spec.args.speculative_max_batch
         speculative = [StepShape(b, k + 1) for b in self.buckets if k and (most is None or b <= most)]
         return ([StepShape(b) for b in self.buckets] + speculative
                 + [StepShape(0, 1, t) for t in self.prefill_buckets]
@@ -298,33 +285,33 @@ class Replica:
         spec, r = self.spec, self.ranks[rank]
         r.backend = self.backend.open_rank(rank, self.collective)
         with r.backend.context():
-            mtp = spec.speculative_tokens > 0
-            fp8 = spec.fp8_kernels and bool(spec.cfg.fp8_block)
+            mtp = spec.args.speculative_tokens > 0
+            fp8 = spec.args.fp8_kernels and bool(spec.cfg.fp8_block)
             if fp8:
                 r.backend.check_fp8_ops()
-            if spec.random_weights:
-                weights = random_rank_weights(spec.cfg, rank=rank, tp=spec.tp, device=r.backend.device,
-                                              dtype=self.dtype, seed=spec.seed, progress=rank == 0, mtp=mtp,
+            if spec.args.load_format == "random":
+                weights = random_rank_weights(spec.cfg, rank=rank, tp=spec.args.tp, device=r.backend.device,
+                                              dtype=self.dtype, seed=spec.args.seed, progress=rank == 0, mtp=mtp,
                                               fp8_block=spec.cfg.fp8_block if fp8 else 0)
             else:
-                weights = load_rank_weights(spec.checkpoint, spec.cfg, rank=rank, tp=spec.tp, device=r.backend.device,
+                weights = load_rank_weights(spec.args.model, spec.cfg, rank=rank, tp=spec.args.tp, device=r.backend.device,
                                             dtype=self.dtype, progress=rank == 0, mtp=mtp, keep_fp8=fp8)
             held = bytes_by_dtype(weights)
             r.model = Qwen35Shard(spec.cfg, weights, self.local, ops=r.backend.ops, all_reduce=r.backend.all_reduce)
-            log.info("rank %d/%d: %.1f MiB of weights on %s (%s)", rank, spec.tp, sum(held.values()) / 2**20,
+            log.info("rank %d/%d: %.1f MiB of weights on %s (%s)", rank, spec.args.tp, sum(held.values()) / 2**20,
                      r.backend.device, ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in sorted(held.items())))
             if mtp:  # before the free memory is measured: a copy counts against it
-                r.draft_head = draft_head(r.model.w["lm_head.weight"], spec.speculative_draft_vocab,
-                                          spec.speculative_fp8_draft_head)
+                r.draft_head = draft_head(r.model.w["lm_head.weight"], spec.args.speculative_draft_vocab,
+                                          spec.args.speculative_fp8_draft_head)
                 if isinstance(r.draft_head, Fp8Weight):
                     log.info("rank %d: the drafts read an FP8 copy of lm_head's first %d rows (%.1f MiB)", rank,
                              r.draft_head.shape[0], r.draft_head.nbytes / 2**20)
-            return r.backend.free_memory(spec.memory_fraction)
+            return r.backend.free_memory(spec.args.memory_fraction)
 
     def _allocate(self, rank: int) -> None:
         spec, r, plan = self.spec, self.ranks[rank], self.plan
         with r.backend.context():
-            k = spec.speculative_tokens
+            k = spec.args.speculative_tokens
             state = ModelState(spec.cfg, self.local, plan.max_batch + plan.prefill_slots, plan.num_pages,
                                self.dtype, r.backend.device, page_size=plan.page_size, num_snapshots=plan.snapshots,
                                mtp=k > 0, verify_steps=k)
@@ -332,7 +319,7 @@ class Replica:
                 r.model, state, rank=rank, max_batch=plan.max_batch,
                 max_pages_per_seq=-(-(spec.max_model_len + positions_past_end(k)) // plan.page_size),
                 device=r.backend.device,
-                tp=spec.tp, acceptance=spec.speculative_acceptance, speculate_up_to=spec.speculative_max_batch,
+                tp=spec.args.tp, acceptance=spec.speculative_acceptance, speculate_up_to=spec.args.speculative_max_batch,
                 draft_head=r.draft_head, fuse_mixed_steps=spec.fused_mixed_steps,
             )
             log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)
@@ -361,7 +348,7 @@ class Replica:
         launched = [threading.Event() for _ in self.ranks]
         if overlapped:
             futures = self.group.submit(lambda rank: self._launch(rank, cmd, launched[rank].set), pipelined=True)
-            if self.spec.device != "cuda":  # a CPU rank computes the step before as it launched it: still busy
+            if self.spec.args.device != "cuda":  # a CPU rank computes the step before as it launched it: still busy
                 return self._result(futures)
         else:
             futures = self.group.submit(lambda rank: self._execute(rank, cmd, launched[rank].set))

@@ -1,6 +1,6 @@
 """The serving runtime: asyncio engine, scheduler, OpenAI-compatible server, embedded API."""
 
-from .args import EngineArgs
+from deltaserve.args import EngineArgs
 from .engine import AsyncEngine, CapacityError, EngineDeadError, QueueFullError, RequestOutput
 from .params import SamplingParams
 

@@ -11,8 +11,9 @@ engine ends the process with status 1, so a supervisor restarts it.
 from __future__ import annotations
 
 import argparse
-import json
 import asyncio
+import dataclasses
+import json
 import logging
 import os
 import re
@@ -22,7 +23,7 @@ import sys
 
 from deltaserve import __version__
 
-from .args import MAX_SPECULATIVE_TOKENS, EngineArgs
+from deltaserve.args import GROUPS, MAX_SPECULATIVE_TOKENS, OPTIONS, EngineArgs, Option
 
 log = logging.getLogger("deltaserve")
 
@@ -61,13 +62,6 @@ def _float_in(lo: float, hi: float | None = None, lo_open: bool = False):
     return parse
 
 
-def _ratio(text: str) -> float:
-    value = _float_in(0.0)(text)
-    if 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{value} must be above 1, or 0 (off)")
-    return value
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(EXIT_STARTUP_FAILED, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -82,93 +76,62 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    defaults = EngineArgs()
-    parser.formatter_class = _HelpFormatter
+def _option_type(option: Option):
+    """argparse's `type` for an engine option: the text converted to its kind, then the table's check."""
+    def parse(text: str):
+        try:
+            value = option.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if option.kind is int else 'a number'}"
+                                             ) from None
+        try:
+            option.check(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: {option.valid}") from None
+        return value
+
+    return parse
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag for every engine option the table gives flags (`deltaserve.args.OPTIONS`), with its help, default and
+    check; then the options whose command line is not a plain flag."""
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    groups = {name: parser.add_argument_group(f"{name} options") for name in GROUPS}
+    for option in OPTIONS.values():
+        if not option.flags:
+            continue
+        kwargs = {"dest": option.name, "default": defaults[option.name], "help": option.help}
+        if option.kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif option.choices:
+            kwargs["choices"] = option.choices
+        elif option.kind in (int, float):
+            kwargs.update(type=_option_type(option), metavar=option.metavar)
+        groups[option.group].add_argument(*option.flags, **kwargs)
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="checkpoint folder (the same as --model)")
-    parser.add_argument("--model", default=None,
-                        help="checkpoint folder (config.json, *.safetensors, tokenizer.json); by default a tiny "
-                             "demo checkpoint")
-    parser.add_argument("--load-format", default=defaults.load_format, choices=["safetensors", "random"],
-                        help="'random': random weights of the checkpoint's shapes, made on the device (benchmarks "
-                             "at real sizes; the folder needs only config.json and the tokenizer)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                        help="where the model runs; auto: cuda when a GPU is visible, else cpu")
-    parser.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=_int_in(1, 64), metavar="N",
-                        default=defaults.tp, help="tensor-parallel ranks (one GPU each)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights and activations; auto: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--max-model-len", type=_int_in(2), default=None,
-                        help="context length (prompt + output); default: the checkpoint's limit, at most 32768")
-    parser.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=_int_in(1, 4096), metavar="N",
-                        default=defaults.max_batch, help="requests decoding at once (lowered if memory is short)")
-    parser.add_argument("--max-num-batched-tokens", dest="prefill_token_budget", type=_int_in(1), metavar="N",
-                        default=defaults.prefill_token_budget,
-                        help="prompt tokens prefilled per step at most; default 8192, halved down to 2048 where its "
-                             "prefill activations would take more than an eighth of the GPU memory left after the "
-                             "weights")
-    parser.add_argument("--step-latency-ratio", type=_ratio, metavar="R", default=defaults.step_latency_ratio,
-                        help="a step that prefills beside running requests takes at most R times a decode-only "
-                             "step, its prompt tokens' share widened by the requests waiting for a first token "
-                             "over those decoding: this bounds ITL p99 (0: always up to --max-num-batched-tokens)")
-    parser.add_argument("--max-waiting", type=_int_in(1), default=defaults.max_waiting,
-                        help="requests queued before new ones get 503 with Retry-After")
-    parser.add_argument("--gpu-memory-utilization", dest="memory_fraction", metavar="FRACTION",
-                        type=_float_in(0.0, 1.0, lo_open=True),
-                        default=defaults.memory_fraction,
-                        help="fraction of the GPU's free memory (after weights) for state and KV pages")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=defaults.enable_prefix_caching,
-                        help="share cached prompt prefixes at any 16-token page boundary (KV pages and "
-                             "recurrent-state snapshots)")
-    parser.add_argument("--prefix-cache-state-gib", type=_float_in(0.0), metavar="GIB", default=None,
-                        help="memory per GPU for the prefix cache's recurrent-state snapshots (default: a tenth "
-                             "of what the weights leave)")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                        default=defaults.async_scheduling,
-                        help="launch each step before the last one's tokens are back (overlap scheduling)")
-    parser.add_argument("--enforce-eager", "--no-cuda-graph", dest="enforce_eager", action="store_true",
-                        help="decode eagerly, without CUDA graphs")
-    parser.add_argument("--prefill-graph-tokens", type=_int_in(0), metavar="N", default=defaults.prefill_graph_tokens,
-                        help="prefill steps of up to N tokens replay CUDA graphs captured at 16, 32, 64, 128, every "
-                             "64 tokens to 512, then every 128, instead of launching ~450 kernels from Python (0: none)")
-    parser.add_argument("--fused-mixed-steps", action=argparse.BooleanOptionalAction,
-                        default=defaults.fused_mixed_steps,
-                        help="a step carrying prompt chunks beside decode rows runs both in one forward, reading the "
-                             "weights once, replayed from CUDA graphs; such a step does not speculate (default: on "
-                             "with CUDA and prefill graphs; off: the decode graph then the prefill)")
-    parser.add_argument("--speculative-tokens", type=_int_in(0, MAX_SPECULATIVE_TOKENS), metavar="K", default=None,
-                        help="speculative decoding: K tokens drafted a step by the checkpoint's MTP head and verified "
-                             "in one forward (default 0: off)")
-    parser.add_argument("--speculative-config", type=_speculative_config, metavar="JSON", default=None,
-                        help='vLLM\'s form of --speculative-tokens: \'{"method": "mtp", "num_speculative_tokens": K}\'')
-    parser.add_argument("--speculative-max-batch", type=_int_in(0), metavar="N", default=None,
-                        help="with speculation: a decode step whose batch (padded to its graph bucket) is above "
-                             "N decodes one token a request (default: no limit)")
-    parser.add_argument("--fp8-kernels", action=argparse.BooleanOptionalAction, default=defaults.fp8_kernels,
-                        help="FP8 checkpoints: keep the block-scaled FP8 weights in FP8 and run the FP8 projections "
-                             "(half the bytes a decode step reads; the default); --no-fp8-kernels dequantises them "
-                             "to --dtype as they are read")
-    parser.add_argument("--speculative-draft-vocab", type=_int_in(0), metavar="N", default=0,
-                        help="with speculation: the head drafts among the first N token ids only, reading N rows of "
-                             "lm_head a draft instead of all (outputs do not change; 0: the whole vocabulary)")
-    parser.add_argument("--speculative-fp8-draft-head", action=argparse.BooleanOptionalAction,
-                        default=defaults.speculative_fp8_draft_head,
-                        help="with speculation: the drafts read an FP8 copy of lm_head, half the bytes a draft reads "
-                             "(the default; outputs do not change, verification reads the model's lm_head)")
-    parser.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction,
-                        default=defaults.speculative_adaptive,
-                        help="with speculation: each batch size speculates only while its steps are measured to "
-                             "give tokens faster than one-token steps (--no-speculative-adaptive: always)")
-    parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
-                        help="skip the start-up warm-up requests that compile every kernel (cuda) before serving")
-    parser.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=defaults.seed,
-                        help="seed of the step randomness for requests without their own seed")
+    groups["model"].add_argument("--model", default=None, help=OPTIONS["model"].help)
+    groups["model"].add_argument("--dtype", default="auto", choices=("auto",) + OPTIONS["dtype"].choices,
+                                 help=OPTIONS["dtype"].help)
+    groups["kernels"].add_argument("--enforce-eager", "--no-cuda-graph", dest="enforce_eager", action="store_true",
+                                   help="launch every step eagerly, without CUDA graphs")
+    speculative = OPTIONS["speculative_tokens"]
+    groups["speculative"].add_argument("--speculative-tokens", type=_option_type(speculative), metavar="K",
+                                       default=None, help=speculative.help)
+    groups["speculative"].add_argument(
+        "--speculative-config", type=_speculative_config, metavar="JSON", default=None,
+        help='vLLM\'s form of --speculative-tokens: \'{"method": "mtp", "num_speculative_tokens": K}\'')
+    groups["runtime"].add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
+                                   help="skip the start-up warm-up requests that compile every kernel (cuda) before "
+                                        "serving")
+
+
+def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.formatter_class = _HelpFormatter
+    add_engine_flags(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=_int_in(1, 65535, "a port number"), default=8000, help="TCP port")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients send and see (default: the checkpoint folder's name)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $DELTASERVE_API_KEY)")
     parser.add_argument("--shutdown-timeout", type=_float_in(0.0), default=5.0,
@@ -181,8 +144,6 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="seconds an idle keep-alive connection stays open")
     parser.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="access_log",
                         action="store_false", help="no log line per request")
-    parser.add_argument("--stats-interval", type=_float_in(0.0), default=defaults.stats_interval_s,
-                        help="seconds between throughput/usage log lines while busy (0: none)")
     parser.add_argument("--keep-running-on-engine-error", action="store_true",
                         help="stay up answering 503 after the engine fails, instead of exiting 1 (debugging)")
     parser.add_argument("--log-level", default="info", type=str.lower,
@@ -249,20 +210,9 @@ def speculative_tokens(ns: argparse.Namespace) -> int:
 
 
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(
-        model=checkpoint_folder(ns), device=ns.device, tp=ns.tp, dtype=None if ns.dtype == "auto" else ns.dtype,
-        max_batch=ns.max_batch, max_model_len=ns.max_model_len, cuda_graph=not ns.enforce_eager,
-        prefill_graph_tokens=ns.prefill_graph_tokens,
-        served_model_name=ns.served_model_name, seed=ns.seed, prefill_token_budget=ns.prefill_token_budget,
-        step_latency_ratio=ns.step_latency_ratio,
-        max_waiting=ns.max_waiting, memory_fraction=ns.memory_fraction, load_format=ns.load_format,
-        stats_interval_s=ns.stats_interval, warmup=ns.warmup, async_scheduling=ns.async_scheduling,
-        enable_prefix_caching=ns.enable_prefix_caching, prefix_cache_state_gib=ns.prefix_cache_state_gib,
-        speculative_tokens=speculative_tokens(ns),
-        speculative_max_batch=ns.speculative_max_batch, speculative_adaptive=ns.speculative_adaptive,
-        speculative_draft_vocab=ns.speculative_draft_vocab, speculative_fp8_draft_head=ns.speculative_fp8_draft_head,
-        fp8_kernels=ns.fp8_kernels, fused_mixed_steps=ns.fused_mixed_steps,
-    )
+    flags = {o.name: getattr(ns, o.name) for o in OPTIONS.values() if o.flags}
+    return EngineArgs(**flags, model=checkpoint_folder(ns), dtype=None if ns.dtype == "auto" else ns.dtype,
+                      cuda_graph=not ns.enforce_eager, speculative_tokens=speculative_tokens(ns), warmup=ns.warmup)
 
 
 def server_options(ns: argparse.Namespace):

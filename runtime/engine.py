@@ -33,7 +33,7 @@ from deltaserve.model.synthetic import demo_checkpoint
 from deltaserve.model.weights import check_checkpoint
 from deltaserve.progress import progress as show_progress
 
-from .args import EngineArgs
+from deltaserve.args import EngineArgs
 from .metrics import EngineMetrics
 from .params import SamplingParams, all_ints
 from .prefix_cache import PrefixCache
@@ -116,9 +116,10 @@ class AsyncEngine:
         await self.close()
 
     async def start(self) -> None:
-        args, started = self.args, time.perf_counter()
-        if args.model is None:
-            args.model = demo_checkpoint()
+        started = time.perf_counter()
+        if self.args.model is None:
+            self.args = self.args.replace(model=demo_checkpoint())
+        args = self.args
         self.cfg = load_model_config(args.model)
         self.tokenizer = TextTokenizer(args.model)
         if args.load_format == "safetensors":
@@ -151,21 +152,8 @@ class AsyncEngine:
         fused = args.fused_mixed_steps
         if fused is None:  # where its steps are graphed
             fused = args.device == "cuda" and args.cuda_graph and args.prefill_graph_tokens > 0
-        spec = ReplicaSpec(
-            checkpoint=args.model, cfg=self.cfg, device=args.device, tp=args.tp, dtype=args.dtype,
-            max_batch=args.max_batch, max_model_len=self.max_model_len, prefill_slots=args.prefill_slots,
-            prefill_token_budget=args.prefill_token_budget, buckets=buckets, cuda_graph=args.cuda_graph,
-            prefill_graph_tokens=args.prefill_graph_tokens, speculative_tokens=args.speculative_tokens,
-            speculative_acceptance=self.override.acceptance, speculative_max_batch=args.speculative_max_batch,
-            speculative_draft_vocab=args.speculative_draft_vocab,
-            speculative_fp8_draft_head=args.speculative_fp8_draft_head, fp8_kernels=args.fp8_kernels,
-            fused_mixed_steps=fused,
-            memory_fraction=args.memory_fraction, cpu_memory_bytes=args.cpu_memory_bytes,
-            step_timeout_s=args.step_timeout_s, capture_timeout_s=args.capture_timeout_s, use_nccl=args.use_nccl,
-            random_weights=args.load_format == "random", seed=args.seed, kernel_config=args.kernel_config,
-            snapshot_bytes=0 if not args.enable_prefix_caching else
-            None if args.prefix_cache_state_gib is None else int(args.prefix_cache_state_gib * 2**30),
-        )
+        spec = ReplicaSpec(args, self.cfg, max_model_len=self.max_model_len, buckets=buckets,
+                           fused_mixed_steps=fused, speculative_acceptance=self.override.acceptance)
         self.replica = Replica(spec)
         try:
             await self.replica.start()

@@ -374,3 +374,30 @@ def test_emulated_acceptance_is_a_lab_tool_not_a_serve_flag(tiny_ckpt, caplog):
         assert serve_emulated.main(["--acceptance", "0.9,0.8", tiny_ckpt, "--speculative-tokens", "3",
                                     "--port", str(free_port())]) == cli.EXIT_STARTUP_FAILED
     assert any("acceptance must hold speculative_tokens (3)" in r.getMessage() for r in caplog.records)
+
+
+def test_the_flags_and_the_embedded_api_refuse_a_value_in_the_same_words(capsys):
+    """One table validates both: for every numeric engine flag, a value below its range is refused by the CLI and
+    by EngineArgs, each naming the same valid range; every flagged option's default is EngineArgs' own."""
+    import dataclasses
+
+    from deltaserve.args import OPTIONS, EngineArgs
+
+    parser = cli.serve_parser(cli._Parser(prog="deltaserve serve"))
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    numeric = [o for o in OPTIONS.values() if o.flags and o.kind in (int, float) and o.low is not None]
+    assert {o.name for o in numeric} >= {"tp", "max_batch", "memory_fraction", "step_latency_ratio", "seed"}
+    for option in numeric:
+        bad = option.low - (0.5 if option.zero_off else 1)
+        bad = option.kind(bad) if option.kind is float else int(bad)
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args([option.flags[0], str(bad)])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and option.valid in err, (option.name, err)
+        with pytest.raises(ValueError, match=rf"^{option.name} must be ") as refused:
+            EngineArgs(**{option.name: bad})
+        assert option.valid in str(refused.value)
+    parsed = parser.parse_args([])
+    for option in OPTIONS.values():
+        if option.flags:
+            assert getattr(parsed, option.name) == defaults[option.name], option.name

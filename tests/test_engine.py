@@ -1,6 +1,7 @@
 """The asyncio engine end to end on the CPU device with a tiny checkpoint."""
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import time
@@ -199,7 +200,8 @@ def timed_hand_offs(args, max_tokens: int, marks: dict, replica_device: str | No
     async def main():
         async with AsyncEngine(args) as engine:
             if replica_device:
-                engine.replica.spec.device = replica_device
+                spec = engine.replica.spec
+                engine.replica.spec = dataclasses.replace(spec, args=spec.args.replace(device=replica_device))
             stream = engine.generate("the cat", SamplingParams(max_tokens=max_tokens, ignore_eos=True, **GREEDY))
             handed, start_step = [], engine.replica.start_step
 

@@ -213,7 +213,7 @@ async def run(ns) -> int:
 def check_shapes(replica, prompts: bool) -> list[StepShape]:
     """Each decode bucket's one-token step and, where it may speculate, its speculative step; with `prompts`, each
     prefill bucket and, where steps fuse, each mixed prompt-token bucket once, beside the decode buckets in turn."""
-    runtime, k = replica.ranks[0].runtime, replica.spec.speculative_tokens
+    runtime, k = replica.ranks[0].runtime, replica.spec.args.speculative_tokens
     shapes = [StepShape(b, t) for b in replica.buckets for t in sorted({1, k + 1}) if t == 1 or runtime.can_speculate(b)]
     if prompts:
         shapes += [StepShape(0, 1, t) for t in replica.prefill_bucket_sizes]
