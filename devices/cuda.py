@@ -220,7 +220,8 @@ class CudaGraphs:
         # By pool, the largest first (later captures reuse its blocks); one-token, speculative, prefill, mixed.
         order = sorted(programs, key=lambda s: (s.prompt_tokens > 0, s.rows > 0 and s.prompt_tokens > 0,
                                                 s.tokens_per_row, -s.rows, -s.prompt_tokens))
-        for shape in show_progress(order, unit="graph", disable=not progress, desc=f"capturing graphs (rank {self.rank})"):
+        for shape in show_progress(order, unit="graph", disable=not progress,
+                                   desc=f"capturing graphs (rank {self.rank})"):
             prepare(shape)
             self._capture(shape, programs[shape])
         self.shapes = sorted(self.graphs)  # the captured ones, ascending (read by every step with prompt chunks)

@@ -44,7 +44,7 @@ class RankRuntime:
         draft_head: "torch.Tensor | Fp8Weight | None" = None,
         fuse_mixed_steps: bool = False,
     ) -> None:
-        """With speculation (state.verify_steps > 0): decode steps of at most `speculate_up_to` rows (None: any)
+        """With speculation (state.speculative_tokens > 0): decode steps of at most `speculate_up_to` rows (None: any)
         may draft and verify (`StepCommand.speculate`); acceptance: benchmarks' emulated draft acceptance
         (`runtime.speculation.SpeculationOverride.acceptance`); draft_head: what the drafts read in place of lm_head
         (`draft_head()`; None: lm_head). fuse_mixed_steps: a step's decode rows and prompt chunks run as one
@@ -71,7 +71,7 @@ class RankRuntime:
                                      last_tokens=self.carried[0]) if rank == 0 else None
         self.slots = DecodeSlots(state, self.inputs, self.carried, rank, self.sampling)
         self.speculation = Speculator(model, state, self.inputs, self.carried, draft_head, acceptance) \
-            if state.verify_steps else None
+            if state.speculative_tokens else None
 
     # Forwards ---------------------------------------------------------------------------------------------------------
     def programs(self, shapes: list[StepShape], prompt_requests: int = 1) -> dict[StepShape, GraphProgram]:
@@ -80,7 +80,7 @@ class RankRuntime:
         tokens = max((s.prompt_tokens for s in shapes), default=0)
         if tokens:
             state = self.state
-            head = state.num_slots if state.verify_steps else None  # the verify pools' trash row
+            head = state.num_slots if state.speculative_tokens else None  # the verify pools' trash row
             self.prefill_inputs = PrefillInputs(tokens, self.inputs.width, state.trash_slot, state.trash_page,
                                                 state.page_size, self.device, requests=prompt_requests,
                                                 head_trash=head)
@@ -203,7 +203,7 @@ class RankRuntime:
         if n:
             self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
             if self.speculation:
-                self.speculation.fill(cmd, self.state.verify_steps + 1)
+                self.speculation.fill(cmd, self.state.speculative_tokens + 1)
             if self.sampling:
                 # Before this step reads them: a row the step before drew may have been flagged (the logits it is
                 # drawn again from are also the graph's, which this step overwrites).
@@ -219,7 +219,7 @@ class RankRuntime:
         fused = (self.fuse_mixed_steps and bool(n and chunks) and not cmd.speculate
                  and (self.graphs is None or self._prompt_bucket(cmd.bucket, chunks) > 0))
         if n and not fused:
-            out = self._run(cmd.bucket, self.state.verify_steps + 1 if cmd.speculate else 1, [], [])
+            out = self._run(cmd.bucket, self.state.speculative_tokens + 1 if cmd.speculate else 1, [], [])
             if cmd.speculate:
                 decode_draw, speculation = self.speculation.draw(cmd, out, self.sampling, index_offsets)
             else:

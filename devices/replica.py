@@ -128,7 +128,8 @@ class Replica:
         self.backend = device_backend(spec.args.device, cpu_memory_bytes=spec.args.cpu_memory_bytes,
                                       kernel_config=spec.args.kernel_config or KernelConfig())
         self.backend.check_devices(spec.args.tp)
-        self.local = LocalSizes.of(spec.cfg, spec.args.tp)  # refuses a tp the heads do not split, before any weight is read
+        # Refuses a tp the heads do not split, before any weight is read.
+        self.local = LocalSizes.of(spec.cfg, spec.args.tp)
         self.dtype: torch.dtype = getattr(torch, spec.args.dtype)
         self.ranks = [_Rank() for _ in range(spec.args.tp)]
         self.collective = None
@@ -294,7 +295,8 @@ class Replica:
                                               dtype=self.dtype, seed=spec.args.seed, progress=rank == 0, mtp=mtp,
                                               fp8_block=spec.cfg.fp8_block if fp8 else 0)
             else:
-                weights = load_rank_weights(spec.args.model, spec.cfg, rank=rank, tp=spec.args.tp, device=r.backend.device,
+                weights = load_rank_weights(spec.args.model, spec.cfg, rank=rank, tp=spec.args.tp,
+                                            device=r.backend.device,
                                             dtype=self.dtype, progress=rank == 0, mtp=mtp, keep_fp8=fp8)
             held = bytes_by_dtype(weights)
             r.model = Qwen35Shard(spec.cfg, weights, self.local, ops=r.backend.ops, all_reduce=r.backend.all_reduce)
@@ -314,12 +316,13 @@ class Replica:
             k = spec.args.speculative_tokens
             state = ModelState(spec.cfg, self.local, plan.max_batch + plan.prefill_slots, plan.num_pages,
                                self.dtype, r.backend.device, page_size=plan.page_size, num_snapshots=plan.snapshots,
-                               mtp=k > 0, verify_steps=k)
+                               mtp=k > 0, speculative_tokens=k)
             r.runtime = RankRuntime(
                 r.model, state, rank=rank, max_batch=plan.max_batch,
                 max_pages_per_seq=-(-(spec.max_model_len + positions_past_end(k)) // plan.page_size),
                 device=r.backend.device,
-                tp=spec.args.tp, acceptance=spec.speculative_acceptance, speculate_up_to=spec.args.speculative_max_batch,
+                tp=spec.args.tp, acceptance=spec.speculative_acceptance,
+                speculate_up_to=spec.args.speculative_max_batch,
                 draft_head=r.draft_head, fuse_mixed_steps=spec.fused_mixed_steps,
             )
             log.info("rank %d: %.1f MiB of state allocated", rank, state.nbytes() / 2**20)

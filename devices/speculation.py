@@ -53,7 +53,7 @@ class Speculator:
         draft_head: what the drafts read in place of lm_head (`draft_head()`; None: lm_head); acceptance:
         benchmarks' emulated draft acceptance (`runtime.speculation.SpeculationOverride.acceptance`)."""
         self.model, self.state, self.inputs, self.carried, self.draft_head = model, state, inputs, carried, draft_head
-        rows, k, device = inputs.rows, state.verify_steps, inputs.input_ids.device
+        rows, k, device = inputs.rows, state.speculative_tokens, inputs.input_ids.device
         self.k, self.device = k, device
         self.accepted = torch.ones(rows, dtype=torch.long, device=device)
         self.keep = torch.full((rows,), k + 1, dtype=torch.long, device=device)
@@ -164,7 +164,7 @@ class Speculator:
         (`SpeculationInputs.keep`). Its outputs: the logits of every row's first position [bucket, V] and of the k
         after it [bucket, k, V] (views of one [bucket, k + 1, V]), and the drafts [bucket, k]."""
         model, state, inputs = self.model, self.state, self.inputs
-        k, ps = state.verify_steps, state.page_size
+        k, ps = state.speculative_tokens, state.page_size
         T = k + 1
         tokens, positions = inputs.input_ids[:bucket], inputs.positions[:bucket]
         slots, table = inputs.slots[:bucket], inputs.page_table[:bucket]
@@ -195,7 +195,7 @@ class Speculator:
     def _verify_rows(self, bucket: int, starts: torch.Tensor) -> TokenRows:
         """The fixed inputs' first `bucket` rows as k + 1 tokens a row from `starts` (the input tokens only)."""
         inputs, state = self.inputs, self.state
-        T, ps = state.verify_steps + 1, state.page_size
+        T, ps = state.speculative_tokens + 1, state.page_size
         table = inputs.page_table[:bucket]
         where = starts[:, None] + self.steps  # [bucket, T]
         pages = table.long().gather(1, where // ps)
@@ -208,7 +208,7 @@ class Speculator:
         then the row's input token): its KV there, which later drafts attend to, and its output at the last kept
         position [bucket, H], which drafts the token after the input token."""
         model, state, inputs = self.model, self.state, self.inputs
-        T = state.verify_steps + 1
+        T = state.speculative_tokens + 1
         tokens, accepted = inputs.input_ids[:bucket], self.accepted[:bucket]
         rows = state.verify_rows(inputs.slots[:bucket])
         before = accepted - 1
@@ -226,7 +226,7 @@ class Speculator:
         if not sampling:
             return None, None
         first_logits, extra_logits, drafted = out.row_logits, out.draft_logits, out.drafts
-        k, slots = self.state.verify_steps, list(range(n))
+        k, slots = self.state.speculative_tokens, list(range(n))
         free = [i for i in slots if not sampling.settings[i].needs_counts]
         # One draw: every row's first position, then the k after it of the free rows (each its own row: the
         # sampler reads rows at a stride of V). The extra rows' tokens also land in their slots' penalty counts,

@@ -73,9 +73,10 @@ class ModelState:
         page_size: int = PAGE_SIZE,
         num_snapshots: int = 0,
         mtp: bool = False,
-        verify_steps: int = 0,
+        speculative_tokens: int = 0,
     ) -> None:
-        """mtp: KV for the multi-token-prediction head; verify_steps k: the pools of speculative steps of k drafts."""
+        """mtp: KV for the multi-token-prediction head; speculative_tokens k: the pools of speculative steps of k
+        drafts (EngineArgs.speculative_tokens)."""
         self.num_slots, self.num_pages, self.page_size = num_slots, num_pages, page_size
         self.num_snapshots = num_snapshots
         self.trash_slot, self.trash_page = num_slots + num_snapshots, num_pages
@@ -95,16 +96,16 @@ class ModelState:
         # Speculative decoding, per request slot (and a trash entry last): the GDN state after each of the last
         # verify step's first k tokens (after its last one, it is the slot's own), what the step drafts from (that
         # step's k + 1 final-normed hidden states) and the k tokens drafted for the next one.
-        self.verify_steps = verify_steps
+        self.speculative_tokens = speculative_tokens
         self.conv_steps = self.ssm_steps = self.verify_hidden = self.drafts = None
-        if verify_steps:
-            self.conv_steps = torch.zeros((n_gdn, num_slots + 1, verify_steps) + self.conv.shape[2:], dtype=dtype,
+        if speculative_tokens:
+            self.conv_steps = torch.zeros((n_gdn, num_slots + 1, speculative_tokens) + self.conv.shape[2:], dtype=dtype,
                                           device=device)
-            self.ssm_steps = torch.zeros((n_gdn, num_slots + 1, verify_steps) + self.ssm.shape[2:],
+            self.ssm_steps = torch.zeros((n_gdn, num_slots + 1, speculative_tokens) + self.ssm.shape[2:],
                                          dtype=torch.float32, device=device)
-            self.verify_hidden = torch.zeros(num_slots + 1, verify_steps + 1, cfg.hidden_size, dtype=dtype,
+            self.verify_hidden = torch.zeros(num_slots + 1, speculative_tokens + 1, cfg.hidden_size, dtype=dtype,
                                              device=device)
-            self.drafts = torch.zeros(num_slots + 1, verify_steps, dtype=torch.long, device=device)
+            self.drafts = torch.zeros(num_slots + 1, speculative_tokens, dtype=torch.long, device=device)
         kv_shape = (n_attn, num_pages + 1, page_size, local.num_kv_heads, cfg.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(kv_shape, dtype=dtype, device=device)
@@ -147,18 +148,18 @@ class ModelState:
                 torch.where(pad, torch.full_like(slots, self.num_slots), slots))
 
     def commit_verified(self, slots: torch.Tensor, accepted: torch.Tensor, roll_back_pool=None) -> None:
-        """After a verify step of verify_steps + 1 tokens a row: each slot keeps the state after its first
-        `accepted` tokens (1 .. verify_steps + 1; the last needs no copy). Device tensors, no host sync, fixed shapes
-        (a graph can hold it). `roll_back_pool`: the op (`ForwardOps.roll_back_pool`; by default the reference, which
-        reads and writes every row's whole state)."""
+        """After a verify step of speculative_tokens + 1 tokens a row: each slot keeps the state after its first
+        `accepted` tokens (1 .. speculative_tokens + 1; the last needs no copy). Device tensors, no host sync, fixed
+        shapes (a graph can hold it). `roll_back_pool`: the op (`ForwardOps.roll_back_pool`; by default the reference,
+        which reads and writes every row's whole state)."""
         roll_back_pool = roll_back_pool or roll_back_pool_reference
         for pool, steps in ((self.conv, self.conv_steps), (self.ssm, self.ssm_steps)):
-            roll_back_pool(pool, steps, slots, accepted, self.verify_steps + 1)
+            roll_back_pool(pool, steps, slots, accepted, self.speculative_tokens + 1)
 
     def move_verify_slot(self, src: int, dst: int) -> None:
         """A request slot's last verify step (its states, to roll back to before the next one, hidden states and
         drafts) follows its request into another slot (promotion, compaction)."""
-        if self.verify_steps:
+        if self.speculative_tokens:
             self.conv_steps[:, dst].copy_(self.conv_steps[:, src])
             self.ssm_steps[:, dst].copy_(self.ssm_steps[:, src])
             self.verify_hidden[dst].copy_(self.verify_hidden[src])
@@ -166,7 +167,7 @@ class ModelState:
 
     def nbytes(self) -> int:
         pools = [self.conv, self.ssm, self.last_hidden, self.k_cache, self.v_cache] + (
-            [self.conv_steps, self.ssm_steps, self.verify_hidden, self.drafts] if self.verify_steps else [])
+            [self.conv_steps, self.ssm_steps, self.verify_hidden, self.drafts] if self.speculative_tokens else [])
         return sum(t.numel() * t.element_size() for t in pools)
 
 

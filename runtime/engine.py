@@ -134,18 +134,18 @@ class AsyncEngine:
         self.max_model_len = args.max_model_len or min(self.cfg.max_position_embeddings, 32768)
         self.model_name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         buckets = sorted(args.buckets) if args.buckets else default_buckets(args.max_batch)
-        self.speculative = args.speculative_tokens
+        self.speculative_tokens = args.speculative_tokens
         self.override.check(args.speculative_tokens)
         self.speculation = SpeculationPolicy(args.speculative_tokens, args.speculative_max_batch,
                                              args.speculative_adaptive)
-        if self.speculative:
+        if self.speculative_tokens:
             if self.cfg.mtp_num_hidden_layers != 1:
                 raise ValueError(f"speculative_tokens needs the checkpoint's one-layer MTP head (Qwen3.5's); its "
                                  f"config has mtp_num_hidden_layers {self.cfg.mtp_num_hidden_layers}")
             if args.speculative_draft_vocab > self.cfg.vocab_size:
                 raise ValueError(f"speculative_draft_vocab {args.speculative_draft_vocab} exceeds the vocabulary "
                                  f"({self.cfg.vocab_size} tokens)")
-            log.info("speculative decoding: %d tokens drafted a step by the MTP head (%s)", self.speculative,
+            log.info("speculative decoding: %d tokens drafted a step by the MTP head (%s)", self.speculative_tokens,
                      "where it is measured to pay" if args.speculative_adaptive else "every step")
         elif args.speculative_draft_vocab:
             log.warning("speculative_draft_vocab is set without speculative_tokens: it does nothing")
@@ -167,7 +167,7 @@ class AsyncEngine:
             max_model_len=self.max_model_len, buckets=self.replica.buckets,
             step_budget=self._step_budget(),
             prefix_cache=PrefixCache(plan.num_pages, plan.page_size, plan.snapshots, args.enable_prefix_caching),
-            lookahead=positions_past_end(self.speculative), prefill_graph_sizes=self.replica.prefill_buckets,
+            lookahead=positions_past_end(self.speculative_tokens), prefill_graph_sizes=self.replica.prefill_buckets,
             mixed_graph_sizes=self.replica.mixed_token_buckets,
         )
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="deltaserve-step-loop")
@@ -512,7 +512,8 @@ class AsyncEngine:
         for rid in before.decode_ids:
             req = self.requests.get(rid)
             if req is not None and (req.params.min_tokens > counts[rid].generated or
-                                    few and req.params.max_tokens - counts[rid].generated < self.speculative + 1):
+                                    few and req.params.max_tokens - counts[rid].generated
+                                    < self.speculative_tokens + 1):
                 return True
         return False
 
@@ -530,7 +531,7 @@ class AsyncEngine:
                             plan.bucket, ", speculative" if plan.speculate else "", prompt_tokens, len(plan.prefill),
                             plan.prompt_budget, device * 1e3, seconds * 1e3, launch * 1e3,
                             "" if idle is None else f", devices idle {idle * 1e3:.2f} ms before it")
-        if self.speculative and plan.decode_ids and not plan.prefill and result is not None:
+        if self.speculative_tokens and plan.decode_ids and not plan.prefill and result is not None:
             # What the step cost the devices' timeline: its own time and the host's wait before it, which only a
             # speculative step (never overlapped) exposes; the host's view of an overlapped step is bursty.
             rows = len(plan.decode_ids)
@@ -557,7 +558,7 @@ class AsyncEngine:
             cmd.decode_tokens.append(req.output_ids[-1] if len(req.output_ids) == n else UNKNOWN_TOKEN)
             cmd.decode_positions.append(len(req.prompt_ids) + n - 1)
             cmd.decode_token_index.append(n)
-        if self.speculative and plan.decode_ids:
+        if self.speculative_tokens and plan.decode_ids:
             cmd.speculate = plan.speculate
             cmd.verify_accepted = [KEPT_ON_DEVICE if counts[rid].kept_pending else counts[rid].kept
                                    for rid in plan.decode_ids]
@@ -583,7 +584,7 @@ class AsyncEngine:
         """The test drafter's drafts for a row (`StepCommand.draft_tokens`). Tokens still on their way stand in
         its output as UNKNOWN_TOKEN; a row whose speculative step is in flight gets drafts for each count the step
         may have kept (1 .. k + 1)."""
-        k, drafter = self.speculative, self.override.propose
+        k, drafter = self.speculative_tokens, self.override.propose
         unseen = counted.generated - len(req.output_ids)
         counts = range(1, k + 2) if counted.kept_pending else [1]
         return [list(drafter(req.prompt_ids, req.output_ids + [UNKNOWN_TOKEN] * (unseen + kept - 1), k))
@@ -593,7 +594,7 @@ class AsyncEngine:
         """Whether the plan's decode rows speculate (`runtime.speculation`), before its command is made. A step
         carrying prompt chunks does not where it fuses them with its decode rows: one forward that reads the
         weights once (a speculative step does not)."""
-        plan.speculate = bool(self.speculative and plan.decode_ids) and not (
+        plan.speculate = bool(self.speculative_tokens and plan.decode_ids) and not (
             plan.prefill and self.replica.spec.fused_mixed_steps) and self.speculation.decide(plan.bucket)
 
     def _count(self, plan, cmd: StepCommand) -> None:
@@ -613,7 +614,7 @@ class AsyncEngine:
         self.scheduler.on_drafts_kept(plan.decode_ids, counts, cmd.seq)
         # The metrics count live requests' rows: not the step a request that ended before it ran in vain.
         self.metrics.count_kept([c for rid, c in zip(plan.decode_ids, counts) if rid in self.requests],
-                                self.speculative)
+                                self.speculative_tokens)
 
     def _apply(self, plan, result: StepResult) -> list:
         """Each token appended, and every request that ends here finished (stop token, stop string, length).

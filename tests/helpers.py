@@ -89,7 +89,7 @@ class CpuRunner:
     is named."""
 
     def __init__(self, checkpoint_dir: str, dtype=torch.float32, num_slots: int = 16, num_pages: int = 256, tp=1,
-                 rank=0, all_reduce=None, ops=None, device="cpu", mtp=False, verify_steps=0, keep_fp8=False):
+                 rank=0, all_reduce=None, ops=None, device="cpu", mtp=False, speculative_tokens=0, keep_fp8=False):
         self.cfg = load_model_config(checkpoint_dir)
         self.device = device
         weights = load_rank_weights(checkpoint_dir, self.cfg, rank=rank, tp=tp, dtype=dtype, device=device,
@@ -97,7 +97,7 @@ class CpuRunner:
         local = LocalSizes.of(self.cfg, tp)
         self.model = Qwen35Shard(self.cfg, weights, local, ops=ops, all_reduce=all_reduce)
         self.state = ModelState(self.cfg, local, num_slots, num_pages, dtype, device, mtp=mtp,
-                                verify_steps=verify_steps)
+                                speculative_tokens=speculative_tokens)
         self.next_page = 0
         self.pages: dict[int, list[int]] = {}
 

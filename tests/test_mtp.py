@@ -90,7 +90,7 @@ def test_a_verify_step_computes_what_decoding_its_tokens_does_and_rolls_back_to_
     """Two requests and a padding row verify four tokens each; every position's logits equal one-token decodes,
     and after keeping `accepted` tokens a row decodes on as a request that decoded only those."""
     k = 3
-    spec = CpuRunner(tiny_ckpt, verify_steps=k)
+    spec = CpuRunner(tiny_ckpt, speculative_tokens=k)
     g = torch.Generator().manual_seed(9)
     prompts = {s: torch.randint(0, 200, (n,), generator=g).tolist() for s, n in ((0, 21), (1, 32))}
     steps = {s: torch.randint(0, 200, (k + 1,), generator=g).tolist() for s in prompts}
@@ -120,7 +120,7 @@ def test_the_verify_step_and_the_head_on_the_triton_ops_match_the_references(tin
     k, prompt, step = 2, list(range(3, 22)), [40, 41, 42]
     results = []
     for ops in (None, triton_ops()):
-        runner = CpuRunner(tiny_ckpt, ops=ops, mtp=True, verify_steps=k)
+        runner = CpuRunner(tiny_ckpt, ops=ops, mtp=True, speculative_tokens=k)
         runner.prefill({0: prompt})
         batch = runner.verify_batch({0: step, -1: [1] * (k + 1)}, {0: len(prompt), -1: 0})
         hidden = runner.model.forward(runner.state, batch)
@@ -345,7 +345,7 @@ def _speculative_rank(ckpt):
     those pools."""
     from deltaserve.devices.rank import RankRuntime
 
-    state = (runner := CpuRunner(ckpt, mtp=True, verify_steps=3, num_slots=6, num_pages=40)).state
+    state = (runner := CpuRunner(ckpt, mtp=True, speculative_tokens=3, num_slots=6, num_pages=40)).state
     pools = [state.conv, state.ssm, state.k_cache, state.v_cache, state.verify_hidden, state.drafts,
              state.conv_steps, state.ssm_steps]
     for pool in pools:
@@ -724,13 +724,13 @@ def test_a_draft_vocabulary_limits_the_drafts_not_the_output(tiny_tp_ckpt, plain
         async with AsyncEngine(args) as engine:
             runtime = engine.replica.ranks[0].runtime
             lm_head = runtime.model.w["lm_head.weight"]
-            rows = draft_vocab or lm_head.shape[0]
+            rows, head = draft_vocab or lm_head.shape[0], runtime.speculation.draft_head
             if fp8:
-                assert isinstance(runtime.speculation.draft_head, Fp8Weight) and runtime.speculation.draft_head.shape == (rows, lm_head.shape[1])
-                err = (runtime.speculation.draft_head.dequantise() - lm_head[:rows].float()).abs().max()
+                assert isinstance(head, Fp8Weight) and head.shape == (rows, lm_head.shape[1])
+                err = (head.dequantise() - lm_head[:rows].float()).abs().max()
                 assert 0 < err <= lm_head.abs().max() / 8  # e4m3 keeps 3 mantissa bits
             else:
-                assert runtime.speculation.draft_head is None if not draft_vocab else runtime.speculation.draft_head.data_ptr() == \
+                assert head is None if not draft_vocab else head.data_ptr() == \
                     lm_head.data_ptr()  # a view of lm_head's first rows
             state = runtime.state
             drafts = []
@@ -790,7 +790,7 @@ def test_the_padded_prefill_with_the_head_writes_what_the_eager_one_writes(tiny_
 
     from helpers import EagerPrograms
 
-    runner = CpuRunner(tiny_ckpt, mtp=True, verify_steps=3, num_slots=6, num_pages=40)
+    runner = CpuRunner(tiny_ckpt, mtp=True, speculative_tokens=3, num_slots=6, num_pages=40)
     state = runner.state
     runtime = RankRuntime(runner.model, state, rank=1, max_batch=2, max_pages_per_seq=8, device=torch.device("cpu"))
     g = torch.Generator().manual_seed(3)

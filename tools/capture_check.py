@@ -55,7 +55,7 @@ def check_shape(rank_objs, shape: StepShape, context: int, dot_dir: str | None, 
     """One shape's replay (on the CPU: its program) against its forward run eagerly (on the CPU: computed
     another way, see the module's text), from the same state; the outputs' largest difference and scale."""
     backend, model, runtime = rank_objs.backend, rank_objs.model, rank_objs.runtime
-    state, spec, k = runtime.state, runtime.speculation, runtime.state.verify_steps
+    state, spec, k = runtime.state, runtime.speculation, runtime.state.speculative_tokens
     graphs = runtime.graphs
     result = {"shape": shape}
     if graphs is not None and not graphs.captured(shape):
@@ -156,7 +156,7 @@ def rows_after_a_verify_step(runtime, rows: int, seed: int) -> list[torch.Tensor
     """Live rows `rows` as after a verify step that kept a random number of its tokens (row 0 one: it rolls back),
     with random step states, hidden states and drafts. Returns the rows' entries of every pool a speculative or
     one-token step reads and writes (layers first in the GDN pools)."""
-    state, spec, k = runtime.state, runtime.speculation, runtime.state.verify_steps
+    state, spec, k = runtime.state, runtime.speculation, runtime.state.speculative_tokens
     kept = torch.randint(1, k + 2, (rows,), generator=torch.Generator().manual_seed(seed))
     kept[0] = 1
     spec.accepted[:rows].copy_(kept)
@@ -214,7 +214,8 @@ def check_shapes(replica, prompts: bool) -> list[StepShape]:
     """Each decode bucket's one-token step and, where it may speculate, its speculative step; with `prompts`, each
     prefill bucket and, where steps fuse, each mixed prompt-token bucket once, beside the decode buckets in turn."""
     runtime, k = replica.ranks[0].runtime, replica.spec.args.speculative_tokens
-    shapes = [StepShape(b, t) for b in replica.buckets for t in sorted({1, k + 1}) if t == 1 or runtime.can_speculate(b)]
+    shapes = [StepShape(b, t) for b in replica.buckets for t in sorted({1, k + 1})
+              if t == 1 or runtime.can_speculate(b)]
     if prompts:
         shapes += [StepShape(0, 1, t) for t in replica.prefill_bucket_sizes]
         if replica.spec.fused_mixed_steps:

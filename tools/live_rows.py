@@ -57,8 +57,8 @@ def restore(state, saved) -> None:
 @contextlib.contextmanager
 def live_decode_batch(replica, rank: int, rows: int, context: int, lookahead: int = 0):
     """On one rank, in its device context and inference mode: `rows` live rows (`fill_live_rows`, the bucket no
-    larger, pages for `lookahead` positions more) and their one-token step's batch, as (the rank, the batch). The GDN state
-    comes back as it was on exit, so the steps a measurement runs leave no trace."""
+    larger, pages for `lookahead` positions more) and their one-token step's batch, as (the rank, the batch). The GDN
+    state comes back as it was on exit, so the steps a measurement runs leave no trace."""
     r = replica.ranks[rank]
     with r.backend.context(), torch.inference_mode():
         fill_live_rows(r.runtime, rows, rows, context, seed=rows, lookahead=lookahead)

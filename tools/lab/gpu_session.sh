@@ -58,11 +58,13 @@ for stage in ${STAGES//,/ }; do
       grep -E "passed|failed|speculation k=|on/off|launches waited|reserved after" "$DIR/tests.log" | tail -12 ;;
     compare)
       rm -rf /tmp/base /tmp/basepkg && mkdir -p /tmp/base && tar -xf "${BASELINE:-.baseline/base.tar}" -C /tmp/base
-      python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/basepkg /tmp/base > "$DIR/base-install.log" 2>&1
+      python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/basepkg /tmp/base \
+          > "$DIR/base-install.log" 2>&1
       IFS=';' read -ra RUNS <<< "${COMPARE:---size 4b --batches 1,8,64 --speculative-tokens 4}"
       for args in "${RUNS[@]}"; do
         for tree in base new; do
-          name=compare-$tree$(echo " $args" | sed 's/ --size /-/; s/ --batches /-b/; s/ --speculative-tokens /-k/; s/ --/-/g; s/,/-/g')
+          name=compare-$tree$(echo " $args" | sed 's/ --size /-/; s/ --batches /-b/; s/ --speculative-tokens /-k/;
+              s/ --/-/g; s/,/-/g')
           path=$([ $tree = base ] && echo /tmp/basepkg:)${PYTHONPATH:-}
           PYTHONPATH=$path timeout 200 python3 -m deltaserve.tools.bench_decode $args > "$DIR/$name.md" 2>&1
           grep "^| [0-9]" "$DIR/$name.md" | sed "s/^/$tree $args: /"

@@ -31,12 +31,12 @@ from deltaserve.tools.live_rows import live_decode_batch
 
 
 def _profile(replica, rank: int, rows: int, context: int, speculative: bool, steps: int = 5) -> dict:
-    lookahead = replica.ranks[rank].runtime.state.verify_steps if speculative else 0
+    lookahead = replica.ranks[rank].runtime.state.speculative_tokens if speculative else 0
     with live_decode_batch(replica, rank, rows, context, lookahead) as (r, batch):
         runtime = r.runtime
         if speculative:  # the rows as after a verify step; its graph runs the drafts, then the verify forward
             rows_after_a_verify_step(runtime, rows, seed=rows)
-        shape = StepShape(rows, runtime.state.verify_steps + 1 if speculative else 1)
+        shape = StepShape(rows, runtime.state.speculative_tokens + 1 if speculative else 1)
         graphs, eager = runtime.graphs, runtime.program(shape)
         step_s = time_per_call(lambda: graphs(shape), r.backend.device, iters=50)
         per_name = _kernel_times(lambda: graphs(shape), steps)
