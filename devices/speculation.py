@@ -34,7 +34,6 @@ def draft_head(lm_head: torch.Tensor, vocab: int = 0, fp8: bool = False) -> "tor
     return rows if vocab else None  # a view: no copy
 
 
-
 class Speculator:
     """A speculative engine's rank: the MTP head's drafts, their verification as rows of k + 1 tokens, the draws
     that keep them, the head over every prompt and every kept position, and the GDN roll-back to what a row kept.
@@ -146,7 +145,7 @@ class Speculator:
         return longs["following"], longs["rows"]
 
     def head_over_prompts(self, hidden: torch.Tensor, chunks: PromptChunks, following: torch.Tensor,
-                           head_rows: torch.Tensor) -> torch.Tensor:
+                          head_rows: torch.Tensor) -> torch.Tensor:
         """The MTP head over the chunks' tokens (`hidden`: the model's at each; `following`: each token's next
         token), its KV at every prompt position (a prompt's last position, whose next token this step draws, is
         run again when the request first drafts). Keeps each chunk's last hidden state in its verify-pool row
@@ -161,7 +160,7 @@ class Speculator:
         """A speculative step over the fixed inputs' first `bucket` rows: draft k tokens with the MTP head from the
         hidden state before the row's input token, and verify the input token and the drafts in one forward (k + 1
         tokens a row), whose GDN layers start from the state after the tokens the row's last step kept
-        (`SpeculationInputs.keep`). Its outputs: the logits of every row's first position [bucket, V] and of the k
+        (`keep`). Its outputs: the logits of every row's first position [bucket, V] and of the k
         after it [bucket, k, V] (views of one [bucket, k + 1, V]), and the drafts [bucket, k]."""
         model, state, inputs = self.model, self.state, self.inputs
         k, ps = state.speculative_tokens, state.page_size
@@ -292,7 +291,7 @@ class Speculator:
 
 class KeptDrafts:
     """A speculative step's drafts and what it kept of them: counted on the device behind its draw
-    (`RankRuntime._keep_drafts`), read on the host once the copy is there."""
+    (`Speculator._keep_drafts`), read on the host once the copy is there."""
 
     def __init__(self, free: list[int], drafted: torch.Tensor, ends: list[tuple[int | None, tuple[int, ...]]]) -> None:
         """free: the rows without penalties; drafted [n, k]; per row, its (max_tokens, stop ids)."""
