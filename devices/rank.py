@@ -145,10 +145,10 @@ class RankRuntime:
         logits = model.logits(torch.cat([hidden[:n], last]))
         return ForwardOutputs(logits[:n], logits[n:])
 
-    def _run(self, rows: int, T: int, chunks: list[PrefillChunk], computed: list) -> "ForwardOutputs":
+    def _run(self, rows: int, T: int, chunks: list[PrefillChunk], computed: list, bucket: int) -> "ForwardOutputs":
         """The forward of `rows` fixed-input rows of T tokens and these chunks (of `computed`, their commands): the
-        replay of a captured shape where one fits (the chunks padded into the fixed prompt inputs), else eager."""
-        bucket = self._prompt_bucket(rows, chunks) if chunks else 0
+        replay of a captured shape where one fits (`bucket`: the chunks' prompt-token bucket beside those rows,
+        `_prompt_bucket`; 0: none), the chunks padded into the fixed prompt inputs, else eager."""
         shape = StepShape(rows, T, bucket)
         if (bucket or not chunks) and self.graphs is not None and self.graphs.captured(shape):
             if chunks:  # a graph's prefill starts each fresh prompt from a zeroed state; the eager one resets them
@@ -203,7 +203,7 @@ class RankRuntime:
         if n:
             self.inputs.fill(cmd.decode_tokens, cmd.decode_positions, cmd.bucket)
             if self.speculation:
-                self.speculation.fill(cmd, self.state.speculative_tokens + 1)
+                self.speculation.fill(cmd)
             if self.sampling:
                 # Before this step reads them: a row the step before drew may have been flagged (the logits it is
                 # drawn again from are also the graph's, which this step overwrites).
@@ -216,10 +216,11 @@ class RankRuntime:
         # One forward for the rows and the chunks where the step can (never with drafts; on a device with graphs,
         # only where a captured shape fits: eager, its launches would cost more than the second weight pass it
         # saves); else the rows' forward, then the chunks'.
-        fused = (self.fuse_mixed_steps and bool(n and chunks) and not cmd.speculate
-                 and (self.graphs is None or self._prompt_bucket(cmd.bucket, chunks) > 0))
+        fusable = self.fuse_mixed_steps and bool(n and chunks) and not cmd.speculate
+        bucket = self._prompt_bucket(cmd.bucket, chunks) if fusable else 0
+        fused = fusable and (self.graphs is None or bucket > 0)
         if n and not fused:
-            out = self._run(cmd.bucket, self.state.speculative_tokens + 1 if cmd.speculate else 1, [], [])
+            out = self._run(cmd.bucket, self.speculation.k + 1 if cmd.speculate else 1, [], [], 0)
             if cmd.speculate:
                 decode_draw, speculation = self.speculation.draw(cmd, out, self.sampling, index_offsets)
             else:
@@ -229,7 +230,8 @@ class RankRuntime:
         if cmd.prefill:
             prefill_logits = None  # at each computed chunk's last token
             if chunks:
-                out = self._run(cmd.bucket if fused else 0, 1, chunks, computed)
+                rows = cmd.bucket if fused else 0
+                out = self._run(rows, 1, chunks, computed, bucket if fused else self._prompt_bucket(rows, chunks))
                 prefill_logits = out.chunk_logits  # row i is chunk i's (a padded step's padding after)
                 if fused:
                     decode_draw = self._draw_decode(cmd, out.row_logits, index_offsets)

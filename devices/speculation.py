@@ -71,8 +71,10 @@ class Speculator:
         self.use_override.fill_(False)
         self.pending.fill_(False)
 
-    def fill(self, cmd: StepCommand, T: int) -> None:
+    def fill(self, cmd: StepCommand) -> None:
+        """The step's rows' kept counts and host drafts (padding rows inert), in one copy."""
         n, bucket, k = len(cmd.decode_tokens), cmd.bucket, self.k
+        T = k + 1
         drafts = cmd.draft_tokens is not None
         host = torch.zeros(4 + k * (k + 1) * drafts, bucket, dtype=torch.long)  # padding rows: inert
         host[0], host[1] = 1, T
