@@ -95,7 +95,7 @@ class KernelConfig:
     fp8_quantise_tile: tuple[int, int, int] = (4, 8, 4)
 
     # Prefill attention (BLOCK_M, BLOCK_N, warps, stages): the fastest of the H200 sweep at head dim 256 (8k causal
-    # tokens, 4B heads: 1309 us against 1357 with three stages; `log/gpu-2026-12-06-s18.md`). An fp32
+    # tokens, 4B heads: 1309 us against 1357 with three stages; `log/gpu-2026-12-06-bf71da1.md`). An fp32
     # model's tiles are twice the bytes: (128, 64, 8, 3) asked for 289 KB of shared memory (an H100 has 227 KB).
     prefill_attention_tile: tuple[int, int, int, int] = (128, 64, 8, 2)
     prefill_attention_tile_fp32: tuple[int, int, int, int] = (32, 32, 4, 2)

@@ -4,7 +4,7 @@ product: on an H100 the 4B's 8k-token prefill spends 4.9 ms of its 122 ms in tha
 Triton GEMM that keeps a gate tile and its up tile in registers and stores only the product skips the pass and half
 the GEMM's writes, if it comes close enough to cuBLAS's rate on the GEMM itself. It did not (H100, S19): the best
 tile took 1.10-1.11x the engine's time (610 against cuBLAS's 704 TFLOP/s), and 125.5 against 120.05 ms in the 8k
-prefill (`docs/benchmarks/log/gpu-2026-12-07-s19.md`).
+prefill (`docs/benchmarks/log/gpu-2026-12-07-fcb3039.md`).
 
     python -m deltaserve.tools.lab.swiglu_gemm_lab [--size 4b] [--tokens 2048,8192] [--check]
 
