@@ -257,13 +257,13 @@ class Replica:
 
     @property
     def graph_shapes(self) -> list[StepShape]:
-        """The shapes captured at start-up (none without graphs): each decode bucket's one-token step, and its
-        speculative step where it may speculate; each prefill bucket; each decode bucket beside each mixed
-        prompt-token bucket."""
+        """The shapes captured at start-up (none without graphs; read once the ranks are allocated): each decode
+        bucket's one-token step, and its speculative step where it may speculate (`RankRuntime.can_speculate`); each
+        prefill bucket; each decode bucket beside each mixed prompt-token bucket."""
         if not self._graphs:
             return []
-        k, most = self.spec.args.speculative_tokens, self.spec.args.speculative_max_batch
-        speculative = [StepShape(b, k + 1) for b in self.buckets if k and (most is None or b <= most)]
+        runtime, k = self.ranks[0].runtime, self.spec.args.speculative_tokens
+        speculative = [StepShape(b, k + 1) for b in self.buckets if runtime.can_speculate(b)]
         return ([StepShape(b) for b in self.buckets] + speculative
                 + [StepShape(0, 1, t) for t in self.prefill_buckets]
                 + [StepShape(b, 1, t) for b in self.buckets for t in self.mixed_token_buckets])
