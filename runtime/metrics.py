@@ -52,6 +52,10 @@ class EngineMetrics:
         self.prompt_token_count = 0  # the two counters' values, for the engine's periodic stats line
         self.generation_token_count = 0
 
+    def reset(self) -> None:
+        """Every metric back to zero, in this object (the step loop and the server hold it): a fresh registry."""
+        self.__init__()
+
     def count_tokens(self, prompt: int, generated: int) -> None:
         self.prompt_tokens.inc(prompt)
         self.generation_tokens.inc(generated)

@@ -1,7 +1,8 @@
-"""A request's outputs: the host's record of a request (`Request`), what its stream yields (`RequestOutput`), and
-the rules that turn drawn tokens into outputs: stop ids, stop strings, min_tokens, max_tokens, incremental
-detokenising, log-probs and finish reasons. The engine routes each drawn token here and acts on the answer (frees
-the request's slot, counts it); nothing here knows about steps, devices or the scheduler."""
+"""A request's outputs: the host's one record of a request (`Request`, which the scheduler keeps too), what its
+stream yields (`RequestOutput`), and the rules that turn drawn tokens into outputs: stop ids, stop strings,
+min_tokens, max_tokens, incremental detokenising, log-probs and finish reasons. The step loop routes each drawn
+token here and acts on the answer (frees the request's slot, counts it); nothing here knows about steps or
+devices."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from deltaserve.devices.commands import RowSampling
 
 from .params import SamplingParams
+from .scheduler import SchedRequest
 from .text import IncrementalDetokenizer, StopMatcher
 
 
@@ -96,13 +98,13 @@ class OutputQueue:
         return self.items.popleft()
 
 
-@dataclass
-class Request:
-    """The host's record of one request: its prompt and parameters, the tokens drawn, its output so far (ids,
-    text pieces, log-probs) and the queue its stream reads."""
+@dataclass(kw_only=True, eq=False)
+class Request(SchedRequest):
+    """The host's one record of a request. The scheduler's part (`SchedRequest`: its phase, slots, pages, the
+    tokens counted, the prompt tokens a cached prefix spared, `cached`) and the outputs' part: its parameters, the
+    tokens drawn (`drawn`: every one, a stop token too, which the prefix cache keys), its output so far (ids,
+    text pieces, log-probs), and the queue its stream reads."""
 
-    request_id: str
-    prompt_ids: list[int]
     params: SamplingParams
     sampling: RowSampling
     stop_ids: frozenset[int]
@@ -110,20 +112,25 @@ class Request:
     stops: StopMatcher
     queue: OutputQueue = field(default_factory=OutputQueue)
     output_ids: list[int] = field(default_factory=list)
-    drawn_ids: list[int] = field(default_factory=list)  # every token drawn, a stop token too (the scheduler's)
     logprobs: list[TokenLogprob] | None = None
     text_parts: list[str] = field(default_factory=list)  # the output's text, a piece a token (joined when read)
-    finished: bool = False
-    cached_tokens: int = 0  # prompt tokens a cached prefix spared the prefill
+    finished: bool = False  # its stream has had its last output (its slot and pages go at the next plan)
     arrival: float = field(default_factory=time.perf_counter)
     prefill_start: float | None = None  # when its prompt's first chunk was handed to the devices
     last_token_time: float | None = None
+
+    @classmethod
+    def new(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, sampling: RowSampling,
+            stop_ids: frozenset[int], detok: IncrementalDetokenizer, stops: StopMatcher) -> "Request":
+        return cls(request_id, len(prompt_ids), params.max_tokens, prompt_ids=prompt_ids, drawn=[], params=params,
+                   sampling=sampling, stop_ids=stop_ids, detok=detok, stops=stops,
+                   logprobs=[] if params.logprobs is not None else None)
 
     def take(self, sampled) -> str | None:
         """Append a drawn token (and its log-prob); "stop" where it is a stop id past min_tokens: it ends the
         request, and neither it nor its text is part of the output."""
         token = sampled.token
-        self.drawn_ids.append(token)
+        self.drawn.append(token)
         self.output_ids.append(token)
         if self.logprobs is not None:
             self.logprobs.append(TokenLogprob(token, sampled.logprob, sampled.top))
@@ -161,4 +168,4 @@ class Request:
         # The lists only ever grow (a stop token is popped before its output is made), so a length snapshots them.
         return RequestOutput(self.request_id, self.prompt_ids, self.output_ids, self.text_parts, list(delta_ids),
                              delta_text, finished=reason is not None, finish_reason=reason, logprobs=self.logprobs,
-                             error=error, num_cached_tokens=self.cached_tokens)
+                             error=error, num_cached_tokens=self.cached)

@@ -47,9 +47,11 @@ class SchedRequest:
     pages: list[int] = field(default_factory=list)
     prefill_slot: int = -1  # state slot while prefilling
     decode_slot: int = -1
-    # Prefix caching (the prompt's ids are known): the keys of its full pages, how many of its pages are keyed
-    # (shared or registered), the prompt tokens it skipped, and a page boundary to snapshot at (a branch point).
+    # Prefix caching (`cacheable`: the cache is on and the prompt's ids are known): the keys of its full pages, how
+    # many of its pages are keyed (shared or registered), the prompt tokens it skipped, and a page boundary to
+    # snapshot at (a branch point).
     prompt_ids: list[int] | None = None
+    cacheable: bool = False
     keys: list[bytes] = field(default_factory=list)
     keyed_pages: int = 0
     cached: int = 0
@@ -233,20 +235,24 @@ class Scheduler:
     def add(self, request_id: str, prompt_len: int, max_tokens: int,
             prompt_ids: list[int] | None = None, drawn: list[int] | None = None, keys: list | None = None
             ) -> SchedRequest:
-        """Queue a request; with its `prompt_ids`, it may share a cached prefix and leaves its own cached, and with
-        `drawn` (the engine's list of its tokens, which the engine appends to) its answer too. `keys`: the
-        prompt's `prefix_keys`, where the caller has them (several choices of one prompt share them)."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_fits(prompt_len, max_tokens)
-        if prompt_ids is not None and len(prompt_ids) != prompt_len:
-            raise ValueError(f"prompt_ids has {len(prompt_ids)} tokens, prompt_len says {prompt_len}")
-        req = SchedRequest(request_id, prompt_len, max_tokens)
-        if prompt_ids is not None and self.cache.enabled:
-            req.prompt_ids, req.keys = prompt_ids, keys if keys is not None else self.cache.keys(prompt_ids)
-            req.drawn = drawn
-        self.requests[request_id] = req
-        self.waiting.append(request_id)
+        """Queue a new record of a request; with its `prompt_ids`, it may share a cached prefix and leaves its own
+        cached, and with `drawn` (the caller's list of its tokens, which the caller appends to) its answer too."""
+        return self.enqueue(SchedRequest(request_id, prompt_len, max_tokens, prompt_ids=prompt_ids, drawn=drawn),
+                            keys)
+
+    def enqueue(self, req: SchedRequest, keys: list | None = None) -> SchedRequest:
+        """Queue `req` (the engine's `outputs.Request` is one: the scheduler keeps the caller's record). `keys`:
+        the prompt's `prefix_keys`, where the caller has them (several choices of one prompt share them)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.check_fits(req.prompt_len, req.max_tokens)
+        if req.prompt_ids is not None and len(req.prompt_ids) != req.prompt_len:
+            raise ValueError(f"prompt_ids has {len(req.prompt_ids)} tokens, prompt_len says {req.prompt_len}")
+        req.cacheable = req.prompt_ids is not None and self.cache.enabled
+        if req.cacheable:
+            req.keys = keys if keys is not None else self.cache.keys(req.prompt_ids)
+        self.requests[req.request_id] = req
+        self.waiting.append(req.request_id)
         return req
 
     def finish(self, request_id: str) -> None:
@@ -342,7 +348,7 @@ class Scheduler:
         whose state holds the prompt and every drawn token but the last (the last step fed them; after a
         speculative step, once rolled back to the tokens it kept)."""
         fed = req.generated - 1
-        if (req.phase is not Phase.DECODE or req.drawn is None or fed < 1 or len(req.drawn) < fed
+        if (req.phase is not Phase.DECODE or not req.cacheable or req.drawn is None or fed < 1 or len(req.drawn) < fed
                 or self.cache.snapshots.capacity == 0):
             return None
         tokens = req.prompt_ids + req.drawn[:fed]
@@ -374,7 +380,7 @@ class Scheduler:
             req = self.requests[self.waiting[0]]
             if not self.free_prefill_slots or self.num_running >= self.max_batch:
                 return
-            match = self.cache.match(req.prompt_ids, req.keys) if req.prompt_ids else None
+            match = self.cache.match(req.prompt_ids, req.keys) if req.cacheable and req.prompt_ids else None
             if match is not None and self._waits_for_a_shared_prefix(req, match.position):
                 return
             shared = match.pages if match else []
@@ -412,7 +418,7 @@ class Scheduler:
         for rid in self.prefilling:
             other = self.requests[rid]
             # The same prompt (n choices share its list): resume after all of it.
-            if other.prompt_ids is req.prompt_ids or other.prompt_ids == req.prompt_ids:
+            if other.cacheable and (other.prompt_ids is req.prompt_ids or other.prompt_ids == req.prompt_ids):
                 return True
             n, limit = 0, min(usable, len(other.keys))
             while n < limit and other.keys[n] == req.keys[n]:
@@ -447,7 +453,7 @@ class Scheduler:
                 continue  # a prompt cached whole still takes its (token-free) turn
             start = req.prefilled
             end = min(req.prompt_len, start + budget)
-            if req.prompt_ids is not None:  # chunk ends where a snapshot is worth taking
+            if req.cacheable:  # chunk ends where a snapshot is worth taking
                 if start < req.branch < end:
                     end = req.branch  # exactly at the branch point
                 elif end < req.prompt_len and end // ps * ps > start:

@@ -8,7 +8,7 @@ batch grows) and the yield on the text and the head, so the engine measures them
 - a kind's time is the median of its last `WINDOW` decode-only steps on the devices' timeline: the step's device
   time plus the devices' wait for the host before it (overlap scheduling hides the host's routing, outputs and
   planning behind the step before, unless they take longer than it: many streams, or a wait for a speculative
-  step's tokens, `AsyncEngine._needs_tokens_first`). The median keeps a compile or a pause from swaying it; the
+  step's tokens, `StepLoop._needs_tokens_first`). The median keeps a compile or a pause from swaying it; the
   yield is the mean tokens a row over the last speculative steps of any bucket.
 
 The ranks keep the MTP head's KV up to date in one-token steps too, so drafts after a stretch of them are as good

@@ -536,16 +536,15 @@ def test_profile_engine_step_splits_the_step_and_restores_what_it_wraps(tiny_ckp
 
 def test_profile_mixed_step_measures_decode_only_then_prompt_steps(tiny_ckpt):
     """tools.lab.profile_mixed_step's windows on the CPU engine: the first only decode-only steps, the second only
-    steps carrying prompt chunks beside the decode rows, each timed; the engine's step hook comes back."""
+    steps carrying prompt chunks beside the decode rows, each timed; its step observer is removed after."""
     from deltaserve.tools.lab.profile_mixed_step import measure
 
     async def main():
         args = engine_args(tiny_ckpt, max_batch=6, prefill_slots=2, prefill_token_budget=64, step_latency_ratio=0,
                            max_model_len=4096)
         async with AsyncEngine(args) as engine:
-            hook = engine._observe_step
             windows = await measure(engine, rows=4, prompt=24, chunks=2, steps=6)
-            return windows, engine._observe_step == hook, await wait_free(engine)
+            return windows, engine.steps.observers == [], await wait_free(engine)
 
     (decode, mixed), restored, free = run(main())
     assert restored and free
@@ -602,7 +601,7 @@ def test_the_fake_device_server_s_engine_runs_steps_back_to_back_at_its_step_tim
             params = SamplingParams(max_tokens=20, ignore_eos=True, **GREEDY)
             started = time.perf_counter()
             outs = await asyncio.gather(*[collect(engine.generate([5 + i, 6, 7], params)) for i in range(8)])
-            return outs, time.perf_counter() - started, engine.replica.steps
+            return outs, time.perf_counter() - started, engine.steps.replica.steps
         finally:
             await engine.close()
 
@@ -622,15 +621,13 @@ def test_a_first_token_reaches_its_stream_before_the_next_hand_over_holds_the_lo
     async def main():
         engine = await fake_engine(step_ms=100.0, max_batch=2, launch_ms=launch_s * 1e3)
         try:
-            routed, apply = [], engine._apply
+            routed = []  # when the step loop had routed a step carrying a first token
 
-            def timed_apply(plan, result):
-                out = apply(plan, result)
-                if any(work.last for work in plan.prefill):
+            def timed(step):
+                if any(work.last for work in step.plan.prefill):
                     routed.append(time.perf_counter())
-                return out
 
-            engine._apply = timed_apply
+            engine.steps.observers.append(timed)
             stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True, **GREEDY))
             first = await stream.__anext__()
             received = time.perf_counter()

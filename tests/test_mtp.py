@@ -659,21 +659,23 @@ def test_adaptive_speculation_runs_both_kinds_of_step_and_changes_no_output(tiny
     assert len(times[True]) > 0 and len(times[False]) > 0
 
 
-def test_the_policy_charges_each_step_the_host_time_it_exposes(tiny_tp_ckpt, plain_greedy, monkeypatch):
+def test_the_policy_charges_each_step_the_host_time_it_exposes(tiny_tp_ckpt, plain_greedy):
     """Both kinds of step are overlapped with the host's routing and outputs, which the devices wait for where
-    they take longer than a step: each step is charged that wait. With slow outputs (0.5 s a step: more than a
-    step's time varies by on a loaded 2-core machine) and every draft kept, a speculative step's four tokens come
-    for one wait, and the policy settles on speculating."""
+    they take longer than a step: each step is charged that wait. With slow host work after each decode step
+    (0.5 s: more than a step's time varies by on a loaded 2-core machine) and every draft kept, a speculative
+    step's four tokens come for one wait, and the policy settles on speculating."""
     prompts = _prompts()
-    emit = AsyncEngine._emit
-    monkeypatch.setattr(AsyncEngine, "_emit", lambda self, outputs: (time.sleep(0.5) if outputs else None,
-                                                                 emit(self, outputs))[1])
+
+    def slow_host(step):
+        if step.plan.decode_ids:
+            time.sleep(0.5)
 
     async def main():
         args = EngineArgs(model=tiny_tp_ckpt, max_model_len=256, max_batch=4, cpu_memory_bytes=96 << 20,
                           speculative_tokens=3)
         drafter = SpeculationOverride(_continuation_drafter(plain_greedy, prompts))
         async with AsyncEngine(args, speculation_override=drafter) as engine:
+            engine.steps.observers.append(slow_host)
             await _collect(engine, prompts[5], _greedy(5))
             return engine.speculation.buckets[1]
 

@@ -513,7 +513,7 @@ def test_a_cancelled_step_loop_ends_every_request_with_an_error(tiny_ckpt, monke
             n = len(in_step)
             while len(in_step) == n:  # a step is with the ranks now
                 await asyncio.sleep(0.001)
-            engine._loop_task.cancel()
+            engine.steps.task.cancel()
             return await ends_once_dead(engine, streams)
 
     ends = run(main())

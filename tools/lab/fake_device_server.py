@@ -125,7 +125,7 @@ async def fake_engine(step_ms: float, max_batch: int, max_model_len: int = 4096,
     await engine.start()
     cost = StepCost(step_ms / 1e3, None if step_ms_full is None else step_ms_full / 1e3, max_batch,
                     prefill_us_per_token / 1e6, prefill_ms_fixed / 1e3)
-    engine.replica = FakeDevice(engine.replica, cost, launch_ms / 1e3)
+    engine.steps.replica = FakeDevice(engine.replica, cost, launch_ms / 1e3)  # where the step loop hands steps
     # What a GPU engine's warm-up teaches the step budget before the first request: each bucket's decode step and
     # prefill chunks of two sizes (without it a burst's first mixed steps would carry whole chunks).
     for bucket in engine.scheduler.buckets:

@@ -34,16 +34,14 @@ async def _window(engine, steps: int, feed=None) -> dict:
     coroutine function that keeps prompts arriving) ones carrying prompt tokens beside the decode rows."""
     kind: list[tuple[int, float]] = []  # (prompt tokens, device seconds) of the window's steps
     every = [0]  # all steps while profiling: the kernel totals cover them
-    observe = engine._observe_step
 
-    def record(plan, seconds, result=None, idle=None):
+    def record(step):
         every[0] += 1
-        tokens = sum(w.length for w in plan.prefill)
-        if plan.decode_ids and (tokens > 0) == (feed is not None):
-            kind.append((tokens, result.device_seconds if result is not None else seconds))
-        return observe(plan, seconds, result, idle)
+        tokens = sum(w.length for w in step.plan.prefill)
+        if step.plan.decode_ids and (tokens > 0) == (feed is not None):
+            kind.append((tokens, step.device_seconds))
 
-    engine._observe_step = record
+    engine.steps.observers.append(record)
     feeder = asyncio.get_running_loop().create_task(feed()) if feed else None
     cuda = torch.cuda.is_available() and engine.args.device == "cuda"
     try:
@@ -59,7 +57,7 @@ async def _window(engine, steps: int, feed=None) -> dict:
             if cuda:
                 torch.cuda.synchronize()
     finally:
-        engine._observe_step = observe
+        engine.steps.observers.remove(record)
         if feeder is not None:
             feeder.cancel()
     per_name: dict[str, float] = defaultdict(float)
