@@ -156,6 +156,19 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
             above=True),
 )}
 
+# The server's own options (`deltaserve serve`, `runtime.server.ServerOptions`): checked by the same rules.
+SERVER_OPTIONS: dict[str, Option] = {o.name: o for o in (
+    _option("port", "server", int, "TCP port", "--port", low=1, high=65535, metavar="PORT"),
+    _option("shutdown_timeout", "server", float, "seconds a SIGTERM/SIGINT gives live requests before they are "
+            "aborted", "--shutdown-timeout", low=0.0, metavar="S"),
+    _option("header_timeout_s", "server", float, "seconds a client has to send a request's headers",
+            "--header-timeout", low=0.0, above=True, metavar="S"),
+    _option("body_timeout_s", "server", float, "seconds a client has to send a request's body", "--body-timeout",
+            low=0.0, above=True, metavar="S"),
+    _option("keep_alive_timeout_s", "server", float, "seconds an idle keep-alive connection stays open",
+            "--keep-alive-timeout", low=0.0, metavar="S"),
+)}
+
 
 @dataclass(frozen=True)
 class EngineArgs:

@@ -23,7 +23,7 @@ import sys
 
 from deltaserve import __version__
 
-from deltaserve.args import GROUPS, MAX_SPECULATIVE_TOKENS, OPTIONS, EngineArgs, Option
+from deltaserve.args import GROUPS, MAX_SPECULATIVE_TOKENS, OPTIONS, SERVER_OPTIONS, EngineArgs, Option
 
 log = logging.getLogger("deltaserve")
 
@@ -33,33 +33,6 @@ EXIT_ENGINE_FAILED = 1
 
 class StartupError(Exception):
     """A start-up failure the user can fix; its message is the one line they see."""
-
-
-def _int_in(lo: int, hi: int | None = None, what: str = "an integer"):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if value < lo or (hi is not None and value > hi):
-            raise argparse.ArgumentTypeError(f"{value} is out of range [{lo}, {hi if hi is not None else 'inf'}]")
-        return value
-
-    return parse
-
-
-def _float_in(lo: float, hi: float | None = None, lo_open: bool = False):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not (value > lo if lo_open else value >= lo) or (hi is not None and value > hi) or value != value:
-            bound = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
-            raise argparse.ArgumentTypeError(f"{value} is out of range {bound}")
-        return value
-
-    return parse
 
 
 class _Parser(argparse.ArgumentParser):
@@ -131,17 +104,15 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.formatter_class = _HelpFormatter
     add_engine_flags(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    parser.add_argument("--port", type=_int_in(1, 65535, "a port number"), default=8000, help="TCP port")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $DELTASERVE_API_KEY)")
-    parser.add_argument("--shutdown-timeout", type=_float_in(0.0), default=5.0,
-                        help="seconds a SIGTERM/SIGINT gives live requests before they are aborted")
-    parser.add_argument("--header-timeout", type=_float_in(0.0, lo_open=True), default=10.0,
-                        help="seconds a client has to send a request's headers")
-    parser.add_argument("--body-timeout", type=_float_in(0.0, lo_open=True), default=30.0,
-                        help="seconds a client has to send a request's body")
-    parser.add_argument("--keep-alive-timeout", type=_float_in(0.0), default=5.0,
-                        help="seconds an idle keep-alive connection stays open")
+    from .server import ServerOptions
+
+    defaults = {"port": 8000, "shutdown_timeout": 5.0,
+                **{f.name: f.default for f in dataclasses.fields(ServerOptions) if f.name in SERVER_OPTIONS}}
+    for option in SERVER_OPTIONS.values():
+        parser.add_argument(*option.flags, dest=option.name, type=_option_type(option), metavar=option.metavar,
+                            default=defaults[option.name], help=option.help)
     parser.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="access_log",
                         action="store_false", help="no log line per request")
     parser.add_argument("--keep-running-on-engine-error", action="store_true",
@@ -219,8 +190,8 @@ def server_options(ns: argparse.Namespace):
     from .server import ServerOptions
 
     api_key = ns.api_key or os.environ.get("DELTASERVE_API_KEY") or None
-    return ServerOptions(api_key=api_key, header_timeout_s=ns.header_timeout, body_timeout_s=ns.body_timeout,
-                         keep_alive_timeout_s=ns.keep_alive_timeout, access_log=ns.access_log)
+    return ServerOptions(api_key=api_key, header_timeout_s=ns.header_timeout_s, body_timeout_s=ns.body_timeout_s,
+                         keep_alive_timeout_s=ns.keep_alive_timeout_s, access_log=ns.access_log)
 
 
 async def run_server(ns: argparse.Namespace, speculation_override=None) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from deltaserve.args import SERVER_OPTIONS
 from .engine import AsyncEngine, CapacityError, EngineDeadError, QueueFullError, RequestOutput
 from .connection import ERROR_KEY, USAGE_KEY, AccessLogger, AppRunner, access_log, check_aiohttp
 from .openai_protocol import (
@@ -49,11 +50,19 @@ _INLINE_LOGPROB_ENTRIES = 4096
 
 @dataclass
 class ServerOptions:
+    """The HTTP server's own options (the embedded `serve`'s; `deltaserve serve` makes them from its flags), each
+    checked by its row of `deltaserve.args.SERVER_OPTIONS`."""
+
     api_key: str | None = None
     header_timeout_s: float = 10.0  # from a request's first byte to the end of its headers
     body_timeout_s: float = 30.0  # reading a request's body
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     access_log: bool = True
+
+    def __post_init__(self) -> None:
+        for name, option in SERVER_OPTIONS.items():
+            if hasattr(self, name):
+                option.check(getattr(self, name))
 
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)

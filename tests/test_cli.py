@@ -92,7 +92,7 @@ def test_embedded_engine_args_default_to_auto_as_the_cli(monkeypatch):
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--port", "80000"], "80000 is out of range"), (["--port", "x"], "not a port number"),
+    (["--port", "80000"], "80000 is out of range"), (["--port", "x"], "not an integer"),
     (["--max-model-len", "1"], "out of range"), (["--gpu-memory-utilization", "1.5"], "out of range"),
     (["--tensor-parallel-size", "0"], "out of range"), (["--shutdown-timeout", "nan"], "out of range"),
     (["--no-such-flag"], "unrecognized arguments"), (["--speculative-tokens", "9"], "out of range"),

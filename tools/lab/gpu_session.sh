@@ -39,6 +39,8 @@
 # fused   #30: the decode graph then the prefill (--no-fused-mixed-steps) against a step's decode rows and prompt
 #         chunk as one graphed forward (the default): what a 256-token chunk adds beside 60 rows, then the c64 row
 #         and its step log, each way
+# eager   an eager decode step's launch time, GPU time and kernels (tools/lab/eager_host.py), on the BASELINE tree
+#         and this one (EAGER="ARGS" for others)
 # compare bench_decode on the tree in BASELINE (a `git archive` tarball; default .baseline/base.tar, carried) and
 #         on this one, in the one call, base then new: the 4B at 1, 8 and 64 rows, plain and with 4 drafts
 #         (COMPARE="ARGS;ARGS" for others, e.g. "--size 27b --batches 1,64 --fp8")
@@ -83,6 +85,16 @@ for stage in ${STAGES//,/ }; do
       timeout 200 python3 -m deltaserve.tools.lab.profile_mixed_step --size 4b --rows 60 --prompt 256 \
           > "$DIR/mixed-step.txt" 2>&1
       grep -A12 "^decode only" "$DIR/mixed-step.txt" ;;
+    eager)
+      rm -rf /tmp/base /tmp/basepkg && mkdir -p /tmp/base && tar -xf "${BASELINE:-.baseline/base.tar}" -C /tmp/base
+      python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/basepkg /tmp/base \
+          > "$DIR/base-install.log" 2>&1
+      for tree in new base; do  # an eager step's launch time, GPU time and launch count, on each tree
+        path=$([ $tree = base ] && echo /tmp/basepkg:)${PYTHONPATH:-}
+        PYTHONPATH=$path timeout 150 python3 tools/lab/eager_host.py ${EAGER:---size 27b --layers 16 --fp8} \
+            > "$DIR/eager-$tree.txt" 2>&1
+        grep "^batch" "$DIR/eager-$tree.txt" | sed "s/^/$tree /"
+      done ;;
     turn)
       for prefix in 0 7680; do
         for splits in 1 4; do  # the engine's prefill with the keys after a cached prefix shared out, and without
