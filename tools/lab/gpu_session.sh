@@ -29,7 +29,7 @@
 # prefill #30: the 4B's 8k-token prefill by kernel, with one request's host timeline
 # budget  #30: the 4B's 8k-token prompts one at a time and eight together, and the c64 row, at the server's chunk
 #         budget (--max-num-batched-tokens) of 2048 tokens (the default) and 8192 (one 8k prompt a step: 120
-#         against 126 ms in the engine on an H100, S19)
+#         against 126 ms in the engine on an H100, gpu-2026-12-07-fcb3039)
 # table   the decode and 4B serving rows of docs/performance.md's H200 table: bench_decode (4B at 1, 8, 64 rows;
 #         27B bf16 at 1; 27B FP8 at 1, 64; 9B FP8 at 1), then the c1 and c64 rows (`serve27` has the 27B ones)
 # defects the checks from outside the team: the GPU tests of what they found (the FP8 accuracy gate at the 4B, 9B

@@ -5,9 +5,10 @@ GPU and report what their machine code does.
 
 Triton compiles for a named target with the `ptxas` it ships, so this runs on the development machine. For each
 kernel and tile it prints the registers a thread uses, how many programs an SM therefore holds at once (these
-kernels are bound by the loads in flight, so this moved their times: runs P6 and Q1, docs/benchmarks/log/decode.md)
+kernels are bound by the loads in flight, so this moved their times: docs/benchmarks/log/decode.md,
+"The add-and-norm GEMV without barriers in its loop")
 and, per loop of the SASS, the global loads and the `BAR.SYNC`s in it. A barrier in a GEMV's loop made each
-iteration wait for its input's load before it asked for its weights (run P3). Pointers and the integer sizes are
+iteration wait for its input's load before it asked for its weights (the same section). Pointers and the integer sizes are
 declared 16-divisible, as the launcher specialises them at run time.
 """
 

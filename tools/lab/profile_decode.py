@@ -8,7 +8,7 @@ the torch profiler; kernels are grouped by name, with calls and GPU microseconds
 kernel times of one step, "step" the replay time from CUDA events, and their difference the time the GPU spends
 between kernels (launch latency, ramp and tail), which fusing kernels removes. With programmatic dependent launch
 on (the default on sm90), each kernel starts while the one before drains and waits for it inside: its time then
-holds that wait, and "between kernels" can turn negative (-872 us for the 4B batch-1 step in run L5, decode.md).
+holds that wait, and "between kernels" can turn negative (-872 us for the 4B batch-1 step: decode.md, "What bounds the 4B batch-1 step").
 `--pdl off` gives each kernel's own time. With `--speculative-tokens K` the replayed graph is the speculative step
 (the MTP head's K drafts, then the verify forward of K + 1 rows a request).
 """

@@ -2,7 +2,7 @@
 cuBLAS's [gate | up] GEMM (writing both halves in bf16), then `_silu_mul_kernel` reads them back and writes the
 product: on an H100 the 4B's 8k-token prefill spends 4.9 ms of its 122 ms in that pass, at the copy bandwidth. A
 Triton GEMM that keeps a gate tile and its up tile in registers and stores only the product skips the pass and half
-the GEMM's writes, if it comes close enough to cuBLAS's rate on the GEMM itself. It did not (H100, S19): the best
+the GEMM's writes, if it comes close enough to cuBLAS's rate on the GEMM itself. It did not (H100, gpu-2026-12-07-fcb3039): the best
 tile took 1.10-1.11x the engine's time (610 against cuBLAS's 704 TFLOP/s), and 125.5 against 120.05 ms in the 8k
 prefill (`docs/benchmarks/log/gpu-2026-12-07-fcb3039.md`).
 
