@@ -105,6 +105,11 @@ class KernelConfig:
     # `attention.PREFILL_SPLIT_KEYS` cached keys; 4 ran that chunk's attention 1.50x faster on an H100. 1 (off)
     # until the engine's prefill with it is measured (`profile_prefill --prefill-attention-splits 4`).
     prefill_attention_splits: int = 1
+    # The routed experts (`kernels.moe`): (BLOCK_M token-expert pairs, BLOCK_N, BLOCK_K, warps, stages) a program
+    # of the gate_up and the down kernels. BLOCK_M pads each expert's pairs; 16 is the smallest tensor-core tile,
+    # which a decode step's one or few pairs an expert fill least badly. Not yet swept on a GPU.
+    moe_tile: tuple[int, int, int, int, int] = (16, 64, 64, 4, 3)
+
     # Prefill conv (BLOCK_T tokens, BLOCK_C channels, warps) a program: the fastest of an H200 sweep over 8192 tokens
     # of 8192 channels (129 us, about half the copy bandwidth; wider or taller tiles and 8 warps were slower).
     conv1d_prefill_tile: tuple[int, int, int] = (32, 128, 4)

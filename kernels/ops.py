@@ -27,6 +27,7 @@ class ForwardOps:
     add_rms_norm: Callable  # (x, residual, weight, eps) -> (normed, new residual): the final norm
     add_rms_norm_linear: Callable  # a block's input add-and-norm and its first projection
     mlp: Callable  # the MLP block: its input add-and-norm, gate/up, silu(gate) * up, down (before the all-reduce)
+    moe: Callable  # an MoE model's MLP block: add-and-norm, router, routed and shared experts (`kernels.moe`)
     linear: Callable  # x @ weight.T
     gated_rms_norm: Callable  # the GDN output norm, times silu(z)
     conv1d_prefill: Callable
@@ -44,12 +45,13 @@ class ForwardOps:
 
 
 def reference_ops() -> ForwardOps:
-    from . import attention, conv1d, gdn, gemv, norm
+    from . import attention, conv1d, gdn, gemv, moe, norm
 
     return ForwardOps(
         add_rms_norm=norm.add_rms_norm_reference,
         add_rms_norm_linear=gemv.add_rms_norm_linear_reference,
         mlp=gemv.mlp_reference,
+        moe=moe.moe_reference,
         linear=gemv.linear_reference,
         gated_rms_norm=norm.gated_rms_norm_reference,
         conv1d_prefill=conv1d.conv1d_prefill_reference,
@@ -67,7 +69,7 @@ def reference_ops() -> ForwardOps:
 
 
 def triton_ops(config: KernelConfig = DEFAULT) -> ForwardOps:
-    from . import attention, conv1d, gdn, gemv, norm
+    from . import attention, conv1d, gdn, gemv, moe, norm
 
     def bound(module, name: str) -> Callable:
         return functools.partial(getattr(module, name), cfg=config)
@@ -76,6 +78,7 @@ def triton_ops(config: KernelConfig = DEFAULT) -> ForwardOps:
         add_rms_norm=bound(norm, "add_rms_norm"),
         add_rms_norm_linear=bound(gemv, "add_rms_norm_linear"),
         mlp=bound(gemv, "mlp"),
+        moe=bound(moe, "moe"),
         linear=bound(gemv, "linear"),
         gated_rms_norm=bound(norm, "gated_rms_norm"),
         conv1d_prefill=bound(conv1d, "conv1d_prefill"),

@@ -1,8 +1,8 @@
 """Qwen3.5 checkpoint configuration: parsing, validation and the tensor-parallel limits.
 
-Both checkpoint forms are accepted: the multimodal wrapper (`model_type: qwen3_5`, the text part under
-`text_config`) and a plain text config (`model_type: qwen3_5_text`). Every problem is reported as a
-`ValueError` naming the offending field, before any weight is read.
+Both checkpoint forms are accepted, dense and mixture-of-experts: the multimodal wrapper (`model_type: qwen3_5` or
+`qwen3_5_moe`, the text part under `text_config`) and a plain text config (`qwen3_5_text`, `qwen3_5_moe_text`). Every
+problem is reported as a `ValueError` naming the offending field, before any weight is read.
 """
 
 from __future__ import annotations
@@ -55,19 +55,31 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
     mtp_num_hidden_layers: int = 0  # layers of the multi-token-prediction head (Qwen3.5 ships one)
+    # Mixture of experts (0: a dense model, whose MLPs are `intermediate_size` wide): every layer's MLP (the MTP
+    # head's too) routes each token to `num_experts_per_tok` of `num_experts` SwiGLU experts, and adds a shared
+    # expert gated by sigmoid(shared_expert_gate(x)). An MoE config has no `intermediate_size` (0 here).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
     fp8_block: int = 0  # block-scaled FP8 weights: their block (128); 0 for an unquantised checkpoint
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def __post_init__(self) -> None:
         positive = (
-            "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+            "vocab_size hidden_size num_hidden_layers num_attention_heads num_key_value_heads "
             "head_dim linear_num_key_heads linear_num_value_heads linear_key_head_dim linear_value_head_dim "
             "linear_conv_kernel_dim max_position_embeddings"
         ).split()
+        positive += ("num_experts num_experts_per_tok moe_intermediate_size shared_expert_intermediate_size".split()
+                     if self.num_experts else ["intermediate_size"])
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"config field {name!r} must be a positive integer, got {value!r}")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                              f"({self.num_experts})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -103,6 +115,10 @@ class ModelConfig:
 
     # Derived sizes -------------------------------------------------------------------------------------------------
     @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
@@ -135,8 +151,12 @@ class ModelConfig:
             "num_key_value_heads": self.num_key_value_heads,
             "linear_num_key_heads": self.linear_num_key_heads,
             "linear_num_value_heads": self.linear_num_value_heads,
-            "intermediate_size": self.intermediate_size,
         }
+        if self.is_moe:  # each expert's intermediate dimension is sharded, as a dense MLP's
+            limits["moe_intermediate_size"] = self.moe_intermediate_size
+            limits["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        else:
+            limits["intermediate_size"] = self.intermediate_size
         for name, value in limits.items():
             if value % tp:
                 raise ConfigError(f"tp={tp} does not divide {name}={value}; choose a tp that divides it")
@@ -148,18 +168,27 @@ class ModelConfig:
             raise ConfigError("config.json must hold a JSON object")
         model_type = raw.get("model_type")
         tie = raw.get("tie_word_embeddings")
-        if model_type == "qwen3_5":
+        if model_type in _WRAPPERS:
             text = raw.get("text_config")
             if not isinstance(text, dict):
-                raise ConfigError("config field 'text_config' is missing or not an object (model_type qwen3_5)")
-            if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
-                raise ConfigError(f"text_config.model_type is {text.get('model_type')!r}; expected 'qwen3_5_text'")
+                raise ConfigError(f"config field 'text_config' is missing or not an object (model_type {model_type})")
+            want = _WRAPPERS[model_type]
+            if text.get("model_type", want) != want:
+                raise ConfigError(f"text_config.model_type is {text.get('model_type')!r}; expected {want!r}")
             # The wrapper's own flag wins for tying; the text part may repeat it.
             tie = text.get("tie_word_embeddings", tie) if tie is None else tie
-        elif model_type == "qwen3_5_text":
+            moe = model_type == "qwen3_5_moe"
+        elif model_type in _WRAPPERS.values():
             text = raw
+            moe = model_type == "qwen3_5_moe_text"
         else:
-            raise ConfigError(f"unsupported model_type {model_type!r}; expected 'qwen3_5' or 'qwen3_5_text'")
+            raise ConfigError(f"unsupported model_type {model_type!r}; expected one of "
+                              f"{', '.join(repr(t) for pair in _WRAPPERS.items() for t in pair)}")
+        if moe:
+            for name in ("mlp_only_layers", "decoder_sparse_step"):  # Qwen3-MoE's dense layers: not in Qwen3.5's
+                if text.get(name) not in (None, [], 1):
+                    raise ConfigError(f"config field {name!r} ({text[name]!r}) is not supported: every Qwen3.5 MoE "
+                                      "layer is sparse")
 
         fp8_block = _fp8_block(raw, text)
 
@@ -200,7 +229,7 @@ class ModelConfig:
         return cls(
             vocab_size=need("vocab_size"),
             hidden_size=need("hidden_size"),
-            intermediate_size=need("intermediate_size"),
+            intermediate_size=0 if moe else need("intermediate_size"),
             num_hidden_layers=num_layers,
             num_attention_heads=need("num_attention_heads"),
             num_key_value_heads=need("num_key_value_heads"),
@@ -218,10 +247,15 @@ class ModelConfig:
             tie_word_embeddings=bool(tie),
             hidden_act=text.get("hidden_act", "silu"),
             mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
+            **({name: need(name) for name in _MOE_FIELDS} if moe else {}),
             fp8_block=fp8_block,
             generation=generation,
         )
 
+
+# The multimodal wrappers' model types, each with its text part's.
+_WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 FP8_BLOCK = 128  # the block-scaled FP8 format's block, both dimensions
 

@@ -69,6 +69,8 @@ class Qwen35Shard:
                                            "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"),
         "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
         "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+        "mlp.shared_expert.gate_up_proj.weight": ("mlp.shared_expert.gate_proj.weight",
+                                                  "mlp.shared_expert.up_proj.weight"),
     }
 
     def _fuse_projections(self) -> None:
@@ -105,7 +107,7 @@ class Qwen35Shard:
     # rounds the normalised activation.
     _BLOCK_NORMS = {
         "input_layernorm.weight": ("linear_attn.in_proj_all.weight", "self_attn.qkv_proj.weight"),
-        "post_attention_layernorm.weight": ("mlp.gate_up_proj.weight",),
+        "post_attention_layernorm.weight": ("mlp.gate_up_proj.weight",),  # an MoE block's norm stays apart
     }
 
     def _fold_block_norms(self) -> None:
@@ -115,9 +117,10 @@ class Qwen35Shard:
         w = self.w
         for p in self.layer_prefixes:
             for norm, readers in self._BLOCK_NORMS.items():
-                (reader,) = [p + r for r in readers if p + r in w]
-                if isinstance(w[reader], Fp8Weight):
+                found = [p + r for r in readers if p + r in w]
+                if not found or isinstance(w[found[0]], Fp8Weight):
                     continue
+                reader = found[0]
                 scale = 1.0 + w.pop(p + norm).float()
                 for rows in w[reader].split(4096):  # the fused weight is this shard's own copy; bounds the fp32 one
                     rows.copy_(rows.float() * scale)
@@ -138,6 +141,13 @@ class Qwen35Shard:
     # projection, so the ops can fuse the two; its weight is in the projection (norm weight None).
     def _mlp(self, x: torch.Tensor, residual: torch.Tensor, p: str):
         w, ops = self.w, self.ops
+        if self.cfg.is_moe:
+            m = p + "mlp."
+            out, residual = ops.moe(x, residual, w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps,
+                                    w[m + "gate.weight"], self.cfg.num_experts_per_tok, w[m + "experts.gate_up_proj"],
+                                    w[m + "experts.down_proj"], w[m + "shared_expert.gate_up_proj.weight"],
+                                    w[m + "shared_expert.down_proj.weight"], w[m + "shared_expert_gate.weight"])
+            return self.all_reduce(out), residual
         gate_up = w[p + "mlp.gate_up_proj.weight"]
         norm = w.get(p + "post_attention_layernorm.weight")  # None: folded into gate_up
         out, residual = ops.mlp(x, residual, norm, self.cfg.rms_norm_eps, gate_up, w[p + "mlp.down_proj.weight"])

@@ -14,6 +14,7 @@ from .config import ModelConfig
 
 # "layers.<i>.<module path>.<leaf>" (or the MTP head's "mtp.layers.<i>. ..."): the module path decides the plan.
 _LAYER_TENSOR = re.compile(r"^(?:mtp\.)?layers\.\d+\.(.+)\.[^.]+$")
+_EXPERT = re.compile(r"^mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class LocalSizes:
     gdn_value_heads: int
     intermediate: int
     gdn_conv_dim: int
+    moe_intermediate: int = 0  # each routed expert's
+    shared_intermediate: int = 0  # the shared expert's
 
     @classmethod
     def of(cls, cfg: ModelConfig, tp: int) -> "LocalSizes":
@@ -53,6 +56,8 @@ class LocalSizes:
             gdn_value_heads=hv,
             intermediate=cfg.intermediate_size // tp,
             gdn_conv_dim=2 * hk * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim,
+            moe_intermediate=cfg.moe_intermediate_size // tp,
+            shared_intermediate=cfg.shared_expert_intermediate_size // tp,
         )
 
 
@@ -94,4 +99,22 @@ def shard_plan(name: str, cfg: ModelConfig, rank: int, tp: int) -> ShardPlan | N
         return ShardPlan(0, (_part(cfg.intermediate_size, rank, tp),))
     if module == "mlp.down_proj":
         return ShardPlan(1, (_part(cfg.intermediate_size, rank, tp),))
-    return None  # norms, embedding, lm_head, q_norm/k_norm, the GDN norm, the MTP head's fc: replicated
+    # Mixture of experts: each expert's intermediate dimension, as a dense MLP's. The experts' 3-D tensors are
+    # [E, 2I, H] (each expert's gate rows, then its up rows) and [E, H, I].
+    if _EXPERT.match(module):  # one expert's projection, as stored in the published checkpoints
+        I = cfg.moe_intermediate_size
+        return ShardPlan(1, (_part(I, rank, tp),)) if module.endswith("down_proj") else \
+            ShardPlan(0, (_part(I, rank, tp),))
+    if module in ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"):
+        return ShardPlan(0, (_part(cfg.shared_expert_intermediate_size, rank, tp),))
+    if module == "mlp.shared_expert.down_proj":
+        return ShardPlan(1, (_part(cfg.shared_expert_intermediate_size, rank, tp),))
+    if name.endswith("mlp.experts.gate_up_proj"):
+        I = cfg.moe_intermediate_size
+        gate = _part(I, rank, tp)
+        return ShardPlan(1, (gate, (I + gate[0], I + gate[1])))
+    if name.endswith("mlp.experts.down_proj"):
+        return ShardPlan(2, (_part(cfg.moe_intermediate_size, rank, tp),))
+    # norms, embedding, lm_head, q_norm/k_norm, the GDN norm, the MTP head's fc, the router (mlp.gate) and the
+    # shared expert's gate: replicated
+    return None

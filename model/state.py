@@ -175,8 +175,10 @@ class ModelState:
 
 
 def _widest_projection(cfg: ModelConfig, local: LocalSizes) -> int:
-    """Widest per-rank activation row: the GDN conv channels, the attention q+gate, or the MLP gate+up."""
-    return max(local.gdn_conv_dim, 2 * local.num_heads * cfg.head_dim, 2 * local.intermediate)
+    """Widest per-rank activation row: the GDN conv channels, the attention q+gate, or the MLP gate+up (an MoE
+    token's: its k experts', or the shared expert's)."""
+    mlp = max(local.intermediate, cfg.num_experts_per_tok * local.moe_intermediate, local.shared_intermediate)
+    return max(local.gdn_conv_dim, 2 * local.num_heads * cfg.head_dim, 2 * mlp)
 
 
 def decode_activation_bytes(cfg: ModelConfig, local: LocalSizes, dtype: torch.dtype, bucket: int) -> int:

@@ -55,6 +55,24 @@ SIZES: dict[str, dict] = {
     "27b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
                 intermediate_size=17408, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
                 linear_value_head_dim=128, tie_word_embeddings=False, vocab_size=248320),
+    # Mixture of experts (`model_type` qwen3_5_moe): every layer's MLP routed. The tiny one's experts, heads and
+    # widths all shard at tp = 2 and 4, and its top 3 of 8 leaves experts unchosen in a short prompt.
+    "tiny-moe": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                     linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
+                     num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=48, tie_word_embeddings=False),
+    "35b-a3b": dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                    linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                    shared_expert_intermediate_size=512, tie_word_embeddings=False, vocab_size=248320),
+    "122b-a10b": dict(hidden_size=3072, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=2,
+                      head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+                      linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=1024,
+                      shared_expert_intermediate_size=1024, tie_word_embeddings=False, vocab_size=248320),
+    "397b-a17b": dict(hidden_size=4096, num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=2,
+                      head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+                      linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=1024,
+                      shared_expert_intermediate_size=1024, tie_word_embeddings=False, vocab_size=248320),
 }
 
 CHAT_TEMPLATE = """{%- for message in messages -%}
@@ -106,7 +124,7 @@ def text_config(size: str, vocab_size: int, layers: int | None = None, tied: boo
         geometry["tie_word_embeddings"] = tied
     n = geometry["num_hidden_layers"]
     return {
-        "model_type": "qwen3_5_text",
+        "model_type": "qwen3_5_moe_text" if "num_experts" in geometry else "qwen3_5_text",
         **geometry,
         "mtp_num_hidden_layers": 1,
         "hidden_act": "silu",
@@ -150,10 +168,15 @@ def write_checkpoint(
     mtp: bool = True,
     fp8: bool = False,
     thinking: bool = True,
+    experts: str = "split",
 ) -> str:
     """A random checkpoint in `out_dir` (see the module doc); mtp: with the multi-token-prediction head's tensors
     (`mtp.*`, as Qwen3.5 checkpoints ship them); fp8: in Qwen's block-scaled FP8 format (`FP8_PROJECTIONS`);
-    thinking: whether its chat template opens a <think> block unless `enable_thinking` is false."""
+    thinking: whether its chat template opens a <think> block unless `enable_thinking` is false; experts (MoE
+    sizes): "split", a tensor per expert and projection as the published checkpoints store them, or "fused", the
+    two 3-D tensors a layer that transformers' modules hold."""
+    if experts not in ("split", "fused"):
+        raise ValueError(f"experts must be 'split' or 'fused', got {experts!r}")
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     if layout not in ("wrapper", "plain"):
@@ -168,21 +191,23 @@ def write_checkpoint(
     if fp8:
         text["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
-                                       "modules_to_not_convert": ["lm_head", "embed_tokens", "in_proj_a", "in_proj_b",
+                                       "modules_to_not_convert": ["lm_head", "embed_tokens", "in_proj_a", "in_proj_b", "mlp.gate",
+                                                                  "shared_expert_gate",
                                                                   "conv1d", "mtp.fc"]}
+    moe = "_moe" if "num_experts" in text else ""
     if layout == "wrapper":
         config = {
-            "architectures": ["Qwen3_5ForConditionalGeneration"],
-            "model_type": "qwen3_5",
+            "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+            "model_type": f"qwen3_5{moe}",
             "text_config": text,
-            "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 8},
+            "vision_config": {"model_type": f"qwen3_5{moe}_vision", "depth": 1, "hidden_size": 8},
             "tie_word_embeddings": text["tie_word_embeddings"],
         }
         if fp8:  # the published checkpoints keep it at the top level
             config["quantization_config"] = text.pop("quantization_config")
         prefix = "model.language_model."
     else:
-        config = {"architectures": ["Qwen3_5ForCausalLM"], **text}
+        config = {"architectures": ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"], **text}
         prefix = "model."
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -206,15 +231,28 @@ def write_checkpoint(
     tensors = {}
     for name, t in random_tensors(text, seed, torch_dtype, mtp):
         stored = name if name == "lm_head.weight" or name.startswith(MTP_PREFIX) else prefix + name
-        if fp8 and name.endswith(FP8_PROJECTIONS) and not name.startswith(MTP_PREFIX + "fc"):
-            tensors[stored], tensors[stored + "_scale_inv"] = quantise_fp8(t, FP8_BLOCK)
-        else:
-            tensors[stored] = t
+        for stored, t in _as_stored(stored, t, experts):
+            if fp8 and stored.endswith(FP8_PROJECTIONS) and not name.startswith(MTP_PREFIX + "fc"):
+                tensors[stored], tensors[stored + "_scale_inv"] = quantise_fp8(t, FP8_BLOCK)
+            else:
+                tensors[stored] = t
     if layout == "wrapper":  # a tower the text runtime must skip
         tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(8, 3, dtype=torch_dtype)
     _save(tensors, out_dir, sharded)
     log.info("wrote a random %s checkpoint (%s, %s layout) to %s", size, dtype, layout, out_dir)
     return out_dir
+
+
+def _as_stored(name: str, tensor: torch.Tensor, experts: str):
+    """(stored name, tensor) pairs of a canonical tensor: an MoE layer's 3-D expert tensors, in the "split" layout,
+    as a tensor per expert and projection."""
+    if experts == "fused" or not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        return [(name, tensor)]
+    base, kind = name.rsplit(".", 1)
+    if kind == "down_proj":
+        return [(f"{base}.{e}.down_proj.weight", t.contiguous()) for e, t in enumerate(tensor)]
+    return [(f"{base}.{e}.{proj}.weight", half.contiguous()) for e, t in enumerate(tensor)
+            for proj, half in zip(("gate_proj", "up_proj"), t.chunk(2))]
 
 
 def _save(tensors: dict[str, torch.Tensor], out_dir: str, shards: int) -> None:

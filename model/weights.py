@@ -51,10 +51,18 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _decoder_layer_shapes(cfg: ModelConfig, p: str, kind: str) -> dict[str, tuple[int, ...]]:
     """One decoder layer's tensors under prefix p ("layers.i." or "mtp.layers.i.")."""
     H, D = cfg.hidden_size, cfg.head_dim
-    shapes = {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-              p + "mlp.gate_proj.weight": (cfg.intermediate_size, H),
-              p + "mlp.up_proj.weight": (cfg.intermediate_size, H),
-              p + "mlp.down_proj.weight": (H, cfg.intermediate_size)}
+    shapes = {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)}
+    m = p + "mlp."
+    if cfg.is_moe:
+        E, I, S = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        shapes.update({m + "gate.weight": (E, H), m + "experts.gate_up_proj": (E, 2 * I, H),
+                       m + "experts.down_proj": (E, H, I), m + "shared_expert.gate_proj.weight": (S, H),
+                       m + "shared_expert.up_proj.weight": (S, H), m + "shared_expert.down_proj.weight": (H, S),
+                       m + "shared_expert_gate.weight": (1, H)})
+    else:
+        shapes.update({m + "gate_proj.weight": (cfg.intermediate_size, H),
+                       m + "up_proj.weight": (cfg.intermediate_size, H),
+                       m + "down_proj.weight": (H, cfg.intermediate_size)})
     if kind == "full_attention":
         a = p + "self_attn."
         shapes[a + "q_proj.weight"] = (cfg.num_attention_heads * D * 2, H)
@@ -164,18 +172,25 @@ def iter_rank_tensors(
 ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
     """Yield (canonical name, this rank's slice on the CPU) for every tensor the model needs (with mtp, the
     multi-token-prediction head's too), checked first. Block-scaled FP8 tensors come dequantised to float32, or
-    with keep_fp8 as `Fp8Weight` (values and scales, both sharded)."""
+    with keep_fp8 as `Fp8Weight` (values and scales, both sharded); FP8 experts come dequantised."""
     shapes = model_shapes(cfg, mtp)
     located = _locate(checkpoint_files(checkpoint_dir))
-    if mtp and any(n.startswith(MTP_PREFIX) and n not in located for n in shapes):
-        missing = next(n for n in shapes if n.startswith(MTP_PREFIX) and n not in located)
+    # An MoE layer's experts are read as two 3-D tensors; the published checkpoints store one tensor per expert
+    # and projection (`mlp.experts.{e}.gate_proj.weight`, ...), which are stacked as read.
+    split = {name: _expert_parts(name, cfg) for name in shapes if name.endswith(_EXPERT_TENSORS)
+             and name not in located and f"{name.rsplit('.', 1)[0]}.0.down_proj.weight" in located}
+    stored_shapes = {n: shape for n, shape in shapes.items() if n not in split}
+    for name, parts in split.items():
+        stored_shapes.update({part: shape for row in parts for part, shape in row})
+    if mtp and any(n.startswith(MTP_PREFIX) and n not in located for n in stored_shapes):
+        missing = next(n for n in stored_shapes if n.startswith(MTP_PREFIX) and n not in located)
         raise WeightError(f"checkpoint {checkpoint_dir} has no complete MTP head (tensor {missing!r} is missing), "
                           "which speculative decoding needs; serve it with --speculative-tokens 0")
-    missing = [n for n in shapes if n not in located]
+    missing = [n for n in stored_shapes if n not in located]
     if missing:
         raise WeightError(f"checkpoint {checkpoint_dir} is missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-    scales = {_scale_name(n) for n in shapes}
-    unknown = sorted(n for n in located if n not in shapes and n not in scales and n != "lm_head.weight"
+    scales = {_scale_name(n) for n in stored_shapes}
+    unknown = sorted(n for n in located if n not in stored_shapes and n not in scales and n != "lm_head.weight"
                      and not n.startswith(MTP_PREFIX))
     if unknown:
         log.warning("ignoring %d tensors the config does not use, e.g. %s", len(unknown), unknown[0])
@@ -185,7 +200,7 @@ def iter_rank_tensors(
     handles: dict[str, object] = {}
     sizes = {}
     fp8: set[str] = set()  # stored as block-scaled FP8: dequantised as read
-    for name in shapes:
+    for name, want in stored_shapes.items():
         path, stored = located[name]
         if path not in handles:
             handles[path] = safe_open(path, framework="pt")
@@ -196,8 +211,8 @@ def iter_rank_tensors(
             raise WeightError(f"tensor {name!r} is stored as {view.get_dtype()}: quantised or integer weights are not "
                               "supported (bfloat16, float16 or float32, or block-scaled FP8)")
         shape = tuple(view.get_shape())
-        if shape != shapes[name]:
-            raise WeightError(f"tensor {name!r} has shape {list(shape)}; the config implies {list(shapes[name])}")
+        if shape != want:
+            raise WeightError(f"tensor {name!r} has shape {list(shape)}; the config implies {list(want)}")
         plan = shard_plan(name, cfg, rank, tp)
         numel = 1
         for d in shape:
@@ -207,26 +222,47 @@ def iter_rank_tensors(
             _check_fp8(name, shape, cfg, located, handles, plan, tp)
 
     if fp8 and rank == 0:
-        log.info("%d of %d tensors are block-scaled FP8 (%.2f GB): %s", len(fp8), len(shapes),
+        log.info("%d of %d tensors are block-scaled FP8 (%.2f GB): %s", len(fp8), len(stored_shapes),
                  sum(sizes[n] for n in fp8) * tp / 1e9,
-                 "kept in FP8 for the FP8 kernels" if keep_fp8 else "dequantised to the model dtype as they are read")
+                 "kept in FP8 for the FP8 kernels (the experts dequantised)" if keep_fp8 else
+                 "dequantised to the model dtype as they are read")
     bar = show_progress(total=sum(sizes.values()), unit="B", unit_scale=True,
                         desc=f"loading weights (rank {rank}/{tp})", disable=not progress)
+
+    def read(name: str, keep: bool):
+        path, stored = located[name]
+        plan = shard_plan(name, cfg, rank, tp)
+        tensor = _read(handles[path], stored, plan)
+        if name in fp8:
+            scale_path, scale_stored = located[_scale_name(name)]
+            scale = _read(handles[scale_path], scale_stored, _scale_plan(plan, cfg.fp8_block))
+            tensor = Fp8Weight(tensor, scale.float(), cfg.fp8_block) if keep else \
+                dequantise_fp8(tensor, scale, cfg.fp8_block)
+        bar.update(sizes[name])
+        return tensor
+
     try:
         for name in shapes:
-            path, stored = located[name]
-            plan = shard_plan(name, cfg, rank, tp)
-            tensor = _read(handles[path], stored, plan)
-            if name in fp8:
-                scale_path, scale_stored = located[_scale_name(name)]
-                scale = _read(handles[scale_path], scale_stored, _scale_plan(plan, cfg.fp8_block))
-                tensor = Fp8Weight(tensor, scale.float(), cfg.fp8_block) if keep_fp8 else \
-                    dequantise_fp8(tensor, scale, cfg.fp8_block)
-            bar.update(sizes[name])
-            yield name, tensor
+            if name in split:  # each expert's projections (gate and up joined), stacked
+                yield name, torch.stack([torch.cat([read(part, False) for part, _ in row]) for row in split[name]])
+            else:
+                yield name, read(name, keep_fp8)
     finally:
         bar.close()
         handles.clear()
+
+
+# The experts of an MoE layer, as the model holds them: [E, 2I, H] (each expert's gate rows, then its up rows) and
+# [E, H, I].
+_EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _expert_parts(name: str, cfg: ModelConfig) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """The per-expert tensors one of `_EXPERT_TENSORS` is stacked from, an expert a row, with their shapes."""
+    base, kind = name.rsplit(".", 1)
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    projections = [("gate_proj", (I, H)), ("up_proj", (I, H))] if kind == "gate_up_proj" else [("down_proj", (H, I))]
+    return [[(f"{base}.{e}.{proj}.weight", shape) for proj, shape in projections] for e in range(cfg.num_experts)]
 
 
 _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
@@ -392,6 +428,10 @@ def random_tensor(name: str, shape: tuple[int, ...], num_layers: int, generator:
         return normal(0.3)
     if name in ("embed_tokens.weight", "lm_head.weight"):
         return normal()
+    if name.endswith("experts.down_proj"):  # [E, H, I]
+        return normal(1.0 / math.sqrt(2 * num_layers) / math.sqrt(shape[2]))
+    if name.endswith("experts.gate_up_proj"):  # [E, 2I, H]
+        return normal(1.0 / math.sqrt(shape[2]))
     if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
         return normal(1.0 / math.sqrt(2 * num_layers) / math.sqrt(shape[1]))
     return normal(1.0 / math.sqrt(shape[1]))

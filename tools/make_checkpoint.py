@@ -1,13 +1,14 @@
 """Write a random Qwen3.5 checkpoint in the real Hugging Face layout, with a small trained tokenizer
 (deltaserve.model.synthetic).
 
-    python -m deltaserve.tools.make_checkpoint OUT_DIR [--size tiny|tiny-tp|0.8b|4b|9b|27b] [--layers N]
-        [--dtype float32|bfloat16] [--sharded N] [--layout wrapper|plain] [--tied|--untied] [--seed S]
-        [--config-only] [--no-mtp] [--fp8]
+    python -m deltaserve.tools.make_checkpoint OUT_DIR [--size tiny|0.8b|4b|9b|27b|tiny-moe|35b-a3b|122b-a10b|
+        397b-a17b|...] [--layers N] [--dtype float32|bfloat16] [--sharded N] [--layout wrapper|plain]
+        [--tied|--untied] [--seed S] [--config-only] [--no-mtp] [--fp8] [--experts split|fused]
 
 The checkpoint holds the multi-token-prediction head (`mtp.*`, random like the rest) unless --no-mtp. --fp8 stores
 the projections in Qwen's block-scaled FP8 format (float8_e4m3fn values, a float32 weight_scale_inv per 128 x 128
-block, quantization_config quant_method "fp8").
+block, quantization_config quant_method "fp8"). The MoE sizes store a tensor per expert and projection, as the
+published checkpoints do, or with --experts fused each layer's experts as two 3-D tensors (as some converters do).
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=True,
                         help="write the multi-token-prediction head's tensors (mtp.*), as Qwen3.5 checkpoints ship it")
     parser.add_argument("--fp8", action="store_true", help="projections in the block-scaled FP8 format")
+    parser.add_argument("--experts", default="split", choices=["split", "fused"],
+                        help="MoE sizes: a tensor per expert and projection, or each layer's experts as 3-D tensors")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     write_checkpoint(args.out_dir, args.size, layers=args.layers, dtype=args.dtype, sharded=args.sharded,
                      layout=args.layout, tied=args.tied, seed=args.seed, weights=not args.config_only,
-                     mtp=args.mtp, fp8=args.fp8)
+                     mtp=args.mtp, fp8=args.fp8, experts=args.experts)
 
 
 if __name__ == "__main__":

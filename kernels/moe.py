@@ -1,0 +1,180 @@
+"""The mixture-of-experts block of Qwen3.5 MoE (35B-A3B, 122B-A10B, 397B-A17B): the router, the routed experts and
+the gated shared expert, as torch references (the semantics of transformers' `qwen3_5_moe`).
+
+Layouts, one rank's: the router `gate` [E, H] and the shared expert's gate [1, H] whole; the experts as two 3-D
+tensors, `gate_up` [E, 2I, H] (each expert's gate rows, then its up rows) and `down` [E, H, I], I the rank's share
+of each expert's intermediate width; the shared expert's fused [gate | up] [2S, H] and down [H, S]. Under tensor
+parallelism the block's output is a partial sum, reduced once after it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import DEFAULT, KernelConfig
+from .gemv import linear, linear_reference
+from .launch import _dot_bf16
+from .norm import add_rms_norm, add_rms_norm_reference, silu_mul, silu_mul_reference
+from .triton_or_absent import tl, triton
+
+
+def route_reference(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and their weights: the router's logits (in the model dtype), a softmax in fp32 over all
+    experts, the top k (ties as `torch.topk` breaks them), renormalised to sum 1, cast to the model dtype.
+    Returns (weights [T, k], expert ids [T, k] long)."""
+    probs = torch.softmax(linear_reference(x, router).float(), dim=-1)
+    top, ids = torch.topk(probs, top_k, dim=-1)
+    return (top / top.sum(dim=-1, keepdim=True)).to(x.dtype), ids
+
+
+def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j], summed in the model dtype expert by
+    expert as the reference does. Each expert the tokens chose is found on the host: not for CUDA graphs."""
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        act = silu_mul_reference(linear_reference(x[token], gate_up[e]))
+        out.index_add_(0, token, linear_reference(act, down[e]) * weights[token, slot, None])
+    return out
+
+
+def moe_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, router: torch.Tensor,
+    top_k: int, gate_up: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor,
+    shared_gate: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE block: its input add-and-norm, the routed experts, plus the shared expert scaled by
+    sigmoid(shared_gate(x)) (before a row-parallel all-reduce). Returns (output, new residual)."""
+    normed, residual = add_rms_norm_reference(x, residual, norm_weight, eps)
+    weights, ids = route_reference(normed, router, top_k)
+    routed = experts_reference(normed, weights, ids, gate_up, down)
+    shared = linear_reference(silu_mul_reference(linear_reference(normed, shared_gate_up)), shared_down)
+    return routed + F.sigmoid(linear_reference(normed, shared_gate)) * shared, residual
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Triton: the routed experts as two grouped GEMMs over the token-expert pairs grouped by expert on the device (no
+# host sync, shapes fixed by the token count: a CUDA graph holds them). Each expert's pairs are padded to a multiple
+# of BLOCK_M, so a program's rows all read one expert's weights, which each program of that expert reads once; a
+# decode step's programs read only the experts its tokens chose. The gate_up kernel applies silu(gate) * up in its
+# epilogue; the down kernel scales each pair by its routing weight; the k pairs of a token are summed in fp32.
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs (token t's j-th choice is pair t * k + j) in expert order, each expert's padded to a multiple of
+    block_m: (pair of each padded row, -1 for padding [blocks * block_m]; expert of each block, num_experts for a
+    block past the last [blocks]). `blocks` is the most the pairs can fill, whatever the routing."""
+    flat = ids.flatten()
+    pairs, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    blocks = -(-pairs // block_m) + min(num_experts, pairs)
+    block_expert = torch.searchsorted(ends, torch.arange(blocks, device=device) * block_m, right=True)
+    order = torch.sort(flat, stable=True).indices
+    expert = flat[order]
+    rank = torch.arange(pairs, device=device) - (torch.cumsum(counts, 0) - counts)[expert]
+    row_pair = torch.full((blocks * block_m,), -1, dtype=torch.long, device=device)
+    row_pair[(ends - padded)[expert] + rank] = order
+    return row_pair, block_expert.to(torch.int32)
+
+
+@triton.jit
+def _dot(a, b, acc, BF16: tl.constexpr):
+    if BF16:
+        return _dot_bf16(a, b, acc)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w_ptr, row_pair_ptr, block_expert_ptr, act_ptr, H, I, E, TOP_K: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr):
+    block, tile = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert_ptr + block).to(tl.int64)
+    if e >= E:
+        return
+    pair = tl.load(row_pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair >= 0
+    token = tl.where(valid, pair // TOP_K, 0)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    w = w_ptr + e * 2 * I * H
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + k
+        a = tl.load(x_ptr + token[:, None] * H + kk[None, :], mask=valid[:, None] & (kk[None, :] < H), other=0.0)
+        wmask = (kk[:, None] < H) & (n[None, :] < I)
+        wg = tl.load(w + n[None, :] * H + kk[:, None], mask=wmask, other=0.0)
+        wu = tl.load(w + (I + n[None, :]) * H + kk[:, None], mask=wmask, other=0.0)
+        gate = _dot(a, wg, gate, BF16)
+        up = _dot(a, wu, up, BF16)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + pair[:, None] * I + n[None, :], act.to(act_ptr.dtype.element_ty),
+             mask=valid[:, None] & (n[None, :] < I))
+
+
+@triton.jit
+def _moe_down_kernel(act_ptr, w_ptr, weight_ptr, row_pair_ptr, block_expert_ptr, out_ptr, H, I, E,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr):
+    block, tile = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert_ptr + block).to(tl.int64)
+    if e >= E:
+        return
+    pair = tl.load(row_pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair >= 0
+    safe = tl.where(valid, pair, 0)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    w = w_ptr + e * H * I
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + k
+        a = tl.load(act_ptr + safe[:, None] * I + kk[None, :], mask=valid[:, None] & (kk[None, :] < I), other=0.0)
+        wd = tl.load(w + n[None, :] * I + kk[:, None], mask=(kk[:, None] < I) & (n[None, :] < H), other=0.0)
+        acc = _dot(a, wd, acc, BF16)
+    acc *= tl.load(weight_ptr + safe, mask=valid, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + safe[:, None] * H + n[None, :], acc, mask=valid[:, None] & (n[None, :] < H))
+
+
+def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+            cfg: KernelConfig = DEFAULT) -> torch.Tensor:
+    """`experts_reference` on the device, graph-safe: each chosen expert's weights read once a step."""
+    (T, top_k), (E, two_i, H) = ids.shape, gate_up.shape
+    inner = two_i // 2
+    block_m, block_n, block_k, warps, stages = cfg.moe_tile
+    row_pair, block_expert = group_by_expert(ids, E, block_m)
+    blocks = block_expert.numel()
+    act = torch.empty(T * top_k, inner, dtype=x.dtype, device=x.device)
+    bf16 = x.dtype == torch.bfloat16
+    _moe_gate_up_kernel[(blocks, triton.cdiv(inner, block_n))](
+        x.contiguous(), gate_up, row_pair, block_expert, act, H, inner, E, TOP_K=top_k, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, BF16=bf16, num_warps=warps, num_stages=stages)
+    pairs = torch.empty(T * top_k, H, dtype=torch.float32, device=x.device)
+    _moe_down_kernel[(blocks, triton.cdiv(H, block_n))](
+        act, down, weights.contiguous(), row_pair, block_expert, pairs, H, inner, E, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, BF16=bf16, num_warps=warps, num_stages=stages)
+    return pairs.view(T, top_k, H).sum(1).to(x.dtype)
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, cfg: KernelConfig = DEFAULT):
+    """`route_reference` with the router's projection on our kernels (torch's softmax and top-k: graph-safe)."""
+    probs = torch.softmax(linear(x, router, cfg).float(), dim=-1)
+    top, ids = torch.topk(probs, top_k, dim=-1)
+    return (top / top.sum(dim=-1, keepdim=True)).to(x.dtype), ids
+
+
+def moe(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, router: torch.Tensor,
+    top_k: int, gate_up: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor,
+    shared_gate: torch.Tensor, cfg: KernelConfig = DEFAULT,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_reference` on our kernels."""
+    normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)
+    weights, ids = route(normed, router, top_k, cfg)
+    routed = experts(normed, weights, ids, gate_up, down, cfg)
+    shared = linear(silu_mul(linear(normed, shared_gate_up, cfg), cfg), shared_down, cfg)
+    return routed + torch.sigmoid(linear(normed, shared_gate, cfg)) * shared, residual
