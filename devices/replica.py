@@ -22,7 +22,7 @@ from deltaserve.model.config import ModelConfig
 from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.sharding import LocalSizes
 from deltaserve.model.state import ModelState, StateSizes, decode_activation_bytes, prefill_activation_bytes
-from deltaserve.model.weights import bytes_by_dtype, load_rank_weights, random_rank_weights
+from deltaserve.model.weights import bytes_by_dtype, bytes_by_kind, load_rank_weights, random_rank_weights
 
 from .backend import StepShape, device_backend
 from .capacity import (PREFILL_SCRATCH_SHARE, PREFILL_TOKEN_BUDGET, CapacityPlan, default_prefill_token_budget,
@@ -298,10 +298,11 @@ class Replica:
                 weights = load_rank_weights(spec.args.model, spec.cfg, rank=rank, tp=spec.args.tp,
                                             device=r.backend.device,
                                             dtype=self.dtype, progress=rank == 0, mtp=mtp, keep_fp8=fp8)
-            held = bytes_by_dtype(weights)
+            held, kinds = bytes_by_dtype(weights), bytes_by_kind(weights)
             r.model = Qwen35Shard(spec.cfg, weights, self.local, ops=r.backend.ops, all_reduce=r.backend.all_reduce)
-            log.info("rank %d/%d: %.1f MiB of weights on %s (%s)", rank, spec.args.tp, sum(held.values()) / 2**20,
-                     r.backend.device, ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in sorted(held.items())))
+            log.info("rank %d/%d: %.1f MiB of weights on %s (%s; %s)", rank, spec.args.tp, sum(held.values()) / 2**20,
+                     r.backend.device, ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in sorted(held.items())),
+                     ", ".join(f"{k} {b / 2**20:.1f} MiB" for k, b in sorted(kinds.items())))
             if mtp:  # before the free memory is measured: a copy counts against it
                 r.draft_head = draft_head(r.model.w["lm_head.weight"], spec.args.speculative_draft_vocab,
                                           spec.args.speculative_fp8_draft_head)

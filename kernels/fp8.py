@@ -69,6 +69,15 @@ class Fp8Weight:
         full = self.scale.float().repeat_interleave(b, 0)[:n].repeat_interleave(b, 1)[:, :k]
         return (self.values.float() * full).to(dtype)
 
+    def __getitem__(self, e: int) -> "Fp8Weight":
+        """Expert e of an MoE layer's stacked experts (values [E, N, K], scales [E, N / block, K / block])."""
+        return Fp8Weight(self.values[e], self.scale[e], self.block)
+
+    @staticmethod
+    def stack(parts: list["Fp8Weight"]) -> "Fp8Weight":
+        """Experts of one shape, stacked along a new first dimension."""
+        return Fp8Weight(torch.stack([p.values for p in parts]), torch.stack([p.scale for p in parts]), parts[0].block)
+
     @staticmethod
     def cat(parts: list["Fp8Weight"]) -> "Fp8Weight | None":
         """The parts stacked along N (same K and block), or None where a part other than the last does not end

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import DEFAULT, KernelConfig
+from .fp8 import Fp8Weight
 from .gemv import linear, linear_reference
 from .launch import _dot_bf16
 from .norm import add_rms_norm, add_rms_norm_reference, silu_mul, silu_mul_reference
@@ -90,8 +91,19 @@ def _dot(a, b, acc, BF16: tl.constexpr):
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w_ptr, row_pair_ptr, block_expert_ptr, act_ptr, H, I, E, TOP_K: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr):
+def _scaled_dot(a, w_ptrs, mask, scale_ptr, acc, FP8: tl.constexpr, BF16: tl.constexpr):
+    """acc + a @ the weight tile; an FP8 tile (all in one block of its scale) widened, its partial sum scaled."""
+    w = tl.load(w_ptrs, mask=mask, other=0.0)
+    if FP8:
+        part = _dot(a, w.to(tl.float32), tl.zeros(acc.shape, dtype=tl.float32), BF16)
+        return acc + part * tl.load(scale_ptr)
+    return _dot(a, w, acc, BF16)
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w_ptr, scale_ptr, row_pair_ptr, block_expert_ptr, act_ptr, H, I, E, SN, SK,
+                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SCALE_BLOCK: tl.constexpr, FP8: tl.constexpr, BF16: tl.constexpr):
     block, tile = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + block).to(tl.int64)
     if e >= E:
@@ -102,24 +114,27 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, row_pair_ptr, block_expert_ptr, act_ptr, H
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     w = w_ptr + e * 2 * I * H
+    scales = scale_ptr + e * SN * SK
+    n0 = tile * BLOCK_N
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         kk = k0 + k
         a = tl.load(x_ptr + token[:, None] * H + kk[None, :], mask=valid[:, None] & (kk[None, :] < H), other=0.0)
         wmask = (kk[:, None] < H) & (n[None, :] < I)
-        wg = tl.load(w + n[None, :] * H + kk[:, None], mask=wmask, other=0.0)
-        wu = tl.load(w + (I + n[None, :]) * H + kk[:, None], mask=wmask, other=0.0)
-        gate = _dot(a, wg, gate, BF16)
-        up = _dot(a, wu, up, BF16)
+        gate = _scaled_dot(a, w + n[None, :] * H + kk[:, None], wmask,
+                           scales + (n0 // SCALE_BLOCK) * SK + k0 // SCALE_BLOCK, gate, FP8, BF16)
+        up = _scaled_dot(a, w + (I + n[None, :]) * H + kk[:, None], wmask,
+                         scales + ((I + n0) // SCALE_BLOCK) * SK + k0 // SCALE_BLOCK, up, FP8, BF16)
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + pair[:, None] * I + n[None, :], act.to(act_ptr.dtype.element_ty),
              mask=valid[:, None] & (n[None, :] < I))
 
 
 @triton.jit
-def _moe_down_kernel(act_ptr, w_ptr, weight_ptr, row_pair_ptr, block_expert_ptr, out_ptr, H, I, E,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr):
+def _moe_down_kernel(act_ptr, w_ptr, scale_ptr, weight_ptr, row_pair_ptr, block_expert_ptr, out_ptr, H, I, E, SN,
+                     SK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SCALE_BLOCK: tl.constexpr, FP8: tl.constexpr, BF16: tl.constexpr):
     block, tile = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + block).to(tl.int64)
     if e >= E:
@@ -130,12 +145,13 @@ def _moe_down_kernel(act_ptr, w_ptr, weight_ptr, row_pair_ptr, block_expert_ptr,
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     w = w_ptr + e * H * I
+    scales = scale_ptr + e * SN * SK + (tile * BLOCK_N // SCALE_BLOCK) * SK
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         kk = k0 + k
         a = tl.load(act_ptr + safe[:, None] * I + kk[None, :], mask=valid[:, None] & (kk[None, :] < I), other=0.0)
-        wd = tl.load(w + n[None, :] * I + kk[:, None], mask=(kk[:, None] < I) & (n[None, :] < H), other=0.0)
-        acc = _dot(a, wd, acc, BF16)
+        acc = _scaled_dot(a, w + n[None, :] * I + kk[:, None], (kk[:, None] < I) & (n[None, :] < H),
+                          scales + k0 // SCALE_BLOCK, acc, FP8, BF16)
     acc *= tl.load(weight_ptr + safe, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + safe[:, None] * H + n[None, :], acc, mask=valid[:, None] & (n[None, :] < H))
 
@@ -149,15 +165,30 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: 
     row_pair, block_expert = group_by_expert(ids, E, block_m)
     blocks = block_expert.numel()
     act = torch.empty(T * top_k, inner, dtype=x.dtype, device=x.device)
-    bf16 = x.dtype == torch.bfloat16
+    common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BF16=x.dtype == torch.bfloat16,
+                  num_warps=warps, num_stages=stages)
+    gu, gu_scale, gu_grid, fp8 = _weight_args(gate_up, block_n, block_k, inner)
     _moe_gate_up_kernel[(blocks, triton.cdiv(inner, block_n))](
-        x.contiguous(), gate_up, row_pair, block_expert, act, H, inner, E, TOP_K=top_k, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, BF16=bf16, num_warps=warps, num_stages=stages)
+        x.contiguous(), gu, gu_scale, row_pair, block_expert, act, H, inner, E, *gu_grid, TOP_K=top_k,
+        SCALE_BLOCK=gate_up.block if fp8 else 1, FP8=fp8, **common)
     pairs = torch.empty(T * top_k, H, dtype=torch.float32, device=x.device)
+    dw, dw_scale, dw_grid, fp8 = _weight_args(down, block_n, block_k, H)
     _moe_down_kernel[(blocks, triton.cdiv(H, block_n))](
-        act, down, weights.contiguous(), row_pair, block_expert, pairs, H, inner, E, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, BF16=bf16, num_warps=warps, num_stages=stages)
+        act, dw, dw_scale, weights.contiguous(), row_pair, block_expert, pairs, H, inner, E, *dw_grid,
+        SCALE_BLOCK=down.block if fp8 else 1, FP8=fp8, **common)
     return pairs.view(T, top_k, H).sum(1).to(x.dtype)
+
+
+def _weight_args(w, block_n: int, block_k: int, rows: int):
+    """(values, scales, (scale rows, scale columns), whether FP8) of an expert tensor for the kernels. An FP8 one
+    needs each weight tile within one scale block: BLOCK_N and BLOCK_K dividing the block, and the up rows (from
+    `rows`, the gate's count) starting on a tile."""
+    if not isinstance(w, Fp8Weight):
+        return w, w, (0, 0), False
+    if w.block % block_n or w.block % block_k or rows % block_n:
+        raise ValueError(f"FP8 experts of {w.block}-blocks need tiles dividing the block and {rows} rows a whole "
+                         f"number of {block_n}-row tiles (KernelConfig.moe_tile)")
+    return w.values, w.scale, tuple(w.scale.shape[1:]), True
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, cfg: KernelConfig = DEFAULT):

@@ -61,6 +61,11 @@ SIZES: dict[str, dict] = {
                      linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
                      num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                      shared_expert_intermediate_size=48, tie_word_embeddings=False),
+    # FP8 experts (and every other projection) of whole 128 x 128 blocks, kept in FP8 at tp = 1.
+    "tiny-moe-fp8": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+                         head_dim=128, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
+                         linear_value_head_dim=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+                         shared_expert_intermediate_size=128, tie_word_embeddings=False),
     "35b-a3b": dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
                     head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                     linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,

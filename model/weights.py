@@ -172,7 +172,7 @@ def iter_rank_tensors(
 ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
     """Yield (canonical name, this rank's slice on the CPU) for every tensor the model needs (with mtp, the
     multi-token-prediction head's too), checked first. Block-scaled FP8 tensors come dequantised to float32, or
-    with keep_fp8 as `Fp8Weight` (values and scales, both sharded); FP8 experts come dequantised."""
+    with keep_fp8 as `Fp8Weight` (values and scales, both sharded; an MoE layer's experts stacked)."""
     shapes = model_shapes(cfg, mtp)
     located = _locate(checkpoint_files(checkpoint_dir))
     # An MoE layer's experts are read as two 3-D tensors; the published checkpoints store one tensor per expert
@@ -224,7 +224,7 @@ def iter_rank_tensors(
     if fp8 and rank == 0:
         log.info("%d of %d tensors are block-scaled FP8 (%.2f GB): %s", len(fp8), len(stored_shapes),
                  sum(sizes[n] for n in fp8) * tp / 1e9,
-                 "kept in FP8 for the FP8 kernels (the experts dequantised)" if keep_fp8 else
+                 "kept in FP8 for the FP8 kernels" if keep_fp8 else
                  "dequantised to the model dtype as they are read")
     bar = show_progress(total=sum(sizes.values()), unit="B", unit_scale=True,
                         desc=f"loading weights (rank {rank}/{tp})", disable=not progress)
@@ -244,7 +244,7 @@ def iter_rank_tensors(
     try:
         for name in shapes:
             if name in split:  # each expert's projections (gate and up joined), stacked
-                yield name, torch.stack([torch.cat([read(part, False) for part, _ in row]) for row in split[name]])
+                yield name, _stack_experts([[read(part, keep_fp8) for part, _ in row] for row in split[name]])
             else:
                 yield name, read(name, keep_fp8)
     finally:
@@ -255,6 +255,17 @@ def iter_rank_tensors(
 # The experts of an MoE layer, as the model holds them: [E, 2I, H] (each expert's gate rows, then its up rows) and
 # [E, H, I].
 _EXPERT_TENSORS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _stack_experts(rows: list[list]) -> torch.Tensor | Fp8Weight:
+    """One 3-D tensor of the experts' parts (each row an expert's parts, joined along N): FP8 where every part is
+    and each joins on a block boundary, else in float32."""
+    if all(isinstance(p, Fp8Weight) for row in rows for p in row):
+        joined = [Fp8Weight.cat(row) for row in rows]
+        if all(j is not None for j in joined):
+            return Fp8Weight.stack(joined)
+    dense = [[p.dequantise() if isinstance(p, Fp8Weight) else p for p in row] for row in rows]
+    return torch.stack([torch.cat(row) for row in dense])
 
 
 def _expert_parts(name: str, cfg: ModelConfig) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -385,6 +396,21 @@ def weight_bytes(weights: dict[str, torch.Tensor | Fp8Weight]) -> int:
     return sum(bytes_by_dtype(weights).values())
 
 
+def bytes_by_kind(weights: dict[str, torch.Tensor | Fp8Weight]) -> dict[str, int]:
+    """Bytes held by the routed experts, the embedding and lm_head, and the rest (dense), a tied lm_head once."""
+    held: dict[str, int] = {}
+    seen = set()
+    for name, t in weights.items():
+        key = (t.values if isinstance(t, Fp8Weight) else t).data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        kind = "experts" if ".mlp.experts." in name else \
+            "embeddings" if name in ("embed_tokens.weight", "lm_head.weight") else "dense"
+        held[kind] = held.get(kind, 0) + (t.nbytes if isinstance(t, Fp8Weight) else t.numel() * t.element_size())
+    return held
+
+
 def bytes_by_dtype(weights: dict[str, torch.Tensor | Fp8Weight]) -> dict[str, int]:
     """Bytes held per storage dtype (an FP8 weight's scales with it), counting a tied lm_head once."""
     held: dict[str, int] = {}
@@ -468,7 +494,9 @@ def random_rank_weights(
             plan = shard_plan(name, cfg, rank, tp)
             if plan is not None:
                 full = torch.cat([full.narrow(plan.dim, a, b - a) for a, b in plan.ranges], dim=plan.dim)
-            if fp8_block and name.endswith(FP8_PROJECTIONS):
+            if fp8_block and name.endswith(_EXPERT_TENSORS):  # each expert quantised as a checkpoint stores it
+                kept = Fp8Weight.stack([Fp8Weight(*quantise_fp8(e, fp8_block), fp8_block) for e in full]).to(device)
+            elif fp8_block and name.endswith(FP8_PROJECTIONS):
                 kept = Fp8Weight(*quantise_fp8(full, fp8_block), fp8_block)
             else:
                 kept = _as_model_tensor(name, full, device, dtype)

@@ -865,3 +865,42 @@ def test_random_weights_load_when_torch_caches_the_card():
     assert weights["lm_head.weight"].is_cuda
     del weights
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 1024])
+def test_moe_experts_at_the_35b_a3b_shapes(tokens):
+    """The grouped expert GEMMs against the reference in bf16 at the 35B-A3B's widths: a decode step's few experts,
+    a batch's many, a prefill's all."""
+    from deltaserve.kernels import moe
+
+    cfg = ModelConfig.from_dict(text_config("35b-a3b", 248320))
+    E, k, H, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, H, device="cuda", generator=gen).bfloat16()
+    router = (torch.randn(E, H, device="cuda", generator=gen) / H**0.5).bfloat16()
+    gate_up = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H**0.5).bfloat16()
+    down = (torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5).bfloat16()
+    weights, ids = moe.route(x, router, k)
+    want_w, want_ids = moe.route_reference(x, router, k)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    got = moe.experts(x, weights, ids, gate_up, down)
+    assert rel(got, moe.experts_reference(x.float(), weights.float(), ids, gate_up.float(), down.float())) <= BF16_TOL
+    # FP8 experts (W8A16: each tile widened in registers, its block's scale on the partial sums)
+    from deltaserve.kernels.fp8 import Fp8Weight
+    from deltaserve.model.weights import quantise_fp8
+
+    def fp8(t):
+        return Fp8Weight.stack([Fp8Weight(*quantise_fp8(e, 128), 128) for e in t])
+
+    gate_up, down = fp8(gate_up), fp8(down)
+    got = moe.experts(x, weights, ids, gate_up, down)
+    assert rel(got, moe.experts_reference(x.float(), weights.float(), ids, gate_up, down)) <= BF16_TOL
+
+
+def test_an_moe_checkpoint_s_graphed_steps_equal_its_eager_ones(tmp_path):
+    """Random MoE weights at a small width: decode graphs (and the fused mixed steps) hold the routing and the
+    grouped expert kernels, whose tokens equal the eager engine's."""
+    ckpt = write_checkpoint(str(tmp_path / "moe"), "tiny-moe", weights=False)
+    eager, _ = asyncio.run(_greedy_run(ckpt, graph=False, n=12, tokens=48))
+    graphs, buckets = asyncio.run(_greedy_run(ckpt, graph=True, n=12, tokens=48, prefill_graphs=False))
+    assert eager == graphs and len({tuple(t) for t in eager}) > 1

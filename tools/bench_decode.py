@@ -52,6 +52,11 @@ def copy_bandwidth(device, gib: float = 4.0) -> float:
 def step_bytes(cfg, weights, tp: int, dtype, rows: int, context: int) -> int:
     sizes = StateSizes.of(cfg, LocalSizes.of(cfg, tp), dtype)
     read = weight_bytes(weights)
+    if cfg.is_moe:  # a layer reads only the experts its rows chose: with random routing, E (1 - (1 - k/E)^rows)
+        experts = [t for name, t in weights.items() if ".mlp.experts." in name]
+        held = sum(t.numel() * t.element_size() for t in experts)
+        E, k = cfg.num_experts, cfg.num_experts_per_tok
+        read -= held - held * (1 - (1 - k / E) ** rows)
     embed = weights["embed_tokens.weight"]
     if not cfg.tie_word_embeddings:  # only the batch's rows of the embedding are read
         read -= embed.numel() * embed.element_size() - rows * embed.shape[1] * embed.element_size()

@@ -39,6 +39,8 @@
 # fused   #30: the decode graph then the prefill (--no-fused-mixed-steps) against a step's decode rows and prompt
 #         chunk as one graphed forward (the default): what a 256-token chunk adds beside 60 rows, then the c64 row
 #         and its step log, each way
+# moe     #65: the MoE tests (the grouped expert kernels at the 35B-A3B shapes, graphs against eager), then the
+#         35B-A3B decode step (20 of its 40 layers, random routing) at 1, 8 and 64 rows, bf16 and FP8
 # eager   an eager decode step's launch time, GPU time and kernels (tools/lab/eager_host.py), on the BASELINE tree
 #         and this one (EAGER="ARGS" for others)
 # compare bench_decode on the tree in BASELINE (a `git archive` tarball; default .baseline/base.tar, carried) and
@@ -85,6 +87,15 @@ for stage in ${STAGES//,/ }; do
       timeout 200 python3 -m deltaserve.tools.lab.profile_mixed_step --size 4b --rows 60 --prompt 256 \
           > "$DIR/mixed-step.txt" 2>&1
       grep -A12 "^decode only" "$DIR/mixed-step.txt" ;;
+    moe)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_moe.py -k "moe" \
+          > "$DIR/moe-tests.log" 2>&1
+      grep -E "passed|failed|Error" "$DIR/moe-tests.log" | tail -5
+      for fp8 in "" --fp8; do  # the 35B-A3B's decode step against the bytes it reads (half its layers: one GPU)
+        timeout 200 python3 -m deltaserve.tools.bench_decode --size 35b-a3b --layers 20 --batches 1,8,64 $fp8 \
+            > "$DIR/moe-decode$fp8.md" 2>&1
+        grep "^| [0-9]" "$DIR/moe-decode$fp8.md" | sed "s/^/35b-a3b ${fp8:-bf16} /"
+      done ;;
     eager)
       rm -rf /tmp/base /tmp/basepkg && mkdir -p /tmp/base && tar -xf "${BASELINE:-.baseline/base.tar}" -C /tmp/base
       python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/basepkg /tmp/base \
