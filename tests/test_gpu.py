@@ -904,3 +904,44 @@ def test_an_moe_checkpoint_s_graphed_steps_equal_its_eager_ones(tmp_path):
     eager, _ = asyncio.run(_greedy_run(ckpt, graph=False, n=12, tokens=48))
     graphs, buckets = asyncio.run(_greedy_run(ckpt, graph=True, n=12, tokens=48, prefill_graphs=False))
     assert eager == graphs and len({tuple(t) for t in eager}) > 1
+
+
+def test_moe_at_the_35b_a3b_width_matches_hf(tmp_path):
+    """A 4-layer 35B-A3B-width MoE saved by transformers in bf16: our Triton forward's logits (bf16) against
+    transformers' in fp32 on the same weights, under the bf16 gate."""
+    import json
+
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from deltaserve.kernels.ops import triton_ops
+    from deltaserve.model.synthetic import train_tokenizer
+    from deltaserve.model.weights import random_tensor
+
+    from helpers import CpuRunner, top8_logprob_gaps
+
+    text = text_config("35b-a3b", 248320, layers=4)
+    for drop in ("model_type", "mtp_num_hidden_layers"):
+        text.pop(drop)
+    config = Qwen3_5MoeTextConfig(**text)
+    config._attn_implementation = "eager"
+    with torch.device("cuda"):
+        hf = Qwen3_5MoeForCausalLM(config).eval()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(random_tensor(name.removeprefix("model."), tuple(p.shape), 4, gen).bfloat16())
+    hf.to(torch.bfloat16).save_pretrained(str(tmp_path))
+    train_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    with open(tmp_path / "tokenizer_config.json", "w") as f:
+        json.dump({"eos_token": "<|im_end|>"}, f)
+    prompt = [(37 * i) % 248000 for i in range(300)]
+    with torch.no_grad():
+        want = hf.float()(torch.tensor([prompt], device="cuda")).logits[0]
+    del hf
+    torch.cuda.empty_cache()
+    ours = CpuRunner(str(tmp_path), dtype=torch.bfloat16, device="cuda", ops=triton_ops()).prefill(
+        {0: prompt}, all_logits=True)
+    gaps = top8_logprob_gaps(ours, want)
+    logging.getLogger("test_gpu").info("35B-A3B width vs HF: top-8 |Δ log-prob| mean %.4f, p99 %.4f",
+                                       gaps.mean(), gaps.quantile(0.99))
+    assert gaps.mean() <= 0.06 and gaps.quantile(0.99) <= 0.2

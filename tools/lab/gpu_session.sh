@@ -39,7 +39,8 @@
 # fused   #30: the decode graph then the prefill (--no-fused-mixed-steps) against a step's decode rows and prompt
 #         chunk as one graphed forward (the default): what a 256-token chunk adds beside 60 rows, then the c64 row
 #         and its step log, each way
-# moe     #65: the MoE tests (the grouped expert kernels at the 35B-A3B shapes, graphs against eager), then the
+# moe     #65: the MoE tests (the grouped expert kernels at the 35B-A3B shapes, graphs against eager, a 4-layer
+#         35B-A3B-width checkpoint saved by transformers against it), then the
 #         35B-A3B decode step (20 of its 40 layers, random routing) at 1, 8 and 64 rows, bf16 and FP8
 # eager   an eager decode step's launch time, GPU time and kernels (tools/lab/eager_host.py), on the BASELINE tree
 #         and this one (EAGER="ARGS" for others)
