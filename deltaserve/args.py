@@ -94,6 +94,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
             "--device", choices=("auto", "cpu", "cuda")),
     _option("tp", "parallel", int, "tensor-parallel ranks (one GPU each)", "--tensor-parallel-size", "-tp", "--tp",
             low=1, metavar="N"),
+    _option("enable_expert_parallel", "parallel", bool, "MoE: each rank holds 1/tp of the experts whole, instead of "
+            "1/tp of every expert's width (the attention, GDN and shared expert stay tensor-parallel)",
+            "--enable-expert-parallel"),
     _option("use_nccl", "parallel", bool, "cuda: None = NCCL when tp > 1; True forces a communicator at tp = 1",
             optional=True),
     _option("memory_fraction", "cache", float, "fraction of the GPU's free memory (after weights) for state and KV "
@@ -178,6 +181,7 @@ class EngineArgs:
     model: str | None = None  # checkpoint folder; None serves the demo checkpoint (made on first use)
     device: str = "auto"  # "cpu" | "cuda" | "auto" (cuda when one is visible), as the CLI
     tp: int = 1
+    enable_expert_parallel: bool = False
     dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
     max_batch: int = 32  # decode rows (lowered at start-up if memory is short)
     max_model_len: int | None = None  # default: min(config max_position_embeddings, 32768)

@@ -129,7 +129,9 @@ class Replica:
                                       kernel_config=spec.args.kernel_config or KernelConfig())
         self.backend.check_devices(spec.args.tp)
         # Refuses a tp the heads do not split, before any weight is read.
-        self.local = LocalSizes.of(spec.cfg, spec.args.tp)
+        if spec.args.enable_expert_parallel and not spec.cfg.is_moe:
+            raise ValueError("enable_expert_parallel needs a mixture-of-experts checkpoint; this one is dense")
+        self.local = LocalSizes.of(spec.cfg, spec.args.tp, spec.args.enable_expert_parallel)
         self.dtype: torch.dtype = getattr(torch, spec.args.dtype)
         self.ranks = [_Rank() for _ in range(spec.args.tp)]
         self.collective = None
@@ -288,18 +290,21 @@ class Replica:
         with r.backend.context():
             mtp = spec.args.speculative_tokens > 0
             fp8 = spec.args.fp8_kernels and bool(spec.cfg.fp8_block)
+            ep = spec.args.enable_expert_parallel
             if fp8:
                 r.backend.check_fp8_ops()
             if spec.args.load_format == "random":
                 weights = random_rank_weights(spec.cfg, rank=rank, tp=spec.args.tp, device=r.backend.device,
                                               dtype=self.dtype, seed=spec.args.seed, progress=rank == 0, mtp=mtp,
-                                              fp8_block=spec.cfg.fp8_block if fp8 else 0)
+                                              fp8_block=spec.cfg.fp8_block if fp8 else 0, expert_parallel=ep)
             else:
                 weights = load_rank_weights(spec.args.model, spec.cfg, rank=rank, tp=spec.args.tp,
                                             device=r.backend.device,
-                                            dtype=self.dtype, progress=rank == 0, mtp=mtp, keep_fp8=fp8)
+                                            dtype=self.dtype, progress=rank == 0, mtp=mtp, keep_fp8=fp8,
+                                            expert_parallel=ep)
             held, kinds = bytes_by_dtype(weights), bytes_by_kind(weights)
-            r.model = Qwen35Shard(spec.cfg, weights, self.local, ops=r.backend.ops, all_reduce=r.backend.all_reduce)
+            r.model = Qwen35Shard(spec.cfg, weights, self.local, ops=r.backend.ops, all_reduce=r.backend.all_reduce,
+                                  expert_start=rank * self.local.experts if ep else 0)
             log.info("rank %d/%d: %.1f MiB of weights on %s (%s; %s)", rank, spec.args.tp, sum(held.values()) / 2**20,
                      r.backend.device, ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in sorted(held.items())),
                      ", ".join(f"{k} {b / 2**20:.1f} MiB" for k, b in sorted(kinds.items())))

@@ -32,9 +32,13 @@ def route_reference(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[
 def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                       down: torch.Tensor) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j], summed in the model dtype expert by
-    expert as the reference does. Each expert the tokens chose is found on the host: not for CUDA graphs."""
+    expert as the reference does; a pair whose id is not one of the experts held (outside [0, E): another rank's,
+    under expert parallelism) adds nothing. Each expert the tokens chose is found on the host: not for CUDA
+    graphs."""
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
+        if not 0 <= e < gate_up.shape[0]:
+            continue
         token, slot = torch.where(ids == e)
         act = silu_mul_reference(linear_reference(x[token], gate_up[e]))
         out.index_add_(0, token, linear_reference(act, down[e]) * weights[token, slot, None])
@@ -44,13 +48,14 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 def moe_reference(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, router: torch.Tensor,
     top_k: int, gate_up: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor,
-    shared_gate: torch.Tensor,
+    shared_gate: torch.Tensor, expert_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE block: its input add-and-norm, the routed experts, plus the shared expert scaled by
-    sigmoid(shared_gate(x)) (before a row-parallel all-reduce). Returns (output, new residual)."""
+    sigmoid(shared_gate(x)) (before a row-parallel all-reduce). Returns (output, new residual). `expert_start`:
+    the first expert held (expert parallelism: the others' pairs are other ranks' share of the sum)."""
     normed, residual = add_rms_norm_reference(x, residual, norm_weight, eps)
     weights, ids = route_reference(normed, router, top_k)
-    routed = experts_reference(normed, weights, ids, gate_up, down)
+    routed = experts_reference(normed, weights, ids - expert_start, gate_up, down)
     shared = linear_reference(silu_mul_reference(linear_reference(normed, shared_gate_up)), shared_down)
     return routed + F.sigmoid(linear_reference(normed, shared_gate)) * shared, residual
 
@@ -65,9 +70,11 @@ def moe_reference(
 
 def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The pairs (token t's j-th choice is pair t * k + j) in expert order, each expert's padded to a multiple of
-    block_m: (pair of each padded row, -1 for padding [blocks * block_m]; expert of each block, num_experts for a
-    block past the last [blocks]). `blocks` is the most the pairs can fill, whatever the routing."""
-    flat = ids.flatten()
+    block_m: (pair of each padded row, -1 for padding [blocks * block_m]; expert of each block, num_experts or more
+    for a block past the last or of pairs whose id is outside [0, num_experts) [blocks]). `blocks` is the most the
+    pairs can fill, whatever the routing."""
+    flat = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts).flatten()
+    num_experts += 1  # the pairs no expert here takes, grouped last
     pairs, device = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.long, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
@@ -157,8 +164,9 @@ def _moe_down_kernel(act_ptr, w_ptr, scale_ptr, weight_ptr, row_pair_ptr, block_
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-            cfg: KernelConfig = DEFAULT) -> torch.Tensor:
-    """`experts_reference` on the device, graph-safe: each chosen expert's weights read once a step."""
+            cfg: KernelConfig = DEFAULT, others: bool = False) -> torch.Tensor:
+    """`experts_reference` on the device, graph-safe: each chosen expert's weights read once a step. others: some
+    ids may be outside the experts held (expert parallelism), pairs that then add nothing."""
     (T, top_k), (E, two_i, H) = ids.shape, gate_up.shape
     inner = two_i // 2
     block_m, block_n, block_k, warps, stages = cfg.moe_tile
@@ -171,7 +179,7 @@ def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: 
     _moe_gate_up_kernel[(blocks, triton.cdiv(inner, block_n))](
         x.contiguous(), gu, gu_scale, row_pair, block_expert, act, H, inner, E, *gu_grid, TOP_K=top_k,
         SCALE_BLOCK=gate_up.block if fp8 else 1, FP8=fp8, **common)
-    pairs = torch.empty(T * top_k, H, dtype=torch.float32, device=x.device)
+    pairs = (torch.zeros if others else torch.empty)(T * top_k, H, dtype=torch.float32, device=x.device)
     dw, dw_scale, dw_grid, fp8 = _weight_args(down, block_n, block_k, H)
     _moe_down_kernel[(blocks, triton.cdiv(H, block_n))](
         act, dw, dw_scale, weights.contiguous(), row_pair, block_expert, pairs, H, inner, E, *dw_grid,
@@ -201,11 +209,12 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, cfg: KernelConfig =
 def moe(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, router: torch.Tensor,
     top_k: int, gate_up: torch.Tensor, down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor,
-    shared_gate: torch.Tensor, cfg: KernelConfig = DEFAULT,
+    shared_gate: torch.Tensor, expert_start: int = 0, cfg: KernelConfig = DEFAULT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_reference` on our kernels."""
     normed, residual = add_rms_norm(x, residual, norm_weight, eps, cfg)
     weights, ids = route(normed, router, top_k, cfg)
-    routed = experts(normed, weights, ids, gate_up, down, cfg)
+    others = expert_start > 0 or gate_up.shape[0] < router.shape[0]
+    routed = experts(normed, weights, ids - expert_start if expert_start else ids, gate_up, down, cfg, others)
     shared = linear(silu_mul(linear(normed, shared_gate_up, cfg), cfg), shared_down, cfg)
     return routed + torch.sigmoid(linear(normed, shared_gate, cfg)) * shared, residual

@@ -142,8 +142,9 @@ class ModelConfig:
     def gdn_conv_dim(self) -> int:
         return 2 * self.gdn_key_dim + self.gdn_value_dim
 
-    def check_tp(self, tp: int) -> None:
-        """Refuse a tensor-parallel size that does not split every head-indexed dimension evenly."""
+    def check_tp(self, tp: int, expert_parallel: bool = False) -> None:
+        """Refuse a tensor-parallel size that does not split every head-indexed dimension evenly (with expert
+        parallelism, the experts rather than their width)."""
         if not isinstance(tp, int) or tp < 1:
             raise ConfigError(f"tp must be a positive integer, got {tp!r}")
         limits = {
@@ -152,8 +153,9 @@ class ModelConfig:
             "linear_num_key_heads": self.linear_num_key_heads,
             "linear_num_value_heads": self.linear_num_value_heads,
         }
-        if self.is_moe:  # each expert's intermediate dimension is sharded, as a dense MLP's
-            limits["moe_intermediate_size"] = self.moe_intermediate_size
+        if self.is_moe:  # each expert's intermediate dimension is sharded, as a dense MLP's, or the experts
+            limits["num_experts" if expert_parallel else "moe_intermediate_size"] = \
+                self.num_experts if expert_parallel else self.moe_intermediate_size
             limits["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         else:
             limits["intermediate_size"] = self.intermediate_size

@@ -38,8 +38,11 @@ class Qwen35Shard:
         *,
         ops: ForwardOps | None = None,
         all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        expert_start: int = 0,
     ) -> None:
+        """expert_start: an MoE model under expert parallelism, the first of the experts this rank holds."""
         self.cfg, self.w, self.local = cfg, weights, local
+        self.expert_start = expert_start
         self.ops = ops or reference_ops()
         self.all_reduce = all_reduce or _no_reduce
         embed = weights["embed_tokens.weight"]
@@ -146,7 +149,8 @@ class Qwen35Shard:
             out, residual = ops.moe(x, residual, w[p + "post_attention_layernorm.weight"], self.cfg.rms_norm_eps,
                                     w[m + "gate.weight"], self.cfg.num_experts_per_tok, w[m + "experts.gate_up_proj"],
                                     w[m + "experts.down_proj"], w[m + "shared_expert.gate_up_proj.weight"],
-                                    w[m + "shared_expert.down_proj.weight"], w[m + "shared_expert_gate.weight"])
+                                    w[m + "shared_expert.down_proj.weight"], w[m + "shared_expert_gate.weight"],
+                                    expert_start=self.expert_start)
             return self.all_reduce(out), residual
         gate_up = w[p + "mlp.gate_up_proj.weight"]
         norm = w.get(p + "post_attention_layernorm.weight")  # None: folded into gate_up

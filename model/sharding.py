@@ -44,10 +44,11 @@ class LocalSizes:
     gdn_conv_dim: int
     moe_intermediate: int = 0  # each routed expert's
     shared_intermediate: int = 0  # the shared expert's
+    experts: int = 0  # routed experts held (expert parallelism: rank r holds r * experts ..)
 
     @classmethod
-    def of(cls, cfg: ModelConfig, tp: int) -> "LocalSizes":
-        cfg.check_tp(tp)
+    def of(cls, cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> "LocalSizes":
+        cfg.check_tp(tp, expert_parallel)
         hk, hv = cfg.linear_num_key_heads // tp, cfg.linear_num_value_heads // tp
         return cls(
             num_heads=cfg.num_attention_heads // tp,
@@ -56,9 +57,15 @@ class LocalSizes:
             gdn_value_heads=hv,
             intermediate=cfg.intermediate_size // tp,
             gdn_conv_dim=2 * hk * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim,
-            moe_intermediate=cfg.moe_intermediate_size // tp,
+            moe_intermediate=cfg.moe_intermediate_size // (1 if expert_parallel else tp),
             shared_intermediate=cfg.shared_expert_intermediate_size // tp,
+            experts=cfg.num_experts // (tp if expert_parallel else 1),
         )
+
+
+def expert_range(cfg: ModelConfig, rank: int, tp: int) -> tuple[int, int]:
+    """The experts a rank holds under expert parallelism, [start, stop)."""
+    return _part(cfg.num_experts, rank, tp)
 
 
 def gdn_channel_ranges(cfg: ModelConfig, rank: int, tp: int) -> tuple[tuple[int, int], ...]:
@@ -70,8 +77,9 @@ def gdn_channel_ranges(cfg: ModelConfig, rank: int, tp: int) -> tuple[tuple[int,
     return (q, (kd + k[0], kd + k[1]), (2 * kd + v[0], 2 * kd + v[1]))
 
 
-def shard_plan(name: str, cfg: ModelConfig, rank: int, tp: int) -> ShardPlan | None:
-    """The plan for a text-model tensor named without the `model.language_model.` prefix."""
+def shard_plan(name: str, cfg: ModelConfig, rank: int, tp: int, expert_parallel: bool = False) -> ShardPlan | None:
+    """The plan for a text-model tensor named without the `model.language_model.` prefix; expert_parallel: an
+    MoE layer's experts are shared out whole (`expert_range`), each one unsharded."""
     if tp == 1:
         return None
     match = _LAYER_TENSOR.match(name)
@@ -101,6 +109,10 @@ def shard_plan(name: str, cfg: ModelConfig, rank: int, tp: int) -> ShardPlan | N
         return ShardPlan(1, (_part(cfg.intermediate_size, rank, tp),))
     # Mixture of experts: each expert's intermediate dimension, as a dense MLP's. The experts' 3-D tensors are
     # [E, 2I, H] (each expert's gate rows, then its up rows) and [E, H, I].
+    if expert_parallel and name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        return ShardPlan(0, (expert_range(cfg, rank, tp),))
+    if expert_parallel and _EXPERT.match(module):
+        return None
     if _EXPERT.match(module):  # one expert's projection, as stored in the published checkpoints
         I = cfg.moe_intermediate_size
         return ShardPlan(1, (_part(I, rank, tp),)) if module.endswith("down_proj") else \

@@ -21,7 +21,7 @@ from deltaserve.progress import progress as show_progress
 from deltaserve.kernels.fp8 import Fp8Weight
 
 from .config import ModelConfig
-from .sharding import shard_plan
+from .sharding import expert_range, shard_plan
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def model_shapes(cfg: ModelConfig, mtp: bool) -> dict[str, tuple[int, ...]]:
 
 def iter_rank_tensors(
     checkpoint_dir: str | os.PathLike, cfg: ModelConfig, rank: int = 0, tp: int = 1, progress: bool = True,
-    mtp: bool = False, keep_fp8: bool = False,
+    mtp: bool = False, keep_fp8: bool = False, expert_parallel: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
     """Yield (canonical name, this rank's slice on the CPU) for every tensor the model needs (with mtp, the
     multi-token-prediction head's too), checked first. Block-scaled FP8 tensors come dequantised to float32, or
@@ -177,11 +177,15 @@ def iter_rank_tensors(
     located = _locate(checkpoint_files(checkpoint_dir))
     # An MoE layer's experts are read as two 3-D tensors; the published checkpoints store one tensor per expert
     # and projection (`mlp.experts.{e}.gate_proj.weight`, ...), which are stacked as read.
-    split = {name: _expert_parts(name, cfg) for name in shapes if name.endswith(_EXPERT_TENSORS)
+    experts = range(*expert_range(cfg, rank, tp)) if expert_parallel else range(cfg.num_experts)
+    split = {name: _expert_parts(name, cfg, experts) for name in shapes if name.endswith(_EXPERT_TENSORS)
              and name not in located and f"{name.rsplit('.', 1)[0]}.0.down_proj.weight" in located}
     stored_shapes = {n: shape for n, shape in shapes.items() if n not in split}
     for name, parts in split.items():
         stored_shapes.update({part: shape for row in parts for part, shape in row})
+    # Expert parallelism: the other ranks' experts, stored one by one, are not this rank's to read.
+    others = {part for name in split for row in _expert_parts(name, cfg, range(cfg.num_experts)) for part, _ in row
+              if part not in stored_shapes}
     if mtp and any(n.startswith(MTP_PREFIX) and n not in located for n in stored_shapes):
         missing = next(n for n in stored_shapes if n.startswith(MTP_PREFIX) and n not in located)
         raise WeightError(f"checkpoint {checkpoint_dir} has no complete MTP head (tensor {missing!r} is missing), "
@@ -191,7 +195,7 @@ def iter_rank_tensors(
         raise WeightError(f"checkpoint {checkpoint_dir} is missing tensor {missing[0]!r} ({len(missing)} missing in all)")
     scales = {_scale_name(n) for n in stored_shapes}
     unknown = sorted(n for n in located if n not in stored_shapes and n not in scales and n != "lm_head.weight"
-                     and not n.startswith(MTP_PREFIX))
+                     and not n.startswith(MTP_PREFIX) and n not in others and _scale_base(n) not in others)
     if unknown:
         log.warning("ignoring %d tensors the config does not use, e.g. %s", len(unknown), unknown[0])
     if cfg.tie_word_embeddings and "lm_head.weight" in located:
@@ -213,7 +217,7 @@ def iter_rank_tensors(
         shape = tuple(view.get_shape())
         if shape != want:
             raise WeightError(f"tensor {name!r} has shape {list(shape)}; the config implies {list(want)}")
-        plan = shard_plan(name, cfg, rank, tp)
+        plan = shard_plan(name, cfg, rank, tp, expert_parallel)
         numel = 1
         for d in shape:
             numel *= d
@@ -231,7 +235,7 @@ def iter_rank_tensors(
 
     def read(name: str, keep: bool):
         path, stored = located[name]
-        plan = shard_plan(name, cfg, rank, tp)
+        plan = shard_plan(name, cfg, rank, tp, expert_parallel)
         tensor = _read(handles[path], stored, plan)
         if name in fp8:
             scale_path, scale_stored = located[_scale_name(name)]
@@ -268,12 +272,13 @@ def _stack_experts(rows: list[list]) -> torch.Tensor | Fp8Weight:
     return torch.stack([torch.cat(row) for row in dense])
 
 
-def _expert_parts(name: str, cfg: ModelConfig) -> list[list[tuple[str, tuple[int, ...]]]]:
-    """The per-expert tensors one of `_EXPERT_TENSORS` is stacked from, an expert a row, with their shapes."""
+def _expert_parts(name: str, cfg: ModelConfig, experts: range) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """The per-expert tensors one of `_EXPERT_TENSORS` is stacked from, a row for each of `experts`, with their
+    shapes."""
     base, kind = name.rsplit(".", 1)
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
     projections = [("gate_proj", (I, H)), ("up_proj", (I, H))] if kind == "gate_up_proj" else [("down_proj", (H, I))]
-    return [[(f"{base}.{e}.{proj}.weight", shape) for proj, shape in projections] for e in range(cfg.num_experts)]
+    return [[(f"{base}.{e}.{proj}.weight", shape) for proj, shape in projections] for e in experts]
 
 
 _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
@@ -282,6 +287,11 @@ _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 # Block-scaled FP8 (quant_method "fp8"): NAME.weight in float8_e4m3fn, NAME.weight_scale_inv in float32 with one
 # entry per block of FP8_BLOCK x FP8_BLOCK; the weight is the FP8 value times its block's entry. Read as
 # `kernels.fp8.Fp8Weight` for the FP8 kernels, or dequantised to the model dtype (`EngineArgs.fp8_kernels`).
+
+
+def _scale_base(scale: str) -> str:
+    """The weight a `_scale_name` belongs to."""
+    return scale.removesuffix("_scale_inv") if scale.endswith("_scale_inv") else scale
 
 
 def _scale_name(name: str) -> str:
@@ -367,11 +377,14 @@ def load_rank_weights(
     progress: bool = True,
     mtp: bool = False,
     keep_fp8: bool = False,
+    expert_parallel: bool = False,
 ) -> dict[str, torch.Tensor | Fp8Weight]:
     """This rank's weights by canonical name, on `device`, in `dtype` (A_log and dt_bias stay fp32, and with
-    keep_fp8 the FP8 ones FP8); with mtp the multi-token-prediction head's too."""
+    keep_fp8 the FP8 ones FP8); with mtp the multi-token-prediction head's too; expert_parallel: an MoE layer's
+    experts shared out whole."""
     weights = {name: _as_model_tensor(name, tensor, device, dtype)
-               for name, tensor in iter_rank_tensors(checkpoint_dir, cfg, rank, tp, progress, mtp, keep_fp8)}
+               for name, tensor in iter_rank_tensors(checkpoint_dir, cfg, rank, tp, progress, mtp, keep_fp8,
+                                                     expert_parallel)}
     return _tie(cfg, weights)
 
 
@@ -466,7 +479,7 @@ def random_tensor(name: str, shape: tuple[int, ...], num_layers: int, generator:
 def random_rank_weights(
     cfg: ModelConfig, *, rank: int = 0, tp: int = 1, device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16, seed: int = 0, progress: bool = True, mtp: bool = False,
-    fp8_block: int = 0,
+    fp8_block: int = 0, expert_parallel: bool = False,
 ) -> dict[str, torch.Tensor | Fp8Weight]:
     """Random weights generated on `device` (no checkpoint files): for benchmarks at real sizes; with fp8_block,
     the projections an FP8 checkpoint stores in FP8 (`FP8_PROJECTIONS`) as `Fp8Weight`, each shard quantised.
@@ -491,7 +504,7 @@ def random_rank_weights(
         generator.manual_seed(seed * 1_000_003 + i)
         with torch.cuda.use_mem_pool(scratch) if scratch is not None else contextlib.nullcontext():
             full = random_tensor(name, shape, cfg.num_hidden_layers, generator)
-            plan = shard_plan(name, cfg, rank, tp)
+            plan = shard_plan(name, cfg, rank, tp, expert_parallel)
             if plan is not None:
                 full = torch.cat([full.narrow(plan.dim, a, b - a) for a, b in plan.ranges], dim=plan.dim)
             if fp8_block and name.endswith(_EXPERT_TENSORS):  # each expert quantised as a checkpoint stores it

@@ -89,13 +89,15 @@ class CpuRunner:
     is named."""
 
     def __init__(self, checkpoint_dir: str, dtype=torch.float32, num_slots: int = 16, num_pages: int = 256, tp=1,
-                 rank=0, all_reduce=None, ops=None, device="cpu", mtp=False, speculative_tokens=0, keep_fp8=False):
+                 rank=0, all_reduce=None, ops=None, device="cpu", mtp=False, speculative_tokens=0, keep_fp8=False,
+                 expert_parallel=False):
         self.cfg = load_model_config(checkpoint_dir)
         self.device = device
         weights = load_rank_weights(checkpoint_dir, self.cfg, rank=rank, tp=tp, dtype=dtype, device=device,
-                                    progress=False, mtp=mtp, keep_fp8=keep_fp8)
-        local = LocalSizes.of(self.cfg, tp)
-        self.model = Qwen35Shard(self.cfg, weights, local, ops=ops, all_reduce=all_reduce)
+                                    progress=False, mtp=mtp, keep_fp8=keep_fp8, expert_parallel=expert_parallel)
+        local = LocalSizes.of(self.cfg, tp, expert_parallel)
+        self.model = Qwen35Shard(self.cfg, weights, local, ops=ops, all_reduce=all_reduce,
+                                 expert_start=rank * local.experts if expert_parallel else 0)
         self.state = ModelState(self.cfg, local, num_slots, num_pages, dtype, device, mtp=mtp,
                                 speculative_tokens=speculative_tokens)
         self.next_page = 0

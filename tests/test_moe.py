@@ -270,8 +270,9 @@ def test_real_moe_sizes_have_the_published_geometry():
 def test_grouping_by_expert_pads_each_expert_and_keeps_every_pair_once():
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [5, 3]])
     row_pair, block_expert = moe.group_by_expert(ids, num_experts=6, block_m=4)
-    # The most blocks any routing of 8 pairs fills: 8 / 4, plus one part-filled block for each of up to 6 experts.
-    assert block_expert.numel() == 2 + 6 and row_pair.numel() == 8 * 4
+    # The most blocks any routing of 8 pairs fills: 8 / 4, plus one part-filled block for each of up to 6 experts
+    # and for the pairs of none of them (another rank's, under expert parallelism).
+    assert block_expert.numel() == 2 + 7 and row_pair.numel() == 9 * 4
     seen = row_pair[row_pair >= 0]
     assert sorted(seen.tolist()) == list(range(8))
     for b, e in enumerate(block_expert.tolist()):
@@ -354,3 +355,47 @@ def test_fp8_experts_load_as_fp8_and_serve_within_the_gate(tmp_path):
     served = CpuRunner(ckpt, dtype=torch.bfloat16, keep_fp8=True).prefill({0: prompt}, all_logits=True)
     gaps = top8_logprob_gaps(served, oracle)
     assert gaps.mean() <= 0.06 and gaps.quantile(0.99) <= 0.2
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_expert_parallelism_matches_one_rank(hf_ckpt, fused_ckpt, prompts, tp):
+    """Each rank holds E / tp whole experts (from either layout) and sums only its own experts' pairs; one
+    all-reduce after the block gives the logits one rank computes."""
+    single = CpuRunner(hf_ckpt)
+    ref = single.prefill({0: prompts[70], 3: prompts[6]}, all_logits=True)
+    for ckpt in (hf_ckpt, fused_ckpt):
+        multi = TpRunners(ckpt, tp, expert_parallel=True)
+        held = multi.ranks[1].model.w["layers.0.mlp.experts.gate_up_proj"]
+        assert held.shape == (8 // tp, 2 * 32, 64)  # whole experts, the second rank's
+        whole = CpuRunner(hf_ckpt).model.w["layers.0.mlp.experts.gate_up_proj"]
+        assert torch.equal(held, whole[8 // tp : 2 * 8 // tp])
+        got = multi.call("prefill", {0: prompts[70], 3: prompts[6]}, all_logits=True)[0]
+        assert rel_err(got, ref) <= 1e-5
+
+
+def test_triton_experts_of_one_rank_s_share_add_up_to_all_of_them():
+    """Under expert parallelism the kernels take the pairs of the experts held and leave the others' (ids outside
+    the rank's range) at zero: the ranks' sums add up to one rank's."""
+    gen = torch.Generator().manual_seed(4)
+    E, H, I = 8, 32, 16
+    x = torch.randn(9, H, generator=gen)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=gen) / 6, torch.randn(E, H, I, generator=gen) / 4
+    weights, ids = moe.route_reference(x, torch.randn(E, H, generator=gen), 3)
+    whole = moe.experts_reference(x, weights, ids, gate_up, down)
+    shares = [moe.experts(x, weights, ids - start, gate_up[start : start + 4], down[start : start + 4], others=True)
+              for start in (0, 4)]
+    assert rel_err(shares[0] + shares[1], whole) <= 1e-5
+    assert rel_err(moe.experts_reference(x, weights, ids - 4, gate_up[4:], down[4:]), shares[1]) <= 1e-5
+
+
+def test_the_engine_serves_with_expert_parallelism_and_refuses_it_for_a_dense_model(hf_ckpt, tiny_ckpt, prompts):
+    chosen = [prompts[6], prompts[33]]
+    plain = _engine_outputs(hf_ckpt, chosen)
+    ep = _engine_outputs(hf_ckpt, chosen, tp=2, enable_expert_parallel=True)
+    assert [o.token_ids for o in ep] == [o.token_ids for o in plain]
+    with pytest.raises(ValueError, match="enable_expert_parallel needs a mixture-of-experts checkpoint"):
+        _engine_outputs(tiny_ckpt, chosen, tp=2, enable_expert_parallel=True)
+    six = ModelConfig.from_dict({**text_config("tiny-moe", 512), "num_experts": 6})
+    six.check_tp(4)  # each expert's width splits four ways; six experts do not
+    with pytest.raises(ConfigError, match="tp=4 does not divide num_experts=6"):
+        six.check_tp(4, expert_parallel=True)

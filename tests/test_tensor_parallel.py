@@ -18,9 +18,9 @@ from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 class TpRunners:
     """tp CpuRunners sharing a ThreadAllReduce; every call runs on all ranks in threads, returns rank 0's."""
 
-    def __init__(self, ckpt, tp):
+    def __init__(self, ckpt, tp, **kw):
         self.collective = ThreadAllReduce(tp, timeout_s=60)
-        self.ranks = [CpuRunner(ckpt, tp=tp, rank=r, all_reduce=self.collective.for_rank(r)) for r in range(tp)]
+        self.ranks = [CpuRunner(ckpt, tp=tp, rank=r, all_reduce=self.collective.for_rank(r), **kw) for r in range(tp)]
 
     def call(self, method, *args, **kw):
         results = [None] * len(self.ranks)
