@@ -218,6 +218,8 @@ class AsyncEngine:
         """Stop admitting requests (new ones get EngineDeadError), let the live ones run for up to `timeout_s`, then
         abort the rest: each stream's last output has finish_reason "abort"."""
         self._draining = True
+        if self.steps is None:  # never started: nothing to drain
+            return
         deadline = time.monotonic() + timeout_s
         while self.requests and time.monotonic() < deadline and self.steps.dead is None:
             await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
