@@ -68,11 +68,17 @@ def moe_reference(
 # epilogue; the down kernel scales each pair by its routing weight; the k pairs of a token are summed in fp32.
 
 
-def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pairs (token t's j-th choice is pair t * k + j) in expert order, each expert's padded to a multiple of
+def _most_blocks(pairs: int, num_experts: int, block_m: int) -> int:
+    """The most blocks `pairs` pairs fill, whatever the routing: pairs / block_m, plus a part-filled block for each
+    expert they reach and for the pairs of none of those held (another rank's, under expert parallelism)."""
+    return -(-pairs // block_m) + min(num_experts + 1, pairs)
+
+
+def group_by_expert_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs (token t's j-th choice is pair t * k + j) grouped by expert, each expert's padded to a multiple of
     block_m: (pair of each padded row, -1 for padding [blocks * block_m]; expert of each block, num_experts or more
-    for a block past the last or of pairs whose id is outside [0, num_experts) [blocks]). `blocks` is the most the
-    pairs can fill, whatever the routing."""
+    for a block past the last or of pairs whose id is outside [0, num_experts) [blocks], `_most_blocks` of them).
+    In torch ops, graph-safe (fifteen kernels a layer: `group_by_expert` takes two)."""
     flat = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts).flatten()
     num_experts += 1  # the pairs no expert here takes, grouped last
     pairs, device = flat.numel(), flat.device
@@ -80,7 +86,7 @@ def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
-    blocks = -(-pairs // block_m) + min(num_experts, pairs)
+    blocks = _most_blocks(pairs, num_experts - 1, block_m)
     block_expert = torch.searchsorted(ends, torch.arange(blocks, device=device) * block_m, right=True)
     order = torch.sort(flat, stable=True).indices
     expert = flat[order]
@@ -199,11 +205,92 @@ def _weight_args(w, block_n: int, block_k: int, rows: int):
     return w.values, w.scale, tuple(w.scale.shape[1:]), True
 
 
+@triton.jit
+def _route_kernel(logits_ptr, weight_ptr, ids_ptr, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """A token's softmax over its router logits in fp32, its top k (exact ties to the lower id: torch.topk leaves
+    their order unspecified), renormalised."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + row * E + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, 0))
+    p = tl.where(offs < E, p / tl.sum(p, 0), -1.0)
+    slot = tl.arange(0, BLOCK_K)
+    top = tl.zeros([BLOCK_K], dtype=tl.float32)
+    chosen = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        idx = tl.min(tl.where(p == best, offs, BLOCK_E), 0)
+        top = tl.where(slot == j, best, top)
+        chosen = tl.where(slot == j, idx, chosen)
+        p = tl.where(offs == idx, -1.0, p)
+    tl.store(ids_ptr + row * TOP_K + slot, chosen, mask=slot < TOP_K)
+    tl.store(weight_ptr + row * TOP_K + slot, (top / tl.sum(top, 0)).to(weight_ptr.dtype.element_ty),
+             mask=slot < TOP_K)
+
+
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, cfg: KernelConfig = DEFAULT):
-    """`route_reference` with the router's projection on our kernels (torch's softmax and top-k: graph-safe)."""
-    probs = torch.softmax(linear(x, router, cfg).float(), dim=-1)
-    top, ids = torch.topk(probs, top_k, dim=-1)
-    return (top / top.sum(dim=-1, keepdim=True)).to(x.dtype), ids
+    """`route_reference`: the router's projection on our kernels, then the rest in one kernel."""
+    logits = linear(x, router, cfg)
+    T, E = logits.shape
+    weights = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.long, device=x.device)
+    _route_kernel[(T,)](logits, weights, ids, E, TOP_K=top_k, BLOCK_E=triton.next_power_of_2(E),
+                        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+    return weights, ids
+
+
+@triton.jit
+def _count_kernel(ids_ptr, cursor_ptr, block_expert_ptr, row_pair_ptr, P, E, BLOCKS, BLOCK_M: tl.constexpr,
+                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """One program: each expert's pairs counted (ids outside [0, E) in bucket E), padded to BLOCK_M; each expert's
+    first row left in `cursor` for `_place_kernel`, each block's expert (E + 1 and up past the last), every row
+    emptied (-1)."""
+    bins = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        offs = p0 + tl.arange(0, BLOCK_P)
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=0)
+        e = tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
+        counts += tl.histogram(tl.where(offs < P, e, BLOCK_E - 1), BLOCK_E)
+    counts = tl.where(bins <= E, counts, 0)  # padding lanes counted in the last bin, which no expert is
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + bins, ends - padded, mask=bins <= E)
+    for b0 in range(0, BLOCKS, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        starts = (b * BLOCK_M).to(tl.int32)
+        past = (tl.where(bins <= E, ends, 2**30)[None, :] <= starts[:, None]).to(tl.int32)
+        tl.store(block_expert_ptr + b, tl.sum(past, 1), mask=b < BLOCKS)
+    for r0 in range(0, BLOCKS * BLOCK_M, BLOCK_P):
+        r = r0 + tl.arange(0, BLOCK_P)
+        tl.store(row_pair_ptr + r, tl.full([BLOCK_P], -1, tl.int64), mask=r < BLOCKS * BLOCK_M)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, cursor_ptr, row_pair_ptr, P, E, BLOCK_P: tl.constexpr):
+    """Each pair to the next free row of its expert's (the order within an expert is free: a row's output is its
+    own)."""
+    offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    e = tl.load(ids_ptr + offs, mask=offs < P, other=0)
+    e = tl.where((e >= 0) & (e < E), e, E)
+    row = tl.atomic_add(cursor_ptr + e, 1, mask=offs < P)
+    tl.store(row_pair_ptr + row, offs.to(tl.int64), mask=offs < P)
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`group_by_expert_reference` in two kernels (a pair's row within its expert's may differ)."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    blocks = _most_blocks(pairs, num_experts, block_m)
+    cursor = torch.empty(num_experts + 1, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    row_pair = torch.empty(blocks * block_m, dtype=torch.long, device=ids.device)
+    _count_kernel[(1,)](flat, cursor, block_expert, row_pair, pairs, num_experts, blocks, BLOCK_M=block_m,
+                        BLOCK_P=1024, BLOCK_E=triton.next_power_of_2(num_experts + 2), BLOCK_B=16, num_warps=8)
+    _place_kernel[(triton.cdiv(pairs, 1024),)](flat, cursor, row_pair, pairs, num_experts, BLOCK_P=1024,
+                                               num_warps=4)
+    return row_pair, block_expert
 
 
 def moe(

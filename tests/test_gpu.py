@@ -882,7 +882,9 @@ def test_moe_experts_at_the_35b_a3b_shapes(tokens):
     down = (torch.randn(E, H, I, device="cuda", generator=gen) / I**0.5).bfloat16()
     weights, ids = moe.route(x, router, k)
     want_w, want_ids = moe.route_reference(x, router, k)
-    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    # The kernel's fp32 softmax sums in another order: a near tie may swap, a weight move by a bf16 rounding.
+    assert (ids == want_ids).all(1).float().mean() >= 0.99
+    assert torch.allclose(weights.float(), want_w.float(), atol=1e-2)
     got = moe.experts(x, weights, ids, gate_up, down)
     assert rel(got, moe.experts_reference(x.float(), weights.float(), ids, gate_up.float(), down.float())) <= BF16_TOL
     # FP8 experts (W8A16: each tile widened in registers, its block's scale on the partial sums)

@@ -267,9 +267,10 @@ def test_real_moe_sizes_have_the_published_geometry():
         assert cfg.num_experts == SIZES[size]["num_experts"]
 
 
-def test_grouping_by_expert_pads_each_expert_and_keeps_every_pair_once():
+@pytest.mark.parametrize("group", [moe.group_by_expert_reference, moe.group_by_expert])
+def test_grouping_by_expert_pads_each_expert_and_keeps_every_pair_once(group):
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [5, 3]])
-    row_pair, block_expert = moe.group_by_expert(ids, num_experts=6, block_m=4)
+    row_pair, block_expert = group(ids, num_experts=6, block_m=4)
     # The most blocks any routing of 8 pairs fills: 8 / 4, plus one part-filled block for each of up to 6 experts
     # and for the pairs of none of them (another rank's, under expert parallelism).
     assert block_expert.numel() == 2 + 7 and row_pair.numel() == 9 * 4
@@ -282,6 +283,24 @@ def test_grouping_by_expert_pads_each_expert_and_keeps_every_pair_once():
         else:
             assert (rows < 0).all()
     assert block_expert.tolist()[:4] == [0, 1, 3, 5]
+    # Another rank's experts (ids outside the 6 held, shifted as expert parallelism shifts them) take no block of
+    # an expert held, and every block past the last exits.
+    row_pair, block_expert = group(ids - 3, num_experts=3, block_m=4)
+    held = {p for b, e in enumerate(block_expert.tolist()) if e < 3 for p in row_pair[b * 4 : (b + 1) * 4].tolist()
+            if p >= 0}
+    assert held == {i for i, e in enumerate((ids - 3).flatten().tolist()) if 0 <= e < 3}
+
+
+def test_the_routing_kernel_takes_what_the_reference_takes():
+    gen = torch.Generator().manual_seed(8)
+    x, router = torch.randn(40, 16, generator=gen), torch.randn(12, 16, generator=gen)
+    for top_k in (1, 3, 8):
+        weights, ids = moe.route(x, router, top_k)
+        want_w, want_ids = moe.route_reference(x, router, top_k)
+        assert torch.equal(ids, want_ids) and torch.allclose(weights, want_w, atol=1e-6)
+    tied = torch.zeros(1, 16)  # every expert equally likely: the lower ids, each 1 / k
+    weights, ids = moe.route(tied, router, 3)
+    assert ids.tolist() == [[0, 1, 2]] and torch.allclose(weights, torch.full((1, 3), 1 / 3))
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 3), (5, 8, 3), (37, 6, 2)])
