@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -40,9 +42,15 @@ class TextTokenizer:
         self._added = set(self.tok.get_added_tokens_decoder())
         self._byte_level = _byte_level_chars() if type(self.tok.decoder).__name__ == "ByteLevel" else None
         self.chat_template = self._load_template(checkpoint_dir)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
-        env.globals["raise_exception"] = _raise
-        self._template = env.from_string(self.chat_template) if self.chat_template else None
+        self._template = chat_environment().from_string(self.chat_template) if self.chat_template else None
+
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with `template` instead of the checkpoint's (`--chat-template`)."""
+        try:
+            compiled = chat_environment().from_string(template)
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"the chat template does not parse: {exc}") from None
+        self.chat_template, self._template = template, compiled
 
     @staticmethod
     def _load_template(checkpoint_dir: str) -> str | None:
@@ -106,13 +114,86 @@ class TextTokenizer:
             self._bytes[token_id] = found
         return found
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                    documents: list | None = None, **kwargs) -> str:
+        """The chat as transformers' `apply_chat_template` renders it: `tools` and `documents` passed through, a
+        message's reasoning under `reasoning_content` (and `thinking`) whichever of the names it came in."""
         if self._template is None:
             raise TemplateError("this checkpoint has no chat template")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
+            return self._template.render(messages=_alias_reasoning(messages), tools=tools, documents=documents,
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template failed: {exc}") from None
+
+
+# Chat templates are the checkpoint's Jinja code, run as transformers' `apply_chat_template` runs them: Qwen's
+# templates print tool schemas with `tojson` and date the system prompt with `strftime_now`, and a prompt rendered
+# any other way is not the one the model was trained on. jinja2's own `tojson` sorts keys and escapes `<`, `>`, `&`
+# and `'` for HTML; transformers' keeps the order and the characters, and writes non-ASCII as is. Written here
+# rather than imported: transformers is not a dependency of the server (tests/test_text.py renders both ways).
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` refusing underscore names, which could reach the interpreter's internals."""
+
+    def __init__(*args, **kwargs):  # noqa: N805 (jinja2's own signature: `self` may be a keyword)
+        self, args = args[0], args[1:]
+        for name in dict(*args, **kwargs):
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, *args, **kwargs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a chat template cannot set {name!r} on a namespace")
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`, which marks the assistant's tokens for training: rendered as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+def chat_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise, strftime_now=_strftime_now, namespace=_Namespace)
+    return env
+
+
+_REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(messages: list[dict]) -> list[dict]:
+    """Each message's reasoning under `reasoning_content`, which Qwen's templates read, and `thinking`, whichever
+    of the three names the client used (as transformers does)."""
+    out = []
+    for m in messages:
+        reasoning = next((m[k] for k in _REASONING_NAMES if isinstance(m, dict) and m.get(k) is not None), None)
+        out.append(m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning})
+    return out
 
 
 def _byte_level_chars() -> dict[str, int]:
