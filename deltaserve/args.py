@@ -87,6 +87,13 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
             "most 32768", "--max-model-len", optional=True, low=2, metavar="N"),
     _option("served_model_name", "model", str, "the model name clients send and see (default: the checkpoint "
             "folder's name)", "--served-model-name", optional=True),
+    _option("chat_template", "model", str, "a chat template (a file, or the template itself) instead of the "
+            "checkpoint's", "--chat-template", optional=True, metavar="FILE"),
+    _option("generation_config", "model", str, "where requests' unset sampling fields come from: 'auto', the "
+            "checkpoint's generation_config.json; 'vllm', none (temperature 1, no top-k or top-p); or a folder "
+            "holding a generation_config.json", "--generation-config", metavar="auto|vllm|FOLDER"),
+    _option("max_logprobs", "model", int, "the most log-probs a request may ask for a token (OpenAI's "
+            "top_logprobs, the completions API's logprobs)", "--max-logprobs", low=0, high=20, metavar="N"),
     _option("fp8_kernels", "model", bool, "FP8 checkpoints: keep the block-scaled FP8 weights in FP8 and run the "
             "FP8 projections (half the bytes a decode step reads; the default); --no-fp8-kernels dequantises them "
             "to --dtype as they are read", "--fp8-kernels"),
@@ -214,6 +221,9 @@ class EngineArgs:
     cpu_memory_bytes: int = 256 << 20  # state budget (slots + KV pages) of the cpu device
     max_waiting: int = 1024  # queued requests before new ones are refused
     served_model_name: str | None = None
+    chat_template: str | None = None  # a file, or the template itself; None: the checkpoint's
+    generation_config: str = "auto"  # "auto": the checkpoint's defaults, "vllm": none, or a folder holding them
+    max_logprobs: int = 20
     step_timeout_s: float = 600.0
     capture_timeout_s: float = 900.0  # watchdog over the start-up graph capture sweep
     use_nccl: bool | None = None  # cuda: None = NCCL when tp > 1; True forces a communicator even at tp = 1

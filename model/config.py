@@ -319,6 +319,23 @@ def load_generation_defaults(raw: dict, fallback_eos: tuple[int, ...]) -> Genera
     )
 
 
+def generation_defaults(source: str, checkpoint: GenerationDefaults) -> GenerationDefaults:
+    """The sampling defaults `--generation-config` names: "vllm", none (the checkpoint's stop ids stay); a folder,
+    its generation_config.json."""
+    if source == "vllm":
+        return GenerationDefaults(eos_token_ids=checkpoint.eos_token_ids)
+    path = os.path.join(source, "generation_config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"generation_config {source!r} is not 'auto', 'vllm' or a folder holding a "
+                          "generation_config.json")
+    with open(path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+    return load_generation_defaults(raw, checkpoint.eos_token_ids)
+
+
 def load_model_config(checkpoint_dir: str | os.PathLike) -> ModelConfig:
     """Read `config.json` (and `generation_config.json` when present) from a checkpoint folder."""
     path = os.path.join(checkpoint_dir, "config.json")

@@ -24,6 +24,7 @@ import sys
 from deltaserve import __version__
 
 from deltaserve.args import GROUPS, MAX_SPECULATIVE_TOKENS, OPTIONS, SERVER_OPTIONS, EngineArgs, Option
+from deltaserve.runtime.tool_calls import PARSERS
 
 log = logging.getLogger("deltaserve")
 
@@ -123,7 +124,33 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="log every engine step: decode rows, prompt tokens, time, device idle (logger "
                              "deltaserve.steps, at debug)")
     parser.add_argument("--version", action="version", version=f"deltaserve {__version__}")
+    agents = parser.add_argument_group("tool calls and reasoning")
+    agents.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                        help="the format of the model's tool calls (default: the one its chat template shows)")
+    agents.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's switch for parsing tool calls: here they are parsed whenever a request sends "
+                             "tools with tool_choice 'auto' (accepted, implied)")
+    agents.add_argument("--reasoning-parser", choices=("qwen3", "deepseek_r1"), default=None,
+                        help="the reasoning between <think> and </think> goes to reasoning_content (always on; "
+                             "accepted for vLLM's command lines)")
+    compat = parser.add_argument_group("vLLM flags that change nothing here (accepted, so its command lines run)")
+    compat.add_argument("--trust-remote-code", action="store_true",
+                        help="no checkpoint code is ever run: Qwen3.5 is built in")
+    compat.add_argument("--disable-log-requests", "--enable-log-requests", action="store_true", dest="log_requests",
+                        help="request contents are never logged")
+    compat.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                        help="chunked prefill is always on (--max-num-batched-tokens sizes the chunks)")
     return parser
+
+
+def log_compatibility_flags(ns: argparse.Namespace) -> None:
+    """One line for each vLLM flag given that means nothing or something fixed here."""
+    if ns.trust_remote_code:
+        log.info("--trust-remote-code: ignored (no checkpoint code runs; Qwen3.5 is built in)")
+    if ns.enable_auto_tool_choice:
+        log.info("--enable-auto-tool-choice: tool calls are parsed whenever a request sends tools (tool_choice auto)")
+    if ns.enable_chunked_prefill is False:
+        log.warning("--no-enable-chunked-prefill: ignored (chunked prefill is always on)")
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -191,7 +218,8 @@ def server_options(ns: argparse.Namespace):
 
     api_key = ns.api_key or os.environ.get("DELTASERVE_API_KEY") or None
     return ServerOptions(api_key=api_key, header_timeout_s=ns.header_timeout_s, body_timeout_s=ns.body_timeout_s,
-                         keep_alive_timeout_s=ns.keep_alive_timeout_s, access_log=ns.access_log)
+                         keep_alive_timeout_s=ns.keep_alive_timeout_s, access_log=ns.access_log,
+                         tool_call_parser=ns.tool_call_parser)
 
 
 async def run_server(ns: argparse.Namespace, speculation_override=None) -> int:
@@ -213,6 +241,7 @@ async def run_server(ns: argparse.Namespace, speculation_override=None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     check_aiohttp_or_refuse()
+    log_compatibility_flags(ns)
     # The address is bound before anything loads (minutes for a large model, to then find the port taken), and
     # the server listens on this very socket.
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import gc
 import itertools
 import logging
@@ -25,7 +26,7 @@ from dataclasses import replace
 
 from deltaserve.devices.commands import RowSampling, positions_past_end
 from deltaserve.devices.replica import Replica, ReplicaSpec
-from deltaserve.model.config import load_model_config
+from deltaserve.model.config import generation_defaults, load_model_config
 from deltaserve.model.synthetic import demo_checkpoint
 from deltaserve.model.weights import check_checkpoint
 from deltaserve.progress import progress as show_progress
@@ -39,7 +40,7 @@ from .speculation import SpeculationOverride, SpeculationPolicy
 from .step_budget import StepBudget
 from .step_loop import StepLoop
 from .outputs import Request, RequestOutput
-from .text import IncrementalDetokenizer, PromptTooLong, StopMatcher, TextTokenizer
+from .text import IncrementalDetokenizer, PromptTooLong, StopMatcher, TextTokenizer, read_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,12 @@ class AsyncEngine:
             self.args = self.args.replace(model=demo_checkpoint())
         args = self.args
         self.cfg = load_model_config(args.model)
+        if args.generation_config != "auto":
+            self.cfg = dataclasses.replace(self.cfg, generation=generation_defaults(args.generation_config,
+                                                                                   self.cfg.generation))
         self.tokenizer = TextTokenizer(args.model)
+        if args.chat_template is not None:
+            self.tokenizer.use_chat_template(read_chat_template(args.chat_template))
         if args.load_format == "safetensors":
             check_checkpoint(args.model)  # a bad file named here, not from inside a rank
         if self.tokenizer.vocab_size > self.cfg.vocab_size:
@@ -273,6 +279,9 @@ class AsyncEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()  # again: its fields may have been set after it was made
         params.check_model(self.cfg.vocab_size)
+        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
+            raise ValueError(f"logprobs {params.logprobs} is above this server's max_logprobs "
+                             f"({self.args.max_logprobs})")
         if prompt_len >= self.max_model_len:
             raise ValueError(f"prompt is {prompt_len} tokens; the context length is {self.max_model_len}")
         params = params.with_defaults(self.cfg.generation, self.max_model_len - prompt_len)
@@ -361,12 +370,14 @@ class AsyncEngine:
 
     def chat(
         self, messages: list[dict], params: SamplingParams | None = None, chat_template_kwargs: dict | None = None,
-        request_id: str | None = None,
+        request_id: str | None = None, tools: list[dict] | None = None,
     ) -> "RequestStream":
-        """`generate` on the checkpoint's chat template rendered with a generation prompt."""
-        return self.generate(self.render_chat(messages, chat_template_kwargs), params, request_id)
+        """`generate` on the checkpoint's chat template rendered with a generation prompt (and `tools`, OpenAI's
+        function tools, for the template to describe)."""
+        return self.generate(self.render_chat(messages, chat_template_kwargs, tools), params, request_id)
 
-    def render_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
+    def render_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> str:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         for i, m in enumerate(messages):
@@ -375,12 +386,13 @@ class AsyncEngine:
             if not isinstance(m.get("content", ""), (str, type(None))):
                 raise ValueError(f"messages[{i}].content must be a string")
         kwargs = dict(chat_template_kwargs or {})
-        if "messages" in kwargs:
-            raise ValueError("chat_template_kwargs must not set 'messages' (the request's own)")
+        for own in ("messages", "tools"):
+            if own in kwargs:
+                raise ValueError(f"chat_template_kwargs must not set {own!r} (the request's own)")
         add = kwargs.pop("add_generation_prompt", True)  # vLLM's field, which a client may pass here too
         if not isinstance(add, bool):
             raise ValueError(f"chat_template_kwargs.add_generation_prompt must be a boolean, got {add!r}")
-        return self.tokenizer.render_chat(messages, add_generation_prompt=add, **kwargs)
+        return self.tokenizer.render_chat(messages, add_generation_prompt=add, tools=tools, **kwargs)
 
     def _add(self, request_id: str, prompt_ids: list[int], keys: list | None, params: SamplingParams,
              sampling: RowSampling, stop_ids: frozenset[int]) -> Request:

@@ -49,8 +49,8 @@ _SHARED_FIELDS = {  # request field -> (SamplingParams field, expected python ty
 
 MAX_CHOICES = 128  # choices a request may ask for in all (n times its prompts), OpenAI's limit on n
 
-_UNSUPPORTED = {"logit_bias", "suffix", "tools", "tool_choice", "functions", "function_call", "response_format",
-                "audio", "modalities", "prediction"}
+_UNSUPPORTED = {"logit_bias", "suffix", "functions", "function_call", "response_format", "audio", "modalities",
+                "prediction"}
 
 
 @dataclass
@@ -64,6 +64,9 @@ class ParsedRequest:
     messages: list | None = None
     return_token_ids: bool = False  # completions (vLLM's field): each choice carries its token ids
     n: int = 1  # choices a prompt, each a request of its own (`server._start_all`)
+    tools: list | None = None  # chat: the function tools, as the client sent them (the template renders them)
+    parse_tool_calls: bool = False  # chat: tools given and tool_choice "auto": calls in the output are parsed
+    parallel_tool_calls: bool = True
 
 
 
@@ -141,8 +144,8 @@ def parse_completion(body: dict) -> ParsedRequest:
     kwargs.setdefault("max_tokens", 16)  # the OpenAI default for completions
     logprobs = _typed(body, "logprobs", (int,), "an integer")
     if logprobs is not None:
-        if not 0 <= logprobs <= 5:
-            raise _bad("'logprobs' must be between 0 and 5", "logprobs")
+        if not 0 <= logprobs <= MAX_LOGPROBS:  # OpenAI's 5, vLLM's 20; the server's --max-logprobs may lower it
+            raise _bad(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", "logprobs")
         kwargs["logprobs"] = logprobs
     echo = _typed(body, "echo", (bool,), "a boolean") or False
     if echo:
@@ -209,6 +212,7 @@ def parse_chat(body: dict) -> ParsedRequest:
             raise _bad(f"messages[{i}].role must be one of {list(_ROLES)}", f"messages[{i}].role")
         clean.append({**m, "role": "system" if role == "developer" else role,
                       "content": _message_text(m.get("content"), i)})
+    tools, choice, parallel = _tools(body)
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise _bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
@@ -216,7 +220,36 @@ def parse_chat(body: dict) -> ParsedRequest:
     add = _typed(body, "add_generation_prompt", (bool,), "a boolean")  # vLLM's field
     if add is not None:
         template_kwargs["add_generation_prompt"] = add
-    return ParsedRequest([], _params(kwargs), stream, usage_options, model, template_kwargs, clean, n=n)
+    return ParsedRequest([], _params(kwargs), stream, usage_options, model, template_kwargs, clean, n=n, tools=tools,
+                         parse_tool_calls=bool(tools) and choice == "auto", parallel_tool_calls=parallel)
+
+
+def _tools(body: dict) -> tuple[list | None, str, bool]:
+    """(the function tools, tool_choice, parallel_tool_calls), checked. A choice that forces a call ("required",
+    a named function) needs the output constrained to a call, which this server cannot yet do: refused."""
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _bad("'tools' must be a list", "tools")
+        for i, tool in enumerate(tools):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+                raise _bad(f"tools[{i}] must be a function tool ({{'type': 'function', 'function': {{...}}}})",
+                           "tools")
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise _bad(f"tools[{i}].function.name must be a non-empty string", "tools")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise _bad(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict) or choice == "required":
+        raise _bad("tool_choice 'required' and a named function need the output constrained to a call, which this "
+                   "server does not do yet; use 'auto'", "tool_choice")
+    if choice not in ("none", "auto"):
+        raise _bad(f"'tool_choice' must be 'none', 'auto', 'required' or a function, got {choice!r}", "tool_choice")
+    parallel = _typed(body, "parallel_tool_calls", (bool,), "a boolean")
+    return tools or None, choice, True if parallel is None else parallel
 
 
 # Responses -----------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from deltaserve import __version__
 from deltaserve.args import SERVER_OPTIONS
 from .engine import AsyncEngine, CapacityError, EngineDeadError, QueueFullError, RequestOutput
 from .connection import ERROR_KEY, USAGE_KEY, AccessLogger, AppRunner, access_log, check_aiohttp
@@ -35,6 +36,7 @@ from .openai_protocol import (
     usage,
 )
 from .text import PromptTooLong, ReasoningSplitter, prompt_opens_reasoning
+from .tool_calls import CallArguments, CallStart, Content, detect_parser, merged, new_parser
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class ServerOptions:
     body_timeout_s: float = 30.0  # reading a request's body
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     access_log: bool = True
+    tool_call_parser: str | None = None  # "qwen3_coder" or "hermes"; None: the chat template's format
 
     def __post_init__(self) -> None:
         for name, option in SERVER_OPTIONS.items():
@@ -404,8 +407,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, large = await _body(request)
     parsed = parse_chat(body)
     _check_model(engine, parsed.model)
+    calls_as = None  # the tool-call format parsed out of the content
+    if parsed.parse_tool_calls:
+        calls_as = request.app[OPTIONS_KEY].tool_call_parser or detect_parser(engine.tokenizer.chat_template)
+        if calls_as is None:
+            raise ApiError(400, "this model's chat template shows no tool-call format; start the server with "
+                           "--tool-call-parser qwen3_coder or hermes", "tools")
     try:
-        render = functools.partial(engine.render_chat, parsed.messages, parsed.chat_template_kwargs)
+        render = functools.partial(engine.render_chat, parsed.messages, parsed.chat_template_kwargs, parsed.tools)
         prompt = await engine.run_text_work(render) if large else render()
     except Exception as exc:  # the template is the checkpoint's code run on the client's data: any failure is theirs
         raise ApiError(400, f"cannot render the chat template: {exc}", "messages") from None
@@ -415,7 +424,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         firsts = [await _first(g) for g in gens]
         if parsed.stream:
-            return await _stream_chat(request, engine, parsed, gens, firsts, opens_reasoning, rid, created)
+            return await _stream_chat(request, engine, parsed, gens, firsts, opens_reasoning, calls_as, rid,
+                                      created)
         finals = [await _drain(g, f) for g, f in zip(gens, firsts)]
     finally:
         for g in gens:
@@ -429,22 +439,49 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         for i, out in enumerate(finals):
             splitter = ReasoningSplitter(opens_reasoning)
             reasoning, content = splitter.feed(out.text, final=True)
-            message = {"role": "assistant", "content": content}
+            message, finish = {"role": "assistant", "content": content}, out.finish_reason
+            if calls_as is not None:
+                parser = new_parser(calls_as, parsed.tools)
+                content, calls = merged(parser.feed(content) + parser.finish())
+                calls = calls if parsed.parallel_tool_calls else calls[:1]
+                message["content"] = content or (None if calls else "")
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
             if reasoning or splitter.in_reasoning:
                 message["reasoning_content"] = reasoning
             logprobs = chat_logprobs(out.logprobs, engine.tokenizer) if out.logprobs is not None else None
-            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason})
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
         return {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name,
                 "choices": choices, "usage": usage(*request[USAGE_KEY])}
     return await _json_body(engine, build, finals)
 
 
-async def _stream_chat(request, engine, parsed, gens, firsts, opens_reasoning, rid, created):
+def _call_deltas(events: list, parallel: bool) -> tuple[str, list[dict]]:
+    """A streamed chunk's content and `tool_calls` entries from a tool-call parser's events (with parallel calls
+    off, the first call alone)."""
+    content, calls = [], []
+    for e in events:
+        if isinstance(e, Content):
+            content.append(e.text)
+        elif e.index > 0 and not parallel:
+            continue
+        elif isinstance(e, CallStart):
+            calls.append({"index": e.index, "id": e.id, "type": "function",
+                          "function": {"name": e.name, "arguments": ""}})
+        elif isinstance(e, CallArguments):
+            calls.append({"index": e.index, "function": {"arguments": e.fragment}})
+    return "".join(content), calls
+
+
+async def _stream_chat(request, engine, parsed, gens, firsts, opens_reasoning, calls_as, rid, created):
     sse = _Sse(request)
     await sse.open()
 
     include_usage, continuous_usage = parsed.usage
     splitters = [ReasoningSplitter(opens_reasoning) for _ in gens]
+    parsers = [new_parser(calls_as, parsed.tools) if calls_as else None for _ in gens]
+    called = [False] * len(gens)
     totals = [(0, 0, 0)] * len(gens)
 
     def chunk(i: int, delta: dict, finish=None, logprobs=None) -> dict:
@@ -463,6 +500,11 @@ async def _stream_chat(request, engine, parsed, gens, firsts, opens_reasoning, r
             break
         totals[i] = _token_counts(out)
         reasoning, content = splitters[i].feed(out.delta_text, final=out.finished)
+        calls = []
+        if parsers[i] is not None:
+            events = parsers[i].feed(content) + (parsers[i].finish() if out.finished else [])
+            content, calls = _call_deltas(events, parsed.parallel_tool_calls)
+            called[i] = called[i] or bool(calls)
         logprobs = None
         if out.logprobs is not None and out.delta_token_ids:
             logprobs = chat_logprobs(out.delta_logprobs, engine.tokenizer)
@@ -471,10 +513,13 @@ async def _stream_chat(request, engine, parsed, gens, firsts, opens_reasoning, r
             delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
         if delta or logprobs or (continuous_usage and out.delta_token_ids and not out.finished):
             await sse.send(chunk(i, delta, logprobs=logprobs))
         if out.finished:
-            await sse.send(chunk(i, {}, out.finish_reason))
+            finish = "tool_calls" if called[i] and out.finish_reason == "stop" else out.finish_reason
+            await sse.send(chunk(i, {}, finish))
     request[USAGE_KEY] = _request_usage(totals, parsed.n)
     if include_usage:
         await sse.send({"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name,
@@ -490,6 +535,49 @@ async def models(request: web.Request) -> web.Response:
         "id": engine.model_name, "object": "model", "created": now(), "owned_by": "deltaserve",
         "max_model_len": engine.max_model_len, "vocab_size": engine.tokenizer.vocab_size,
     }]})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: a prompt's ids ({"prompt": ...}), or a chat's as rendered ({"messages": ...})."""
+    engine = request.app[ENGINE_KEY]
+    body, large = await _body(request)
+    _check_model(engine, body.get("model"))
+    if body.get("messages") is not None:
+        parsed = parse_chat({**body, "max_tokens": None})
+        render = functools.partial(engine.render_chat, parsed.messages, parsed.chat_template_kwargs, parsed.tools)
+        try:
+            prompt = await engine.run_text_work(render) if large else render()
+        except Exception as exc:
+            raise ApiError(400, f"cannot render the chat template: {exc}", "messages") from None
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ApiError(400, "'prompt' must be a string (or send 'messages')", "prompt")
+    try:
+        ids = await engine.run_text_work(engine.tokenizer.encode, prompt) if large else engine.tokenizer.encode(prompt)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "prompt") from None
+    result = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+    if body.get("return_token_strs"):
+        result["token_strs"] = [engine.tokenizer.token_text(t) for t in ids]
+    return web.json_response(result)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: {"tokens": [...]} to {"prompt": text}."""
+    engine = request.app[ENGINE_KEY]
+    body, _ = await _body(request)
+    _check_model(engine, body.get("model"))
+    tokens = body.get("tokens")
+    vocab = engine.cfg.vocab_size
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                 for t in tokens):
+        raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+    return web.json_response({"prompt": engine.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -511,6 +599,9 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None) -> web.
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

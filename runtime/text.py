@@ -127,6 +127,16 @@ class TextTokenizer:
             raise TemplateError(f"chat template failed: {exc}") from None
 
 
+def read_chat_template(source: str) -> str:
+    """`--chat-template`: a file's text, or the argument itself where it is a template (vLLM takes both)."""
+    if os.path.isfile(source):
+        with open(source, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in source:
+        raise TemplateError(f"chat_template {source!r} is neither a file nor a Jinja template")
+    return source
+
+
 # Chat templates are the checkpoint's Jinja code, run as transformers' `apply_chat_template` runs them: Qwen's
 # templates print tool schemas with `tojson` and date the system prompt with `strftime_now`, and a prompt rendered
 # any other way is not the one the model was trained on. jinja2's own `tojson` sorts keys and escapes `<`, `>`, `&`
@@ -306,7 +316,7 @@ class ReasoningSplitter:
                 text = text[i + len(marker) :]
                 self.in_reasoning = not self.in_reasoning
                 continue
-            keep = 0 if final else _partial_suffix(text, marker)
+            keep = 0 if final else partial_suffix(text, marker)
             (reasoning if self.in_reasoning else content).append(text[: len(text) - keep])
             self.pending = text[len(text) - keep :]
             break
@@ -317,7 +327,7 @@ class ReasoningSplitter:
         return "".join(reasoning), content_text
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of marker."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):

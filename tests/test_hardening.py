@@ -135,7 +135,7 @@ def field_corpus() -> list[tuple[str, bytes]]:
                       if not (path == CHAT and name == "min_tokens" and v == "17")]
         for name, literals in OTHER_FIELDS.items():
             cases += [(f"{path} {name}={v[:20]}", with_field(path, name, v)) for v in literals]
-    cases += [(f"logprobs={v}", with_field(COMPLETIONS, "logprobs", v)) for v in ["-1", "6", '"x"', "NaN"]]
+    cases += [(f"logprobs={v}", with_field(COMPLETIONS, "logprobs", v)) for v in ["-1", "21", '"x"', "NaN"]]
     cases += [(f"chat logprobs={v}", with_field(CHAT, "logprobs", v)) for v in ["3", '"yes"']]
     cases += [(f"top_logprobs={v}", post(CHAT, {**base(CHAT), "logprobs": True, "top_logprobs": v}))
               for v in [-1, 21, 10**9, "x"]]

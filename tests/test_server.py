@@ -126,7 +126,7 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "n": 65}, 400, "n"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 9}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": 7}, 400, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
