@@ -194,3 +194,19 @@ def test_max_logprobs_bounds_what_a_request_may_ask(tiny_ckpt):
             with pytest.raises(ValueError, match="max_logprobs"):
                 engine.generate("hi", SamplingParams(logprobs=5))
     asyncio.run(lowered())
+
+
+def test_a_call_inside_the_reasoning_is_not_a_call(tiny_ckpt):
+    thought = "<think>\nMaybe " + SCRIPT + "\n</think>\n\nNo call needed."
+
+    async def body(engine, url):
+        _scripted(engine, thought, 5, [])
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x")
+        return await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                    tools=TOOLS)
+
+    out = _serve(tiny_ckpt, body)
+    message = out.choices[0].message
+    assert message.tool_calls is None and message.content == "No call needed."
+    assert "<function=get_weather>" in message.model_extra["reasoning_content"]
+    assert out.choices[0].finish_reason == "stop"

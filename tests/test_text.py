@@ -110,3 +110,34 @@ def test_the_demo_checkpoint_is_made_on_first_use(tmp_path, monkeypatch):
     # Its chat answers in content: the generation prompt closes the (empty) reasoning block, so a client that
     # reads only `content` (LangChain, the Agents SDK) gets the answer.
     assert ReasoningSplitter(prompt_opens_reasoning(chat)).feed("the answer", final=True) == ("", "the answer")
+
+
+def test_chat_templates_render_as_transformers_renders_them():
+    """Tools (key order, `<` and non-ASCII kept), tool calls with indented JSON, multi-part content, reasoning under
+    another name, loop controls, namespaces and `{% generation %}`: the same string as transformers'."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from deltaserve.runtime.text import _alias_reasoning, chat_environment
+
+    template = (
+        "{%- if tools %}<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>{% endif %}"
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}"
+        "{% set ns.n = ns.n + 1 %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+        "</think>{% endif %}{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}{{ p.text }}"
+        "{% endfor %}{% endif %}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson(indent=2) }}"
+        "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}{% generation %}{{ ns.n }}{% endgeneration %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    messages = [
+        {"role": "system", "content": "Tu es <gentil> & 'sûr'"},
+        {"role": "user", "content": [{"type": "text", "text": "a<b"}, {"type": "text", "text": "é"}]},
+        {"role": "skip", "content": "x"},
+        {"role": "assistant", "content": "", "reasoning": "pensée é",
+         "tool_calls": [{"type": "function", "function": {"name": "get", "arguments": {"z": 1, "a": "<é>"}}}]},
+        {"role": "tool", "content": '{"r": 2}'}]
+    tools = [{"type": "function", "function": {"name": "get", "description": "Zé <x>", "parameters": {
+        "type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}}}}}]
+    ours = chat_environment().from_string(template).render(messages=_alias_reasoning(messages), tools=tools,
+                                                           documents=None, add_generation_prompt=True)
+    theirs = render_jinja_template([messages], tools=tools, chat_template=template, add_generation_prompt=True)
+    theirs = theirs[0][0] if isinstance(theirs, tuple) else theirs
+    assert ours == theirs and '"description": "Zé <x>"' in ours and "<think>pensée é</think>" in ours
