@@ -36,6 +36,7 @@ from .openai_protocol import (
     usage,
 )
 from .text import PromptTooLong, ReasoningSplitter, prompt_opens_reasoning
+from .responses import ResponseWriter, chat_body, responses_usage
 from .tool_calls import CallArguments, CallStart, Content, detect_parser, merged, new_parser
 
 log = logging.getLogger(__name__)
@@ -402,17 +403,23 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
     return sse.response
 
 
+def _tool_call_format(request: web.Request, engine: AsyncEngine, parsed: ParsedRequest) -> str | None:
+    """The format of the tool calls to parse out of this request's content; None where it sends no tools."""
+    if not parsed.parse_tool_calls:
+        return None
+    found = request.app[OPTIONS_KEY].tool_call_parser or detect_parser(engine.tokenizer.chat_template)
+    if found is None:
+        raise ApiError(400, "this model's chat template shows no tool-call format; start the server with "
+                       "--tool-call-parser qwen3_coder or hermes", "tools")
+    return found
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     body, large = await _body(request)
     parsed = parse_chat(body)
     _check_model(engine, parsed.model)
-    calls_as = None  # the tool-call format parsed out of the content
-    if parsed.parse_tool_calls:
-        calls_as = request.app[OPTIONS_KEY].tool_call_parser or detect_parser(engine.tokenizer.chat_template)
-        if calls_as is None:
-            raise ApiError(400, "this model's chat template shows no tool-call format; start the server with "
-                           "--tool-call-parser qwen3_coder or hermes", "tools")
+    calls_as = _tool_call_format(request, engine, parsed)
     try:
         render = functools.partial(engine.render_chat, parsed.messages, parsed.chat_template_kwargs, parsed.tools)
         prompt = await engine.run_text_work(render) if large else render()
@@ -537,6 +544,64 @@ async def models(request: web.Request) -> web.Response:
     }]})
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    """`/v1/responses`: the request served as the chat it means (`runtime.responses`), told as Responses items."""
+    engine = request.app[ENGINE_KEY]
+    body, large = await _body(request)
+    parsed = parse_chat(chat_body(body))
+    _check_model(engine, parsed.model)
+    calls_as = _tool_call_format(request, engine, parsed)
+    try:
+        render = functools.partial(engine.render_chat, parsed.messages, parsed.chat_template_kwargs, parsed.tools)
+        prompt = await engine.run_text_work(render) if large else render()
+    except Exception as exc:
+        raise ApiError(400, f"cannot render the chat template: {exc}", "input") from None
+    (gen,) = await _start_all(engine, [prompt], parsed)
+    writer = ResponseWriter(engine.model_name, body)
+    splitter = ReasoningSplitter(prompt_opens_reasoning(prompt))
+    parser = new_parser(calls_as, parsed.tools) if calls_as else None
+
+    def events_of(out) -> list[dict]:
+        reasoning, content = splitter.feed(out.delta_text, final=out.finished)
+        events = writer.reasoning(reasoning)
+        pieces = [Content(content)] if parser is None else \
+            parser.feed(content) + (parser.finish() if out.finished else [])
+        for e in pieces:
+            if isinstance(e, Content):
+                events += writer.text(e.text)
+            elif isinstance(e, CallStart) and (e.index == 0 or parsed.parallel_tool_calls):
+                events += writer.call_started(e.index, e.id, e.name)
+            elif isinstance(e, CallArguments) and e.index in writer.calls:
+                events += writer.call_arguments(e.index, e.fragment)
+        if out.finished:
+            events += writer.finish(responses_usage(*_token_counts(out)), out.finish_reason)
+        return events
+
+    try:
+        if not parsed.stream:
+            async for out in gen:
+                _raise_if_failed(out)
+                events = events_of(out)
+            request[USAGE_KEY] = _request_usage([_token_counts(out)], 1)
+            return web.json_response(events[-1]["response"], dumps=lambda v: json.dumps(v, ensure_ascii=False))
+        sse = _Sse(request)
+        await sse.open()
+        for event in writer.start():
+            await sse.send(event)
+        async for out in gen:
+            if out.error:
+                await sse.send({"type": "error", "sequence_number": writer.sequence, "code": "engine_failed",
+                                "message": "the engine failed; the cause is in the server log", "param": None})
+                break
+            request[USAGE_KEY] = _request_usage([_token_counts(out)], 1)
+            for event in events_of(out):
+                await sse.send(event)
+        await sse.response.write_eof()
+        return sse.response
+    finally:
+        await gen.aclose()
+
+
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: a prompt's ids ({"prompt": ...}), or a chat's as rendered ({"messages": ...})."""
     engine = request.app[ENGINE_KEY]
@@ -599,6 +664,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions | None = None) -> web.
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)

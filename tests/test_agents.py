@@ -210,3 +210,56 @@ def test_a_call_inside_the_reasoning_is_not_a_call(tiny_ckpt):
     assert message.tool_calls is None and message.content == "No call needed."
     assert "<function=get_weather>" in message.model_extra["reasoning_content"]
     assert out.choices[0].finish_reason == "stop"
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather <now>",
+                    "parameters": TOOLS[0]["function"]["parameters"]}]
+
+
+@pytest.mark.parametrize("size", [3, 1000])
+def test_the_responses_api_serves_an_agent_s_turns(tiny_ckpt, size):
+    """What the OpenAI Agents SDK sends (instructions, tools, the conversation so far with a call and its output):
+    the reasoning, the text and the call come back as Responses items, and streamed as its events."""
+    thought = "<think>\nThe user wants weather.\n</think>\n\n" + SCRIPT
+
+    async def body(engine, url):
+        prompts = []
+        _scripted(engine, thought, size, prompts)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x")
+        conversation = [{"role": "user", "content": "Weather in Lima?"},
+                        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                         "arguments": '{"city": "Lima"}'},
+                        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+                        {"role": "user", "content": [{"type": "input_text", "text": "And São Paulo?"}]}]
+        whole = await client.responses.create(model="m", instructions="Be brief.", input=conversation,
+                                              tools=RESPONSES_TOOLS)
+        kinds, final = [], None
+        async with await client.responses.create(model="m", input="hi", tools=RESPONSES_TOOLS, stream=True) as s:
+            async for event in s:
+                kinds.append(event.type)
+                if event.type == "response.completed":
+                    final = event.response
+        refused = []
+        for extra in ({"previous_response_id": "resp_1"}, {"text": {"format": {"type": "json_object"}}}):
+            try:
+                await client.responses.create(model="m", input="hi", **extra)
+            except openai.BadRequestError as exc:
+                refused.append(exc.body["param"])
+        return whole, kinds, final, refused, engine.tokenizer.decode(prompts[0], skip_special_tokens=False)
+
+    whole, kinds, final, refused, prompt = _serve(tiny_ckpt, body)
+    for response in (whole, final):
+        types = [item.type for item in response.output]
+        assert types == ["reasoning", "message", "function_call"], types
+        call = response.output[2]
+        assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "São Paulo", "days": 2}
+        assert response.output[1].content[0].text == "I will look that up.\n" and response.status == "completed"
+        assert response.usage.output_tokens > 0
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    for kind in ("response.output_text.delta", "response.function_call_arguments.delta",
+                 "response.function_call_arguments.done", "response.output_item.done"):
+        assert kind in kinds
+    assert refused == ["previous_response_id", "text.format"]
+    # the conversation reached the template as chat messages: instructions, the earlier call and its output
+    assert prompt.startswith("<tools>") and "<|im_start|>system\nBe brief." in prompt
+    assert "<tool_call>get_weather</tool_call>" in prompt and "<|im_start|>tool\nsunny" in prompt
