@@ -41,8 +41,8 @@ HERMES = [
     ("two JSON calls", 'Sure.<tool_call>\n{"name": "run", "arguments": {"code": "x = \\"<\\"\\nprint(x)"}}\n'
      '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n</tool_call>',
      "Sure.\n", [("run", {"code": 'x = "<"\nprint(x)'}), ("get_weather", {"city": "Oslo"})]),
-    ("a call that does not parse stays content", "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>",
-     []),
+    ("a call that does not parse stays content", "<tool_call>{not json}</tool_call>",
+     "<tool_call>{not json}</tool_call>", []),
     ("cut short by max_tokens: content", 'a<tool_call>\n{"name": "run", "argu', 'a<tool_call>\n{"name": "run", "argu',
      []),
 ]
