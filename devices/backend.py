@@ -35,6 +35,7 @@ class ForwardOutputs(NamedTuple):
     chunk_logits: torch.Tensor | None = None  # [R, V]: each chunk's last token (then a padded step's padding)
     draft_logits: torch.Tensor | None = None  # [rows, k, V]: a speculative row's k positions after its first
     drafts: torch.Tensor | None = None  # [rows, k]: the drafts those positions verify
+    prompt_hidden: torch.Tensor | None = None  # eager steps that score prompts: each chunk token's final hidden state
 
 
 GraphProgram = Callable[[], ForwardOutputs]  # one forward over a shape's fixed inputs

@@ -62,6 +62,10 @@ class PrefillCommand:
     # Speculative decoding: the prompt token after the chunk (the MTP head reads each position's next token); 0 for
     # a prompt's last chunk, whose next token is drawn from this step.
     next_token: int = 0
+    # Prompt log-probs (None: not asked): the top count, and the prompt tokens the chunk's positions predict (each
+    # position's next; a prompt's last position predicts the drawn token, which is not scored).
+    prompt_logprobs: int | None = None
+    scored_ids: list[int] = field(default_factory=list)
 
 
 UNKNOWN_TOKEN = -1
@@ -128,6 +132,8 @@ class StepResult:
     device_seconds: float = 0.0
     # How long rank 0's host took to queue the step (on a CPU, to compute it). 0.0 where unknown.
     launch_seconds: float = 0.0
+    # Per prefill command that asked for them: its scored prompt tokens' log-probs (None for the others)
+    prompt_logprobs: list[list[SampledToken] | None] = field(default_factory=list)
 
 
 class SlotProtocolError(RuntimeError):

@@ -20,7 +20,7 @@ from deltaserve.model.forward import Qwen35Shard
 from deltaserve.model.state import ModelState
 
 from .backend import ForwardOutputs, GraphProgram, StepGraphs, StepShape
-from .commands import KEPT_ON_DEVICE, UNKNOWN_TOKEN, SlotProtocolError, StepCommand, StepResult
+from .commands import KEPT_ON_DEVICE, UNKNOWN_TOKEN, SampledToken, SlotProtocolError, StepCommand, StepResult
 from .sampling import SlotSampling
 from .slots import DecodeInputs, DecodeSlots
 from .speculation import KeptDrafts, Speculator
@@ -117,13 +117,15 @@ class RankRuntime:
         per step (`StepCommand.speculate`)."""
         return self.speculation is not None and bucket <= self.speculate_up_to
 
-    def _forward(self, rows: int, T: int, chunks: PromptChunks | None, head) -> "ForwardOutputs":
+    def _forward(self, rows: int, T: int, chunks: PromptChunks | None, head,
+                 keep_prompt_hidden: bool = False) -> "ForwardOutputs":
         """One forward of a step: the fixed decode inputs' first `rows` rows, T tokens each (T > 1: drafts and
         their verification, `Speculator.forward`), and the prompt chunks. In a speculative engine a one-token row
         may come from a verify step: its state rolls back first, and the MTP head runs over that step's positions
         as a speculative step's would (its KV there, which later drafts attend to); each row's hidden state is kept
         for a later draft (the engine then sends it as promoted: verify_accepted 0); and the head runs over the
-        chunks (`head`: its inputs, see `Speculator.head_over_prompts`)."""
+        chunks (`head`: its inputs, see `Speculator.head_over_prompts`). keep_prompt_hidden: every chunk token's
+        hidden state comes back too (prompt log-probs)."""
         if T > 1:
             if chunks is not None:
                 raise ValueError("a speculative step's rows run apart from prompt chunks")
@@ -140,12 +142,14 @@ class RankRuntime:
         if chunks is None:
             return ForwardOutputs(model.logits(hidden))
         last = spec.head_over_prompts(hidden[n:], chunks, *head) if spec else hidden[batch.chunk_ends()]
+        kept = hidden[n:] if keep_prompt_hidden else None
         if not n:
-            return ForwardOutputs(None, model.logits(last))
+            return ForwardOutputs(None, model.logits(last), prompt_hidden=kept)
         logits = model.logits(torch.cat([hidden[:n], last]))
-        return ForwardOutputs(logits[:n], logits[n:])
+        return ForwardOutputs(logits[:n], logits[n:], prompt_hidden=kept)
 
-    def _run(self, rows: int, T: int, chunks: list[PrefillChunk], computed: list, bucket: int) -> "ForwardOutputs":
+    def _run(self, rows: int, T: int, chunks: list[PrefillChunk], computed: list, bucket: int,
+             keep_prompt_hidden: bool = False) -> "ForwardOutputs":
         """The forward of `rows` fixed-input rows of T tokens and these chunks (of `computed`, their commands): the
         replay of a captured shape where one fits (`bucket`: the chunks' prompt-token bucket beside those rows,
         `_prompt_bucket`; 0: none), the chunks padded into the fixed prompt inputs, else eager."""
@@ -162,7 +166,7 @@ class RankRuntime:
         if chunks:
             prompts = PromptChunks.build(chunks, self.state.page_size, self.state.trash_page, self.device)
         head = self.speculation.head_tensors(computed) if prompts is not None and self.speculation else None
-        return self._forward(rows, T, prompts, head)
+        return self._forward(rows, T, prompts, head, keep_prompt_hidden)
 
     def _prompt_bucket(self, rows: int, chunks: list[PrefillChunk]) -> int:
         """The smallest captured prompt-token bucket that the chunks fit beside `rows` rows, or 0."""
@@ -197,7 +201,7 @@ class RankRuntime:
             for p in cmd.prefill:
                 self.sampling.start(p.slot, p.sampling, p.prefix_ids + p.token_ids if p.prefix_ids else p.token_ids)
 
-        decode_draw = prefill_draw = speculation = None
+        decode_draw = prefill_draw = speculation = prompt_scores = None
         n = len(cmd.decode_tokens)
         index_offsets = None
         if n:
@@ -213,10 +217,12 @@ class RankRuntime:
         # come from the hidden state restored with the snapshot.
         computed = [p for p in cmd.prefill if p.token_ids]
         chunks = [PrefillChunk(p.token_ids, p.start, p.slot, p.pages) for p in computed]
+        # A chunk whose prompt's log-probs are asked for runs eagerly (a graph keeps each chunk's last logits only).
+        scored = any(p.prompt_logprobs is not None for p in computed)
         # One forward for the rows and the chunks where the step can (never with drafts; on a device with graphs,
         # only where a captured shape fits: eager, its launches would cost more than the second weight pass it
         # saves); else the rows' forward, then the chunks'.
-        fusable = self.fuse_mixed_steps and bool(n and chunks) and not cmd.speculate
+        fusable = self.fuse_mixed_steps and bool(n and chunks) and not cmd.speculate and not scored
         bucket = self._prompt_bucket(cmd.bucket, chunks) if fusable else 0
         fused = fusable and (self.graphs is None or bucket > 0)
         if n and not fused:
@@ -231,8 +237,11 @@ class RankRuntime:
             prefill_logits = None  # at each computed chunk's last token
             if chunks:
                 rows = cmd.bucket if fused else 0
-                out = self._run(rows, 1, chunks, computed, bucket if fused else self._prompt_bucket(rows, chunks))
+                bucket = 0 if scored else bucket if fused else self._prompt_bucket(rows, chunks)
+                out = self._run(rows, 1, chunks, computed, bucket, keep_prompt_hidden=scored)
                 prefill_logits = out.chunk_logits  # row i is chunk i's (a padded step's padding after)
+                if scored and self.sampling:
+                    prompt_scores = self._score_prompts(cmd, out.prompt_hidden)
                 if fused:
                     decode_draw = self._draw_decode(cmd, out.row_logits, index_offsets)
             self.slots.after_prompts(cmd)
@@ -248,7 +257,24 @@ class RankRuntime:
             clock.stop()
         if queued:
             on_launched()
-        return LaunchedStep(self, cmd, decode_draw, prefill_draw, speculation, clock) if self.sampling else None
+        return LaunchedStep(self, cmd, decode_draw, prefill_draw, speculation, clock, prompt_scores) \
+            if self.sampling else None
+
+    def _score_prompts(self, cmd: StepCommand, hidden: torch.Tensor) -> list:
+        """Per prefill command: None, or (the log-probs of its scored prompt tokens [S], their top log-probs and ids
+        [S, k] or None), on the device. `hidden`: every computed chunk's tokens, in command order."""
+        scores, offset = [], 0
+        for p in cmd.prefill:
+            if p.prompt_logprobs is None or not p.scored_ids:
+                scores.append(None)
+            else:
+                h = hidden[offset : offset + len(p.scored_ids)]
+                logprobs = torch.log_softmax(self.model.logits(h).float(), dim=-1)
+                ids = torch.tensor(p.scored_ids, device=logprobs.device)
+                chosen = logprobs.gather(1, ids[:, None])[:, 0]
+                scores.append((chosen, logprobs.topk(p.prompt_logprobs, dim=-1) if p.prompt_logprobs else None))
+            offset += len(p.token_ids)
+        return scores
 
     def _carry_in(self, cmd: StepCommand) -> torch.Tensor | None:
         """The decode rows' inputs that the step before holds on the device (overlap scheduling): an UNKNOWN_TOKEN
@@ -302,18 +328,27 @@ class RankRuntime:
                 prefill[i] = s
         more = Speculator.kept_tokens(decode, drawn, step.speculation) if step.speculation else []
         clock = step.clock
+        scored = [None] * len(cmd.prefill)
+        for i, (p, score) in enumerate(zip(cmd.prefill, step.prompt_scores or ())):
+            if score is not None:
+                chosen, top = score
+                tops = [list(zip(ids, lps)) for ids, lps in zip(top.indices.tolist(), top.values.tolist())] \
+                    if top is not None else [None] * len(p.scored_ids)
+                scored[i] = [SampledToken(t, lp, top_r)
+                             for t, lp, top_r in zip(p.scored_ids, chosen.tolist(), tops)]
         return StepResult(decode, prefill, more, clock.seconds() if clock else 0.0,
-                          clock.launch_seconds if clock else 0.0)
+                          clock.launch_seconds if clock else 0.0, scored)
 
 
 class LaunchedStep:
     """Rank 0's step, queued on the device; `finish()` waits for its tokens (the worker's deferred result)."""
 
     def __init__(self, runtime: RankRuntime, cmd: StepCommand, decode, prefill, speculation=None,
-                 clock: "StepClock | None" = None) -> None:
+                 clock: "StepClock | None" = None, prompt_scores: list | None = None) -> None:
         self.runtime, self.cmd, self.decode, self.prefill = runtime, cmd, decode, prefill
         self.speculation: KeptDrafts | None = speculation
         self.clock = clock
+        self.prompt_scores = prompt_scores  # `RankRuntime._score_prompts`: read by `finish`
 
     def ready(self) -> bool:
         return all(d is None or d.ready() for d in (self.decode, self.prefill, self.speculation))

@@ -279,9 +279,10 @@ class AsyncEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()  # again: its fields may have been set after it was made
         params.check_model(self.cfg.vocab_size)
-        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
-            raise ValueError(f"logprobs {params.logprobs} is above this server's max_logprobs "
-                             f"({self.args.max_logprobs})")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.args.max_logprobs:
+                raise ValueError(f"{name} {asked} is above this server's max_logprobs ({self.args.max_logprobs})")
         if prompt_len >= self.max_model_len:
             raise ValueError(f"prompt is {prompt_len} tokens; the context length is {self.max_model_len}")
         params = params.with_defaults(self.cfg.generation, self.max_model_len - prompt_len)

@@ -67,6 +67,9 @@ class ParsedRequest:
     tools: list | None = None  # chat: the function tools, as the client sent them (the template renders them)
     parse_tool_calls: bool = False  # chat: tools given and tool_choice "auto": calls in the output are parsed
     parallel_tool_calls: bool = True
+    echo: bool = False  # completions: the prompt before each choice's text (and log-probs)
+    echo_only: bool = False  # completions: max_tokens 0 with echo, the drawn token dropped
+    prompt_logprobs: bool = False  # completions: each choice carries vLLM's `prompt_logprobs`
 
 
 
@@ -147,9 +150,25 @@ def parse_completion(body: dict) -> ParsedRequest:
         if not 0 <= logprobs <= MAX_LOGPROBS:  # OpenAI's 5, vLLM's 20; the server's --max-logprobs may lower it
             raise _bad(f"'logprobs' must be between 0 and {MAX_LOGPROBS}", "logprobs")
         kwargs["logprobs"] = logprobs
+    # echo (lm-evaluation-harness scores a choice so): the prompt before the completion, and with logprobs its
+    # tokens' log-probs too; max_tokens 0 then returns the prompt alone (one token is drawn and dropped).
     echo = _typed(body, "echo", (bool,), "a boolean") or False
-    if echo:
-        raise _bad("'echo' is not supported", "echo")
+    echo_only = kwargs["max_tokens"] == 0
+    if echo_only and not echo:
+        raise _bad("'max_tokens' 0 needs 'echo': true", "max_tokens")
+    if echo and stream:
+        raise _bad("'echo' is served without 'stream'", "echo")
+    if echo_only:
+        kwargs["max_tokens"] = 1
+    if echo and logprobs is not None:
+        kwargs["prompt_logprobs"] = logprobs
+    prompt_logprobs = _typed(body, "prompt_logprobs", (int,), "an integer")  # vLLM's
+    if prompt_logprobs is not None and stream:
+        raise _bad("'prompt_logprobs' is served without 'stream'", "prompt_logprobs")
+    if prompt_logprobs is not None:
+        if not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise _bad(f"'prompt_logprobs' must be between 0 and {MAX_LOGPROBS}", "prompt_logprobs")
+        kwargs["prompt_logprobs"] = max(prompt_logprobs, kwargs.get("prompt_logprobs") or 0)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -168,7 +187,8 @@ def parse_completion(body: dict) -> ParsedRequest:
     if len(prompts) * n > MAX_CHOICES:
         raise _bad(f"{len(prompts)} prompts x n = {n} asks for more than {MAX_CHOICES} choices", "n")
     return_ids = _typed(body, "return_token_ids", (bool,), "a boolean") or False
-    return ParsedRequest(prompts, _params(kwargs), stream, usage_options, model, return_token_ids=return_ids, n=n)
+    return ParsedRequest(prompts, _params(kwargs), stream, usage_options, model, return_token_ids=return_ids, n=n,
+                         echo=echo, echo_only=echo_only, prompt_logprobs=prompt_logprobs is not None)
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -280,6 +300,26 @@ def completion_logprobs(entries, tokenizer, offset: int) -> tuple[dict, int]:
         offsets.append(offset)
         offset += sum(1 for b in tokenizer.token_bytes(e.token_id) if b & 0xC0 != 0x80)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def prompt_completion_logprobs(prompt_ids: list[int], entries, tokenizer) -> tuple[dict, int]:
+    """`completion_logprobs` of an echoed prompt: its first token has no log-prob (None, as OpenAI's)."""
+    scored, offset = completion_logprobs(entries[1:], tokenizer, 0)
+    first = tokenizer.token_text(prompt_ids[0])
+    shift = sum(1 for b in tokenizer.token_bytes(prompt_ids[0]) if b & 0xC0 != 0x80)
+    return {"tokens": [first] + scored["tokens"], "token_logprobs": [None] + scored["token_logprobs"],
+            "top_logprobs": [None] + scored["top_logprobs"],
+            "text_offset": [0] + [o + shift for o in scored["text_offset"]]}, offset + shift
+
+
+def vllm_prompt_logprobs(entries, tokenizer) -> list:
+    """vLLM's `prompt_logprobs`: None for the first token, then each token's {id: {logprob, decoded_token}}, its
+    own and its top ones."""
+    out = [None]
+    for e in entries[1:]:
+        listed = {e.token_id: e.logprob, **dict(e.top or ())}
+        out.append({str(t): {"logprob": lp, "decoded_token": tokenizer.token_text(t)} for t, lp in listed.items()})
+    return out
 
 
 def chat_logprobs(entries, tokenizer) -> dict:

@@ -30,14 +30,18 @@ class RequestOutput:
     lazily: the engine hands out lengths, not copies, so a step costs the same at token 10 and token 10,000."""
 
     __slots__ = ("request_id", "prompt_token_ids", "delta_token_ids", "delta_text", "finished", "finish_reason",
-                 "error", "num_cached_tokens", "_ids", "_logprobs", "_n", "_text_parts", "_text_n")
+                 "error", "num_cached_tokens", "prompt_logprobs", "_ids", "_logprobs", "_n", "_text_parts",
+                 "_text_n")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], ids: list[int], text_parts: list[str],
                  delta_token_ids: list[int], delta_text: str, finished: bool = False, finish_reason: str | None = None,
                  logprobs: list[TokenLogprob] | None = None, error: str | None = None,
-                 num_cached_tokens: int = 0) -> None:
+                 num_cached_tokens: int = 0, prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
         self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
         self.num_cached_tokens = num_cached_tokens  # prompt tokens a cached prefix spared the prefill
+        # Asked for (`SamplingParams.prompt_logprobs`): each prompt token's, None for the first (complete from the
+        # first output on: the prompt is scored before the first token is drawn)
+        self.prompt_logprobs = prompt_logprobs
         self.delta_token_ids, self.delta_text = delta_token_ids, delta_text
         self.finished, self.finish_reason, self.error = finished, finish_reason, error  # "stop"|"length"|"abort"|"error"
         self._ids, self._logprobs, self._n = ids, logprobs, len(ids)
@@ -113,6 +117,7 @@ class Request(SchedRequest):
     queue: OutputQueue = field(default_factory=OutputQueue)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled as its chunks are scored
     text_parts: list[str] = field(default_factory=list)  # the output's text, a piece a token (joined when read)
     finished: bool = False  # its stream has had its last output (its slot and pages go at the next plan)
     arrival: float = field(default_factory=time.perf_counter)
@@ -124,7 +129,8 @@ class Request(SchedRequest):
             stop_ids: frozenset[int], detok: IncrementalDetokenizer, stops: StopMatcher) -> "Request":
         return cls(request_id, len(prompt_ids), params.max_tokens, prompt_ids=prompt_ids, drawn=[], params=params,
                    sampling=sampling, stop_ids=stop_ids, detok=detok, stops=stops,
-                   logprobs=[] if params.logprobs is not None else None)
+                   logprobs=[] if params.logprobs is not None else None,
+                   prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     def take(self, sampled) -> str | None:
         """Append a drawn token (and its log-prob); "stop" where it is a stop id past min_tokens: it ends the
@@ -168,4 +174,4 @@ class Request(SchedRequest):
         # The lists only ever grow (a stop token is popped before its output is made), so a length snapshots them.
         return RequestOutput(self.request_id, self.prompt_ids, self.output_ids, self.text_parts, list(delta_ids),
                              delta_text, finished=reason is not None, finish_reason=reason, logprobs=self.logprobs,
-                             error=error, num_cached_tokens=self.cached)
+                             error=error, num_cached_tokens=self.cached, prompt_logprobs=self.prompt_logprobs)

@@ -33,6 +33,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0: only the chosen token's)
+    # vLLM's: each prompt token's log-prob given the ones before it, with this many top log-probs (0: its own);
+    # the whole prompt is then computed (no cached prefix is reused)
+    prompt_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
@@ -67,6 +70,7 @@ class SamplingParams:
         number("min_p", 0.0, 1.0)
         number("seed", 0, 2**63 - 1, integer=True)
         number("logprobs", 0, MAX_LOGPROBS, integer=True)
+        number("prompt_logprobs", 0, MAX_LOGPROBS, integer=True)
         number("presence_penalty", -2.0, 2.0)
         number("frequency_penalty", -2.0, 2.0)
         number("repetition_penalty", 0.0, 10.0, lo_open=True)

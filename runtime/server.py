@@ -30,6 +30,8 @@ from .openai_protocol import (
     chat_logprobs,
     completion_logprobs,
     new_id,
+    prompt_completion_logprobs,
+    vllm_prompt_logprobs,
     now,
     parse_chat,
     parse_completion,
@@ -302,15 +304,30 @@ async def completions(request: web.Request) -> web.StreamResponse:
         _raise_if_failed(out)
     request[USAGE_KEY] = _request_usage([_token_counts(out) for out in finals], parsed.n)
 
+    if parsed.echo_only:  # the drawn token is not part of the answer
+        request[USAGE_KEY] = (request[USAGE_KEY][0], 0, request[USAGE_KEY][2])
+
     def build() -> dict:
         choices = []
         for i, out in enumerate(finals):
-            logprobs = None
-            if out.logprobs is not None:
-                logprobs, _ = completion_logprobs(out.logprobs, engine.tokenizer, 0)
-            choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason})
+            text, entries, ids = out.text, out.logprobs, out.token_ids
+            if parsed.echo_only:
+                text, entries, ids = "", [] if entries is not None else None, []
+            logprobs, offset = None, 0
+            if parsed.echo:
+                text = engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) + text
+                if entries is not None:
+                    logprobs, offset = prompt_completion_logprobs(out.prompt_token_ids, out.prompt_logprobs,
+                                                                  engine.tokenizer)
+            if entries is not None:
+                generated, _ = completion_logprobs(entries, engine.tokenizer, offset)
+                logprobs = generated if logprobs is None else {k: logprobs[k] + generated[k] for k in generated}
+            choices.append({"index": i, "text": text, "logprobs": logprobs,
+                            "finish_reason": "length" if parsed.echo_only else out.finish_reason})
+            if parsed.prompt_logprobs:
+                choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, engine.tokenizer)
             if parsed.return_token_ids:
-                choices[-1].update(prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids)
+                choices[-1].update(prompt_token_ids=out.prompt_token_ids, token_ids=ids)
         return {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name,
                 "choices": choices, "usage": usage(*request[USAGE_KEY])}
     return await _json_body(engine, build, finals)

@@ -20,7 +20,7 @@ from deltaserve.devices.replica import Replica
 from deltaserve.devices.worker import ReplicaPoisoned
 
 from .metrics import EngineMetrics
-from .outputs import Request
+from .outputs import Request, TokenLogprob
 from .scheduler import Scheduler, StepPlan
 from .speculation import SpeculationOverride, SpeculationPolicy
 
@@ -68,6 +68,8 @@ class StepLoop:
     def add(self, req: Request, keys: list | None) -> None:
         """Queue a request (its prompt already checked); `keys`: its prompt's prefix keys, where made already."""
         self.scheduler.enqueue(req, keys)
+        if req.prompt_logprobs is not None:  # every prompt token is computed: no cached prefix stands in for one
+            req.cacheable = False
         self.requests[req.request_id] = req
 
     def wake(self) -> None:
@@ -282,6 +284,8 @@ class StepLoop:
                 sampling=req.sampling if w.first else None,
                 prefix_ids=req.prompt_ids[: w.start] if w.first and req.sampling.needs_counts else [],
                 next_token=req.prompt_ids[end] if end < len(req.prompt_ids) else 0,
+                prompt_logprobs=req.params.prompt_logprobs,
+                scored_ids=req.prompt_ids[w.start + 1 : end + 1] if req.prompt_logprobs is not None else [],
             ))
             if w.first:
                 self.metrics.count_prefix(len(req.prompt_ids), w.start)
@@ -325,6 +329,10 @@ class StepLoop:
         later. A token for a request that has gone (it stopped a step earlier, with overlap) is dropped."""
         now = time.perf_counter()
         later = []
+        for w, scored in zip(plan.prefill, result.prompt_logprobs):
+            req = self.requests.get(w.request_id)
+            if scored and req is not None:
+                req.prompt_logprobs += [TokenLogprob(s.token, s.logprob, s.top) for s in scored]
         for w, sampled in zip(plan.prefill, result.prefill):
             if sampled is not None and w.request_id in self.requests:
                 self._on_token(self.requests[w.request_id], sampled, now, later)

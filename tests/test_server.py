@@ -371,7 +371,7 @@ def test_usage_reports_the_prompt_tokens_a_cached_prefix_spared(tiny_ckpt, caplo
 def test_a_refused_requests_access_line_says_why(tiny_ckpt, caplog):
     async def body(engine, url):
         async with aiohttp.ClientSession() as session:
-            status, _ = await post(session, url + "/v1/completions", {"prompt": "x", "max_tokens": 0})
+            status, _ = await post(session, url + "/v1/completions", {"prompt": "x", "max_tokens": -1})
             assert status == 400
             status, _ = await post(session, url + "/v1/completions", {"prompt": "x", "stop": ["y" * 5000]})
             assert status == 400
@@ -380,7 +380,7 @@ def test_a_refused_requests_access_line_says_why(tiny_ckpt, caplog):
     with caplog.at_level(logging.INFO, logger="deltaserve.access"):
         assert with_server(tiny_ckpt, body)
     lines = [r.getMessage() for r in caplog.records if r.name == "deltaserve.access"]
-    assert " 400 " in lines[0] and "error='max_tokens: max_tokens must be >= 1, got 0'" in lines[0], lines[0]
+    assert " 400 " in lines[0] and "error='max_tokens: max_tokens must be >= 1, got -1'" in lines[0], lines[0]
     assert "error='stop" in lines[1] and len(lines[1]) < 400, lines[1]  # the reason, truncated
 
 
