@@ -68,12 +68,14 @@ def new_parser(name: str, tools: list[dict]) -> "ToolCallParser":
 
 class ToolCallParser:
     def __init__(self, tools: list[dict]) -> None:
-        self.schemas = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
-                        for t in tools}
+        self.schemas = {t["function"]["name"]: _properties(t["function"].get("parameters")) for t in tools}
         self.buffer = ""
         self.inside = False
         self.names: list[str] = []  # each call's, by index
         self.events: list = []
+        # How far into the buffer a closing tag was already looked for: a long value streamed token by token is
+        # scanned once, not once a token.
+        self.scanned = 0
 
     def feed(self, text: str) -> list:
         """The events `text` completes (some of it may wait for the next delta)."""
@@ -131,10 +133,11 @@ class HermesParser(ToolCallParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`: a call is known once it closes."""
 
     def _inside(self) -> bool:
-        end = self.buffer.find(CALL_CLOSE)
+        end = self.buffer.find(CALL_CLOSE, max(0, self.scanned - len(CALL_CLOSE)))
         if end < 0:
+            self.scanned = len(self.buffer)
             return False
-        body, self.buffer = self.buffer[:end], self.buffer[end + len(CALL_CLOSE) :]
+        body, self.buffer, self.scanned = self.buffer[:end], self.buffer[end + len(CALL_CLOSE) :], 0
         self.inside = False
         try:
             call = json.loads(body)
@@ -143,7 +146,7 @@ class HermesParser(ToolCallParser):
                 arguments = json.loads(arguments)
             if not isinstance(name, str) or not isinstance(arguments, dict):
                 raise ValueError
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             self._content(CALL_OPEN + body + CALL_CLOSE)
             return True
         index = self._start(name)
@@ -187,11 +190,12 @@ class Qwen3CoderParser(ToolCallParser):
                     self.call, self.params = self._start(name), 0
                     self.buffer = text[head + 1 :]
                     return True
-                end = text.find(PARAMETER_CLOSE, head)
+                end = text.find(PARAMETER_CLOSE, max(head, self.scanned - len(PARAMETER_CLOSE)))
                 if end < 0:
+                    self.scanned = len(text)  # the buffer stays as it is: `text` keeps its offsets
                     return False
                 self._parameter(name, text[head + 1 : end])
-                self.buffer = text[end + len(PARAMETER_CLOSE) :]
+                self.buffer, self.scanned = text[end + len(PARAMETER_CLOSE) :], 0
                 return True
         if any(tag.startswith(text) for tag in (CALL_CLOSE, FUNCTION_CLOSE, FUNCTION_OPEN, PARAMETER_OPEN)):
             return False  # a tag still arriving
@@ -225,6 +229,12 @@ class Qwen3CoderParser(ToolCallParser):
         self._close_function()
 
 
+def _properties(schema) -> dict:
+    """A tool's parameters' schemas by name, where its JSON schema lists them as an object."""
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    return properties if isinstance(properties, dict) else {}
+
+
 def _converted(raw: str, kind) -> object:
     """A parameter's text as its schema's type says (a list of types: the first that fits); as a string where it
     does not fit or the schema names none."""
@@ -244,7 +254,7 @@ def _converted(raw: str, kind) -> object:
                 value = json.loads(raw)
                 if isinstance(value, dict if k == "object" else list):
                     return value
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than Python parses
             continue
     return raw
 

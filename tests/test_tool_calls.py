@@ -84,3 +84,15 @@ def test_the_format_is_detected_from_the_template():
     assert detect_parser("{{ messages }}") is None and detect_parser(None) is None
     with pytest.raises(ValueError, match="not one of"):
         new_parser("mistral", TOOLS)
+
+
+def test_odd_schemas_and_outputs_never_raise():
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {"properties": ["x"]}}},
+           {"type": "function", "function": {"name": "g", "parameters": "nope"}}]
+    deep = "[" * 100_000 + "]" * 100_000
+    for name, text in (("qwen3_coder", f"<tool_call>\n<function=f>\n<parameter=x>\n{deep}\n</parameter>\n</function>"
+                                       "\n</tool_call>"),
+                       ("hermes", '<tool_call>{"name": "g", "arguments": ' + deep + "}</tool_call>")):
+        parser = new_parser(name, odd)
+        content, calls = merged(parser.feed(text) + parser.finish())
+        assert calls or content  # parsed or kept as content: nothing raised
