@@ -42,6 +42,7 @@ class RowSampling:
     min_tokens: int = 0  # stop_token_ids cannot be drawn before this many tokens
     stop_token_ids: tuple[int, ...] = ()
     max_tokens: int | None = None  # a speculative step keeps no token past it (None: no limit)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, what its logit gets added) before every draw
 
     @property
     def needs_counts(self) -> bool:

@@ -147,6 +147,12 @@ class SlotSampling:
     def draw(self, logits: torch.Tensor, prepared) -> Draw:
         """Queue the draw for `prepare`'s rows on the device; nothing here waits for it."""
         rows, params, token_index, slot_index, slots = prepared
+        biased = [(i, t, b) for i, r in enumerate(rows) for t, b in r.logit_bias]
+        if biased:
+            at = upload({"rows": [i for i, _, _ in biased], "ids": [t for _, t, _ in biased]}, torch.long,
+                        logits.device)
+            values = torch.tensor([b for _, _, b in biased], dtype=logits.dtype).to(logits.device, non_blocking=True)
+            logits.index_put_((at["rows"], at["ids"]), values, accumulate=True)
         barred = [(i, t) for i, (r, step) in enumerate(zip(rows, token_index)) if step < r.min_tokens
                   for t in r.stop_token_ids]  # min_tokens: no stop token yet
         if barred:

@@ -351,6 +351,7 @@ class AsyncEngine:
             presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty, seed=params.seed, logprobs=params.logprobs or 0,
             min_tokens=params.min_tokens, stop_token_ids=tuple(sorted(stop_ids)), max_tokens=params.max_tokens,
+            logit_bias=tuple(sorted((params.logit_bias or {}).items())),
         )
         # CapacityError if it can never fit: checked once, as every choice needs the same.
         self.scheduler.check_fits(len(prompt_ids), params.max_tokens)

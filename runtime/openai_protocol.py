@@ -49,8 +49,7 @@ _SHARED_FIELDS = {  # request field -> (SamplingParams field, expected python ty
 
 MAX_CHOICES = 128  # choices a request may ask for in all (n times its prompts), OpenAI's limit on n
 
-_UNSUPPORTED = {"logit_bias", "suffix", "functions", "function_call", "response_format", "audio", "modalities",
-                "prediction"}
+_UNSUPPORTED = {"suffix", "functions", "function_call", "response_format", "audio", "modalities", "prediction"}
 
 
 @dataclass
@@ -106,6 +105,14 @@ def _common(body: dict, max_tokens_field: str) -> tuple[dict, bool, tuple[bool, 
         value = _typed(body, name, types, what)
         if value is not None:
             kwargs[target] = value
+    bias = body.get("logit_bias")
+    if bias is not None:  # OpenAI's keys are token ids written as strings
+        if not isinstance(bias, dict):
+            raise _bad("'logit_bias' must be an object of token ids to numbers", "logit_bias")
+        try:
+            kwargs["logit_bias"] = {int(k): v for k, v in bias.items()}
+        except ValueError:
+            raise _bad("'logit_bias' keys must be token ids", "logit_bias") from None
     max_tokens = _typed(body, max_tokens_field, (int,), "an integer")
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = _typed(body, "max_tokens", (int,), "an integer")

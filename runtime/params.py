@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 from deltaserve.model.config import GenerationDefaults
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # biased ids a request: each is uploaded and added before every draw
 MAX_STOP_TOKEN_IDS = 4096  # each request's stop ids travel to rank 0 and bar their draw before min_tokens
 MAX_STOP_CHARS = 1024  # the stream holds back this much text while a stop string may still complete
 INT32_MAX = 2**31 - 1  # counts and token ids travel to the ranks as int32/int64 tensors: bounded before they go
@@ -41,6 +42,9 @@ class SamplingParams:
     repetition_penalty: float | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # OpenAI's: token id -> a number in [-100, 100] added to its logit before every draw (the log-probs reported are
+    # of the biased distribution)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +93,15 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
         if not all_ints(ids) or (ids and not 0 <= min(ids) <= max(ids) <= INT32_MAX):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids")
+            for token, value in bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= INT32_MAX:
+                    raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                    raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")
@@ -98,6 +111,9 @@ class SamplingParams:
         if self.stop_token_ids and max(self.stop_token_ids) >= vocab_size:
             bad = next(t for t in self.stop_token_ids if t >= vocab_size)
             raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        if self.logit_bias and max(self.logit_bias) >= vocab_size:
+            bad = next(t for t in self.logit_bias if t >= vocab_size)
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
         if self.logprobs is not None and self.logprobs > vocab_size:
             raise ValueError(f"logprobs must be <= the vocabulary size {vocab_size}, got {self.logprobs}")
 

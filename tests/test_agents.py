@@ -263,3 +263,39 @@ def test_the_responses_api_serves_an_agent_s_turns(tiny_ckpt, size):
     # the conversation reached the template as chat messages: instructions, the earlier call and its output
     assert prompt.startswith("<tools>") and "<|im_start|>system\nBe brief." in prompt
     assert "<tool_call>get_weather</tool_call>" in prompt and "<|im_start|>tool\nsunny" in prompt
+
+
+def test_logit_bias_steers_every_draw_plain_and_speculative(tiny_ckpt):
+    """A +100 bias makes its token the greedy one at every step; a -100 bias on the unbiased greedy tokens keeps
+    them out; speculation (drafts drawn from the same biased logits) changes neither. Through the server too."""
+    prompt = [5, 6, 7, 8, 9]
+
+    async def run(bias, **kw):
+        args = EngineArgs(model=tiny_ckpt, max_model_len=256, max_batch=2, cpu_memory_bytes=32 << 20, **kw)
+        async with AsyncEngine(args) as engine:
+            async for out in engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                                    logit_bias=bias)):
+                pass
+            return out.token_ids
+
+    plain = asyncio.run(run(None))
+    assert asyncio.run(run({42: 100})) == [42] * 8
+    banned = asyncio.run(run({t: -100 for t in set(plain)}))
+    assert not set(banned) & set(plain)
+    assert asyncio.run(run({42: 100}, speculative_tokens=2)) == [42] * 8
+    with pytest.raises(ValueError, match="logit_bias values"):
+        SamplingParams(logit_bias={1: 101})
+
+    async def body(engine, url):
+        async with aiohttp.ClientSession() as s:
+            payload = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "logit_bias": {"42": 100}}
+            async with s.post(url + "/v1/completions", json={**payload, "return_token_ids": True}) as r:
+                ok = await r.json()
+            async with s.post(url + "/v1/completions", json={**payload, "logit_bias": {"x": 1}}) as r:
+                bad = r.status, (await r.json())["error"]["param"]
+            async with s.post(url + "/v1/completions", json={**payload, "logit_bias": {"99999999": 1}}) as r:
+                outside = r.status
+            return ok, bad, outside
+
+    ok, bad, outside = _serve(tiny_ckpt, body)
+    assert ok["choices"][0]["token_ids"] == [42, 42, 42] and bad == (400, "logit_bias") and outside == 400

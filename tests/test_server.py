@@ -133,7 +133,7 @@ BAD = [
      "stream_options"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": 1.5}, 400, "seed"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"1": 500}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
