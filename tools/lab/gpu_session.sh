@@ -7,9 +7,9 @@
 #
 # after `. tools/lab/device_setup.sh` (the carried wheels, then the project installed).
 #
-# tests   the GPU tests of what changed last (a closed engine returns its memory to the driver; random weights
-#         load while torch caches the card and strand no cached memory; the server's capture-sweep log; a prompt
-#         resumed whole from the prefix cache; capture_check; TESTS=EXPR picks others); the FP8 ones are fp8's
+# tests   the GPU tests of what changed last (MoE kernels, graphs and HF parity; prompt log-probs beside prefill
+#         graphs; the server's capture-sweep log; a prompt resumed whole from the prefix cache; capture_check;
+#         TESTS=EXPR picks others); the FP8 ones are fp8's
 # spec    #32: the speculative step against a plain one, with the 27B head's published acceptance emulated, the
 #         drafts reading an FP8 copy of lm_head (the default) and the bf16 one
 # prefix  #31 and #30: the serving rows (each its own prompts), cache on and off (tools/lab/prefix_cache_rows.sh)
@@ -58,7 +58,7 @@ for stage in ${STAGES//,/ }; do
   case $stage in
     tests)
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -o log_cli=true --log-cli-level=INFO \
-          -k "${TESTS:-closed_in_process or torch_caches or strand or capture_sweep or prefix_cache or capture_check}" \
+          -k "${TESTS:-moe or prompt_logprobs or capture_sweep or prefix_cache or capture_check}" \
           > "$DIR/tests.log" 2>&1
       grep -E "passed|failed|speculation k=|on/off|launches waited|reserved after" "$DIR/tests.log" | tail -12 ;;
     compare)
