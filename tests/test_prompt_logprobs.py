@@ -97,3 +97,14 @@ def test_echo_scores_a_choice_as_lm_eval_asks(tiny_ckpt):
     p = vllm_style["choices"][0]["prompt_logprobs"]
     assert p[0] is None and abs(p[1][str(ids[1])]["logprob"] - want[0]) <= 1e-5 and len(p[1]) >= 2
     assert refused == 400
+
+
+def test_a_speculative_engine_scores_prompts_as_a_plain_one(tiny_ckpt):
+    prompts = [_prompt(50, seed=5), _prompt(12, seed=6)]
+    plain = _served(tiny_ckpt, prompts, top=2, prefill_token_budget=32)
+    spec = _served(tiny_ckpt, prompts, top=2, prefill_token_budget=32, speculative_tokens=2)
+    for a, b in zip(plain, spec):
+        assert [e and (e.token_id, e.top and [t for t, _ in e.top]) for e in a.prompt_logprobs] == \
+            [e and (e.token_id, e.top and [t for t, _ in e.top]) for e in b.prompt_logprobs]
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])) <= 1e-5
+        assert a.token_ids == b.token_ids
