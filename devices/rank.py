@@ -27,6 +27,10 @@ from .speculation import KeptDrafts, Speculator
 
 log = logging.getLogger(__name__)
 
+# Prompt positions scored at a time (`RankRuntime._score_prompts`): their fp32 log-probs over a 248k vocabulary take
+# 127 MB.
+SCORED_POSITIONS = 128
+
 
 class RankRuntime:
     def __init__(
@@ -261,18 +265,27 @@ class RankRuntime:
             if self.sampling else None
 
     def _score_prompts(self, cmd: StepCommand, hidden: torch.Tensor) -> list:
-        """Per prefill command: None, or (the log-probs of its scored prompt tokens [S], their top log-probs and ids
-        [S, k] or None), on the device. `hidden`: every computed chunk's tokens, in command order."""
+        """Per prefill command: None, or (the log-probs of its scored prompt tokens [S], (their top log-probs [S, k],
+        the ids of those) or None), on the device. `hidden`: every computed chunk's tokens, in command order."""
         scores, offset = [], 0
         for p in cmd.prefill:
             if p.prompt_logprobs is None or not p.scored_ids:
                 scores.append(None)
             else:
-                h = hidden[offset : offset + len(p.scored_ids)]
-                logprobs = torch.log_softmax(self.model.logits(h).float(), dim=-1)
-                ids = torch.tensor(p.scored_ids, device=logprobs.device)
-                chosen = logprobs.gather(1, ids[:, None])[:, 0]
-                scores.append((chosen, logprobs.topk(p.prompt_logprobs, dim=-1) if p.prompt_logprobs else None))
+                ids = upload({"ids": p.scored_ids}, torch.long, self.device)["ids"]
+                chosen, top_lp, top_ids = [], [], []
+                # A slice of positions at a time: a whole chunk's fp32 log-probs over the vocabulary would take
+                # gigabytes (2048 tokens x 248k).
+                for a in range(0, len(p.scored_ids), SCORED_POSITIONS):
+                    b = min(a + SCORED_POSITIONS, len(p.scored_ids))
+                    logprobs = torch.log_softmax(self.model.logits(hidden[offset + a : offset + b]).float(), dim=-1)
+                    chosen.append(logprobs.gather(1, ids[a:b, None])[:, 0])
+                    if p.prompt_logprobs:
+                        top = logprobs.topk(p.prompt_logprobs, dim=-1)
+                        top_lp.append(top.values)
+                        top_ids.append(top.indices)
+                top = (torch.cat(top_lp), torch.cat(top_ids)) if p.prompt_logprobs else None
+                scores.append((torch.cat(chosen), top))
             offset += len(p.token_ids)
         return scores
 
@@ -332,7 +345,7 @@ class RankRuntime:
         for i, (p, score) in enumerate(zip(cmd.prefill, step.prompt_scores or ())):
             if score is not None:
                 chosen, top = score
-                tops = [list(zip(ids, lps)) for ids, lps in zip(top.indices.tolist(), top.values.tolist())] \
+                tops = [list(zip(ids, lps)) for lps, ids in zip(top[0].tolist(), top[1].tolist())] \
                     if top is not None else [None] * len(p.scored_ids)
                 scored[i] = [SampledToken(t, lp, top_r)
                              for t, lp, top_r in zip(p.scored_ids, chosen.tolist(), tops)]

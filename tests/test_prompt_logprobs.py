@@ -39,7 +39,8 @@ def _served(ckpt, prompts, top, **kw):
 @pytest.mark.parametrize("kw", [{}, {"prefill_token_budget": 32}, {"tp": 2, "prefill_token_budget": 48}],
                          ids=["one-chunk", "chunked", "tp2-chunked"])
 def test_prompt_logprobs_are_the_teacher_forced_ones(tiny_tp_ckpt, kw):
-    prompts = [_prompt(70), _prompt(9, seed=4), _prompt(70)]  # the third repeats the first: no cache reuse
+    # the third repeats the first (no cached prefix may stand in); the last is scored in slices of positions
+    prompts = [_prompt(70), _prompt(9, seed=4), _prompt(70), _prompt(300, seed=7)]
     outs = _served(tiny_tp_ckpt, prompts, top=3, **kw)
     for prompt, out in zip(prompts, outs):
         want, logprobs = _teacher_forced(tiny_tp_ckpt, prompt)
