@@ -47,7 +47,8 @@ def test_prompt_logprobs_are_the_teacher_forced_ones(tiny_tp_ckpt, kw):
         got = out.prompt_logprobs
         assert got[0] is None and len(got) == len(prompt)
         assert [e.token_id for e in got[1:]] == prompt[1:]
-        assert max(abs(e.logprob - w) for e, w in zip(got[1:], want)) <= 1e-5
+        # Chunk boundaries move the fp32 GDN state's rounding (one chunk against many: ~2e-5 at 300 tokens)
+        assert max(abs(e.logprob - w) for e, w in zip(got[1:], want)) <= (5e-5 if kw else 1e-5)
         top_ids = logprobs[:-1].topk(3, -1).indices.tolist()
         assert [[t for t, _ in e.top] for e in got[1:]] == top_ids
         assert out.num_cached_tokens == 0
