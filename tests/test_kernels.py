@@ -306,7 +306,7 @@ def test_fused_qk_norm_rope_and_cache_write(T_):
 
 
 def test_the_forward_on_triton_ops_matches_the_reference_forward(tiny_ckpt):
-    from helpers import CpuRunner, prompt_logits
+    from helpers import CpuRunner
 
     if DEVICE != "cpu":
         pytest.skip("covered on the GPU by the engine tests")
