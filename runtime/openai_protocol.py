@@ -49,7 +49,10 @@ _SHARED_FIELDS = {  # request field -> (SamplingParams field, expected python ty
 
 MAX_CHOICES = 128  # choices a request may ask for in all (n times its prompts), OpenAI's limit on n
 
-_UNSUPPORTED = {"suffix", "functions", "function_call", "response_format", "audio", "modalities", "prediction"}
+_UNSUPPORTED = {"suffix", "functions", "function_call", "audio", "modalities", "prediction"}
+# Fields that constrain the output to a grammar (vLLM's names too): refused until a grammar engine constrains it,
+# as serving them unconstrained would return text that breaks the client's parser.
+_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 @dataclass
@@ -92,6 +95,13 @@ def _common(body: dict, max_tokens_field: str) -> tuple[dict, bool, tuple[bool, 
     for name in _UNSUPPORTED & body.keys():
         if body[name] not in (None, {}, [], ""):
             raise _bad(f"'{name}' is not supported by this server", name)
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise _bad("'response_format' other than {\"type\": \"text\"} needs structured outputs, which this server "
+                   "does not do yet", "response_format")
+    for name in _CONSTRAINTS:
+        if body.get(name) is not None:
+            raise _bad(f"'{name}' needs structured outputs, which this server does not do yet", name)
     n = _typed(body, "n", (int,), "an integer")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_CHOICES:

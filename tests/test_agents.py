@@ -299,3 +299,22 @@ def test_logit_bias_steers_every_draw_plain_and_speculative(tiny_ckpt):
 
     ok, bad, outside = _serve(tiny_ckpt, body)
     assert ok["choices"][0]["token_ids"] == [42, 42, 42] and bad == (400, "logit_bias") and outside == 400
+
+
+def test_the_default_response_format_is_served_and_constraints_are_refused_not_ignored(tiny_ckpt):
+    """`response_format` text (what clients send by default) is served; a JSON format or vLLM's structured-output
+    fields get a 400 naming them, never unconstrained text."""
+    async def body(engine, url):
+        out = []
+        async with aiohttp.ClientSession() as s:
+            for extra in ({"response_format": {"type": "text"}}, {"response_format": {"type": "json_object"}},
+                          {"guided_json": {"type": "object"}}, {"structured_outputs": {"regex": "a+"}},
+                          {"guided_choice": ["a", "b"]}):
+                payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+                async with s.post(url + "/v1/chat/completions", json=payload) as r:
+                    got = await r.json()
+                    out.append((r.status, got.get("error", {}).get("param")))
+        return out
+
+    assert _serve(tiny_ckpt, body) == [(200, None), (400, "response_format"), (400, "guided_json"),
+                                       (400, "structured_outputs"), (400, "guided_choice")]
