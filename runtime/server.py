@@ -420,6 +420,15 @@ async def _stream_completions(request, engine, parsed, gens, firsts, rid, create
     return sse.response
 
 
+async def _render_chat(engine: AsyncEngine, parsed: ParsedRequest, large: bool, field: str) -> str:
+    """The chat's prompt text (on a text thread for a large body); a failure is a 400 naming `field`."""
+    try:
+        render = functools.partial(engine.render_chat, parsed.messages, parsed.chat_template_kwargs, parsed.tools)
+        return await engine.run_text_work(render) if large else render()
+    except Exception as exc:  # the template is the checkpoint's code run on the client's data: any failure is theirs
+        raise ApiError(400, f"cannot render the chat template: {exc}", field) from None
+
+
 def _tool_call_format(request: web.Request, engine: AsyncEngine, parsed: ParsedRequest) -> str | None:
     """The format of the tool calls to parse out of this request's content; None where it sends no tools."""
     if not parsed.parse_tool_calls:
@@ -437,11 +446,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     parsed = parse_chat(body)
     _check_model(engine, parsed.model)
     calls_as = _tool_call_format(request, engine, parsed)
-    try:
-        render = functools.partial(engine.render_chat, parsed.messages, parsed.chat_template_kwargs, parsed.tools)
-        prompt = await engine.run_text_work(render) if large else render()
-    except Exception as exc:  # the template is the checkpoint's code run on the client's data: any failure is theirs
-        raise ApiError(400, f"cannot render the chat template: {exc}", "messages") from None
+    prompt = await _render_chat(engine, parsed, large, "messages")
     gens = await _start_all(engine, [prompt], parsed)
     rid, created = new_id("chatcmpl"), now()
     opens_reasoning = prompt_opens_reasoning(prompt)
@@ -568,11 +573,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     parsed = parse_chat(chat_body(body))
     _check_model(engine, parsed.model)
     calls_as = _tool_call_format(request, engine, parsed)
-    try:
-        render = functools.partial(engine.render_chat, parsed.messages, parsed.chat_template_kwargs, parsed.tools)
-        prompt = await engine.run_text_work(render) if large else render()
-    except Exception as exc:
-        raise ApiError(400, f"cannot render the chat template: {exc}", "input") from None
+    prompt = await _render_chat(engine, parsed, large, "input")
     (gen,) = await _start_all(engine, [prompt], parsed)
     writer = ResponseWriter(engine.model_name, body)
     splitter = ReasoningSplitter(prompt_opens_reasoning(prompt))
@@ -625,12 +626,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body, large = await _body(request)
     _check_model(engine, body.get("model"))
     if body.get("messages") is not None:
-        parsed = parse_chat({**body, "max_tokens": None})
-        render = functools.partial(engine.render_chat, parsed.messages, parsed.chat_template_kwargs, parsed.tools)
-        try:
-            prompt = await engine.run_text_work(render) if large else render()
-        except Exception as exc:
-            raise ApiError(400, f"cannot render the chat template: {exc}", "messages") from None
+        prompt = await _render_chat(engine, parse_chat({**body, "max_tokens": None}), large, "messages")
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
