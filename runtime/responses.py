@@ -184,21 +184,19 @@ class ResponseWriter:
         return item, events
 
     def text(self, delta: str) -> list[dict]:
-        if not delta:
-            return []
-        item, events = self._opened("message")
-        item["content"][0]["text"] += delta
-        return events + [self._event("response.output_text.delta", item_id=item["id"],
-                                     output_index=self.output.index(item), content_index=0, delta=delta,
-                                     logprobs=[])]
+        return self._append("message", "response.output_text.delta", delta, logprobs=[])
 
     def reasoning(self, delta: str) -> list[dict]:
+        return self._append("reasoning", "response.reasoning_text.delta", delta)
+
+    def _append(self, kind: str, event: str, delta: str, **fields) -> list[dict]:
+        """`delta` onto the open item of `kind` (opened if another is), and its delta event."""
         if not delta:
             return []
-        item, events = self._opened("reasoning")
+        item, events = self._opened(kind)
         item["content"][0]["text"] += delta
-        return events + [self._event("response.reasoning_text.delta", item_id=item["id"],
-                                     output_index=self.output.index(item), content_index=0, delta=delta)]
+        return events + [self._event(event, item_id=item["id"], output_index=self.output.index(item),
+                                     content_index=0, delta=delta, **fields)]
 
     def call_started(self, index: int, call_id: str, name: str) -> list[dict]:
         events = self._close_open()
