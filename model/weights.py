@@ -184,8 +184,8 @@ def iter_rank_tensors(
     for name, parts in split.items():
         stored_shapes.update({part: shape for row in parts for part, shape in row})
     # Expert parallelism: the other ranks' experts, stored one by one, are not this rank's to read.
-    others = {part for name in split for row in _expert_parts(name, cfg, range(cfg.num_experts)) for part, _ in row
-              if part not in stored_shapes}
+    not_held = [e for e in range(cfg.num_experts) if e not in experts]
+    others = {part for name in split for row in _expert_parts(name, cfg, not_held) for part, _ in row}
     if mtp and any(n.startswith(MTP_PREFIX) and n not in located for n in stored_shapes):
         missing = next(n for n in stored_shapes if n.startswith(MTP_PREFIX) and n not in located)
         raise WeightError(f"checkpoint {checkpoint_dir} has no complete MTP head (tensor {missing!r} is missing), "
@@ -272,7 +272,7 @@ def _stack_experts(rows: list[list]) -> torch.Tensor | Fp8Weight:
     return torch.stack([torch.cat(row) for row in dense])
 
 
-def _expert_parts(name: str, cfg: ModelConfig, experts: range) -> list[list[tuple[str, tuple[int, ...]]]]:
+def _expert_parts(name: str, cfg: ModelConfig, experts) -> list[list[tuple[str, tuple[int, ...]]]]:
     """The per-expert tensors one of `_EXPERT_TENSORS` is stacked from, a row for each of `experts`, with their
     shapes."""
     base, kind = name.rsplit(".", 1)
