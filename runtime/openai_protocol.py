@@ -315,18 +315,21 @@ def completion_logprobs(entries, tokenizer, offset: int) -> tuple[dict, int]:
         lps.append(e.logprob)
         tops.append({tokenizer.token_text(t): lp for t, lp in (e.top or [])})
         offsets.append(offset)
-        offset += sum(1 for b in tokenizer.token_bytes(e.token_id) if b & 0xC0 != 0x80)
+        offset += _chars_begun(tokenizer, e.token_id)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def _chars_begun(tokenizer, token_id: int) -> int:
+    """The characters a token begins (its UTF-8 lead bytes): what it moves a text offset by."""
+    return sum(1 for b in tokenizer.token_bytes(token_id) if b & 0xC0 != 0x80)
 
 
 def prompt_completion_logprobs(prompt_ids: list[int], entries, tokenizer) -> tuple[dict, int]:
     """`completion_logprobs` of an echoed prompt: its first token has no log-prob (None, as OpenAI's)."""
-    scored, offset = completion_logprobs(entries[1:], tokenizer, 0)
-    first = tokenizer.token_text(prompt_ids[0])
-    shift = sum(1 for b in tokenizer.token_bytes(prompt_ids[0]) if b & 0xC0 != 0x80)
-    return {"tokens": [first] + scored["tokens"], "token_logprobs": [None] + scored["token_logprobs"],
-            "top_logprobs": [None] + scored["top_logprobs"],
-            "text_offset": [0] + [o + shift for o in scored["text_offset"]]}, offset + shift
+    scored, offset = completion_logprobs(entries[1:], tokenizer, _chars_begun(tokenizer, prompt_ids[0]))
+    return {"tokens": [tokenizer.token_text(prompt_ids[0])] + scored["tokens"],
+            "token_logprobs": [None] + scored["token_logprobs"], "top_logprobs": [None] + scored["top_logprobs"],
+            "text_offset": [0] + scored["text_offset"]}, offset
 
 
 def vllm_prompt_logprobs(entries, tokenizer) -> list:
