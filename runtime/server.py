@@ -470,9 +470,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             reasoning, content = splitter.feed(out.text, final=True)
             message, finish = {"role": "assistant", "content": content}, out.finish_reason
             if calls_as is not None:
-                parser = new_parser(calls_as, parsed.tools)
-                content, calls = merged(parser.feed(content) + parser.finish())
-                calls = calls if parsed.parallel_tool_calls else calls[:1]
+                content, calls = merged(new_parser(calls_as, parsed.tools, parsed.parallel_tool_calls).feed(
+                    content, final=True))
                 message["content"] = content or (None if calls else "")
                 if calls:
                     message["tool_calls"] = calls
@@ -486,15 +485,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _json_body(engine, build, finals)
 
 
-def _call_deltas(events: list, parallel: bool) -> tuple[str, list[dict]]:
-    """A streamed chunk's content and `tool_calls` entries from a tool-call parser's events (with parallel calls
-    off, the first call alone)."""
+def _call_deltas(events: list) -> tuple[str, list[dict]]:
+    """A streamed chunk's content and `tool_calls` entries from a tool-call parser's events."""
     content, calls = [], []
     for e in events:
         if isinstance(e, Content):
             content.append(e.text)
-        elif e.index > 0 and not parallel:
-            continue
         elif isinstance(e, CallStart):
             calls.append({"index": e.index, "id": e.id, "type": "function",
                           "function": {"name": e.name, "arguments": ""}})
@@ -509,7 +505,7 @@ async def _stream_chat(request, engine, parsed, gens, firsts, opens_reasoning, c
 
     include_usage, continuous_usage = parsed.usage
     splitters = [ReasoningSplitter(opens_reasoning) for _ in gens]
-    parsers = [new_parser(calls_as, parsed.tools) if calls_as else None for _ in gens]
+    parsers = [new_parser(calls_as, parsed.tools, parsed.parallel_tool_calls) if calls_as else None for _ in gens]
     called = [False] * len(gens)
     totals = [(0, 0, 0)] * len(gens)
 
@@ -531,8 +527,7 @@ async def _stream_chat(request, engine, parsed, gens, firsts, opens_reasoning, c
         reasoning, content = splitters[i].feed(out.delta_text, final=out.finished)
         calls = []
         if parsers[i] is not None:
-            events = parsers[i].feed(content) + (parsers[i].finish() if out.finished else [])
-            content, calls = _call_deltas(events, parsed.parallel_tool_calls)
+            content, calls = _call_deltas(parsers[i].feed(content, final=out.finished))
             called[i] = called[i] or bool(calls)
         logprobs = None
         if out.logprobs is not None and out.delta_token_ids:
@@ -577,19 +572,17 @@ async def responses(request: web.Request) -> web.StreamResponse:
     (gen,) = await _start_all(engine, [prompt], parsed)
     writer = ResponseWriter(engine.model_name, body)
     splitter = ReasoningSplitter(prompt_opens_reasoning(prompt))
-    parser = new_parser(calls_as, parsed.tools) if calls_as else None
+    parser = new_parser(calls_as, parsed.tools, parsed.parallel_tool_calls) if calls_as else None
 
     def events_of(out) -> list[dict]:
         reasoning, content = splitter.feed(out.delta_text, final=out.finished)
         events = writer.reasoning(reasoning)
-        pieces = [Content(content)] if parser is None else \
-            parser.feed(content) + (parser.finish() if out.finished else [])
-        for e in pieces:
+        for e in [Content(content)] if parser is None else parser.feed(content, final=out.finished):
             if isinstance(e, Content):
                 events += writer.text(e.text)
-            elif isinstance(e, CallStart) and (e.index == 0 or parsed.parallel_tool_calls):
+            elif isinstance(e, CallStart):
                 events += writer.call_started(e.index, e.id, e.name)
-            elif isinstance(e, CallArguments) and e.index in writer.calls:
+            else:
                 events += writer.call_arguments(e.index, e.fragment)
         if out.finished:
             events += writer.finish(responses_usage(*_token_counts(out)), out.finish_reason)

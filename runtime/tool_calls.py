@@ -60,14 +60,16 @@ def detect_parser(chat_template: str | None) -> str | None:
     return "hermes" if CALL_OPEN in chat_template else None
 
 
-def new_parser(name: str, tools: list[dict]) -> "ToolCallParser":
+def new_parser(name: str, tools: list[dict], parallel: bool = True) -> "ToolCallParser":
     if name not in PARSERS:
         raise ValueError(f"tool-call parser {name!r} is not one of {', '.join(PARSERS)}")
-    return (Qwen3CoderParser if name == "qwen3_coder" else HermesParser)(tools)
+    return (Qwen3CoderParser if name == "qwen3_coder" else HermesParser)(tools, parallel)
 
 
 class ToolCallParser:
-    def __init__(self, tools: list[dict]) -> None:
+    def __init__(self, tools: list[dict], parallel: bool = True) -> None:
+        """parallel False (OpenAI's `parallel_tool_calls`): the first call only; later ones leave no event."""
+        self.parallel = parallel
         self.schemas = {t["function"]["name"]: _properties(t["function"].get("parameters")) for t in tools}
         self.buffer = ""
         self.inside = False
@@ -77,8 +79,8 @@ class ToolCallParser:
         # scanned once, not once a token.
         self.scanned = 0
 
-    def feed(self, text: str) -> list:
-        """The events `text` completes (some of it may wait for the next delta)."""
+    def feed(self, text: str, final: bool = False) -> list:
+        """The events `text` completes (some of it may wait for the next delta; with `final`, none does)."""
         self.buffer += text
         while self.buffer:
             if self.inside:
@@ -95,8 +97,7 @@ class ToolCallParser:
             self.buffer = self.buffer[i + len(CALL_OPEN) :]
             self.inside = True
             self._opened()
-        events, self.events = self.events, []
-        return events
+        return self.finish() if final else self._taken()
 
     def finish(self) -> list:
         """The events the end of the text decides."""
@@ -105,8 +106,11 @@ class ToolCallParser:
         else:
             self._content(self.buffer)
         self.buffer = ""
+        return self._taken()
+
+    def _taken(self) -> list:
         events, self.events = self.events, []
-        return events
+        return events if self.parallel else [e for e in events if isinstance(e, Content) or e.index == 0]
 
     def _content(self, text: str) -> None:
         if text:

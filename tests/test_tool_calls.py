@@ -96,3 +96,14 @@ def test_odd_schemas_and_outputs_never_raise():
         parser = new_parser(name, odd)
         content, calls = merged(parser.feed(text) + parser.finish())
         assert calls or content  # parsed or kept as content: nothing raised
+
+
+def test_without_parallel_calls_the_first_call_alone_comes_out_however_it_streams():
+    _, text, content, calls = CODER[2]  # two calls
+    for size in (None, 1, 9):
+        parser = new_parser("qwen3_coder", TOOLS, parallel=False)
+        pieces = [text] if size is None else [text[i : i + size] for i in range(0, len(text), size)]
+        events = [e for j, piece in enumerate(pieces) for e in parser.feed(piece, final=j == len(pieces) - 1)]
+        got_content, got_calls = merged(events)
+        assert got_content == content
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == calls[:1]
