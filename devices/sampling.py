@@ -151,8 +151,8 @@ class SlotSampling:
         if biased:
             at = upload({"rows": [i for i, _, _ in biased], "ids": [t for _, t, _ in biased]}, torch.long,
                         logits.device)
-            values = torch.tensor([b for _, _, b in biased], dtype=logits.dtype).to(logits.device, non_blocking=True)
-            logits.index_put_((at["rows"], at["ids"]), values, accumulate=True)
+            values = upload({"values": [b for _, _, b in biased]}, torch.float32, logits.device)["values"]
+            logits.index_put_((at["rows"], at["ids"]), values.to(logits.dtype), accumulate=True)
         barred = [(i, t) for i, (r, step) in enumerate(zip(rows, token_index)) if step < r.min_tokens
                   for t in r.stop_token_ids]  # min_tokens: no stop token yet
         if barred:

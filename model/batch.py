@@ -15,7 +15,7 @@ import torch
 
 from deltaserve.kernels.gdn import GDN_CHUNK, GdnChunks
 
-_ARRAY_CODES = {torch.long: "q", torch.int32: "i"}  # a host buffer's `array` type code by tensor dtype
+_ARRAY_CODES = {torch.long: "q", torch.int32: "i", torch.float32: "f"}  # a host buffer's `array` type code by tensor dtype
 
 
 ALIGN = 16  # elements: each uploaded list starts 64- or 128-byte aligned
