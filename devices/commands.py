@@ -43,6 +43,8 @@ class RowSampling:
     stop_token_ids: tuple[int, ...] = ()
     max_tokens: int | None = None  # a speculative step keeps no token past it (None: no limit)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, what its logit gets added) before every draw
+    # The request's own matcher of the constraint its output must match (`runtime.grammar`; llguidance's), or None
+    grammar: object = field(default=None, compare=False)
 
     @property
     def needs_counts(self) -> bool:

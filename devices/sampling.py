@@ -6,7 +6,8 @@ and never waits for it: the tokens also stay on the device (`last_tokens`), wher
 them before they reach the host (overlap scheduling); `collect` reads them. The Triton sampler flags the rare row it
 cannot draw exactly (its candidates overflow), for the reference to draw again: `settle` does that once the flags
 are on the host, and must run before anything reads a flagged row's token on the device (the next step's inputs,
-its penalty counts). Only draws with a row the sampler could flag (sampled, with top-k or top-p) need it.
+its penalty counts). Only draws with a row the sampler could flag (sampled, with top-k or top-p) need it. Rows of
+a constrained request draw under their grammar's mask (`devices.grammar`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.kernels.sampling import SamplingTensors, draw_tokens, sample_reference
+from deltaserve.kernels.sampling import SamplingTensors, apply_token_mask, draw_tokens, sample_reference
 from deltaserve.kernels.triton_sampling import compile_for_batches, top_p_alone
 from deltaserve.model.batch import upload
 
 from .commands import RowSampling, SampledToken, SlotProtocolError
+from .grammar import SlotGrammars
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ class Draw:
     # Called once `settle` drew flagged rows again (their tokens corrected on the device too): what was computed on
     # the device from the draw's tokens is computed again (a speculative step's kept drafts).
     on_redrawn: Callable[["Draw"], None] | None = None
+    grammar_rows: list[int] | None = None  # rows whose slot's grammar takes the drawn token
+
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -66,6 +70,8 @@ class SlotSampling:
         self.last_tokens = torch.zeros(num_slots, dtype=torch.long, device=device) if last_tokens is None \
             else last_tokens
         self._unsettled: list[Draw] = []
+        self.grammars = SlotGrammars(num_slots, vocab, device)
+        self._unmatched: list[Draw] = []  # draws whose tokens the grammars have not taken yet
         # [slots, V]: allocated when the first request asks for a penalty.
         self.output_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
@@ -82,6 +88,10 @@ class SlotSampling:
         kept only for requests with a penalty: the others never read them."""
         if setup is not None:
             self.settings[slot] = setup
+            if setup.grammar is not None:
+                self.grammars.start(slot, setup.grammar)
+            else:
+                self.grammars.release(slot)
             if setup.needs_counts:
                 if self.output_counts is None:
                     n = len(self.settings)
@@ -99,14 +109,16 @@ class SlotSampling:
         if self.settings[dst] is not None and self.settings[dst].needs_counts:
             self.output_counts[dst].copy_(self.output_counts[src])
             self.prompt_mask[dst].copy_(self.prompt_mask[src])
+        self.grammars.move(src, dst)
         self._follow(src, dst)
 
     def release(self, slot: int) -> None:
         self.settings[slot] = None
+        self.grammars.release(slot)
         self._follow(slot, -1)
 
     def _follow(self, src: int, dst: int) -> None:
-        for d in self._unsettled:
+        for d in {id(d): d for d in self._unsettled + self._unmatched}.values():
             d.slots = [dst if s == src else s for s in d.slots]
 
     # Sampling -------------------------------------------------------------------------------------------------------
@@ -145,19 +157,29 @@ class SlotSampling:
         return rows, params, token_index, ints[3], list(slots)
 
     def draw(self, logits: torch.Tensor, prepared) -> Draw:
-        """Queue the draw for `prepare`'s rows on the device; nothing here waits for it."""
+        """Queue the draw for `prepare`'s rows on the device; nothing here waits for it, but a constrained row's
+        earlier draws (its grammar's mask needs their tokens)."""
         rows, params, token_index, slot_index, slots = prepared
+        grammar_rows = [i for i, s in enumerate(slots) if self.grammars.matchers[s] is not None]
+        if grammar_rows:
+            self._match_earlier_draws({slots[i] for i in grammar_rows})
         biased = [(i, t, b) for i, r in enumerate(rows) for t, b in r.logit_bias]
         if biased:
             at = upload({"rows": [i for i, _, _ in biased], "ids": [t for _, t, _ in biased]}, torch.long,
                         logits.device)
             values = upload({"values": [b for _, _, b in biased]}, torch.float32, logits.device)["values"]
             logits.index_put_((at["rows"], at["ids"]), values.to(logits.dtype), accumulate=True)
+        # min_tokens: no stop token yet, unless the row's grammar is complete (it may allow nothing else)
         barred = [(i, t) for i, (r, step) in enumerate(zip(rows, token_index)) if step < r.min_tokens
-                  for t in r.stop_token_ids]  # min_tokens: no stop token yet
+                  and not self.grammars.completed(slots[i]) for t in r.stop_token_ids]
         if barred:
             at = upload({"rows": [i for i, _ in barred], "ids": [t for _, t in barred]}, torch.long, logits.device)
             logits.index_put_((at["rows"], at["ids"]), logits.new_full((), float("-inf")))
+        masked = [i for i in grammar_rows if self.grammars.matchers[slots[i]] is not None]  # errors drop one
+        if masked:
+            mask = self.grammars.masks([slots[i] for i in masked])
+            at = upload({"rows": masked}, torch.long, logits.device)["rows"]
+            apply_token_mask(logits, at, mask.to(logits.device, non_blocking=True))
         k = max(r.logprobs for r in rows)
         top_ks = [r.top_k for r in rows if r.temperature > 0]
         tokens, chosen, top_ids, top_lp, done = draw_tokens(
@@ -172,10 +194,30 @@ class SlotSampling:
             self._count(slot_index, tokens, 1)
         out, event = to_host([tokens, chosen, top_ids, top_lp, done])  # the copies queue behind the draw
         flaggable = done is not None and any(may_be_flagged(r) for r in rows)
-        d = Draw(rows, slots, logits, tokens, params, k, out, event, settled=not flaggable)
+        d = Draw(rows, slots, logits, tokens, params, k, out, event, settled=not flaggable,
+                 grammar_rows=grammar_rows or None)
         if flaggable:
             self._unsettled.append(d)
+        if grammar_rows:
+            self._unmatched.append(d)
         return d
+
+    def _match_earlier_draws(self, slots: set[int]) -> None:
+        """Give these slots' grammars the tokens of their earlier draws (waiting for them: they were queued ahead
+        of the forward this draw follows, so the device finished them long before it ends)."""
+        later = []
+        for d in self._unmatched:
+            if not any(d.slots[i] in slots for i in d.grammar_rows):
+                later.append(d)
+                continue
+            if not d.settled:
+                self.settle(until=d)
+            d.wait()
+            tokens = d.host[0]
+            for i in d.grammar_rows:
+                if d.slots[i] >= 0:
+                    self.grammars.accept(d.slots[i], int(tokens[i]))
+        self._unmatched = later
 
     def settle(self, until: Draw | None = None) -> None:
         """Wait for the unsettled draws (in order, up to `until`; all by default) and have the reference draw again

@@ -228,7 +228,9 @@ class Speculator:
             return None, None
         first_logits, extra_logits, drafted = out.row_logits, out.draft_logits, out.drafts
         k, slots = self.state.speculative_tokens, list(range(n))
-        free = [i for i in slots if not sampling.settings[i].needs_counts]
+        # A constrained row keeps no draft (its mask for a position after the first would need the drafts on the
+        # host): it decodes one token in the step, like a row with penalties.
+        free = [i for i in slots if not sampling.settings[i].needs_counts and sampling.grammars.matchers[i] is None]
         # One draw: every row's first position, then the k after it of the free rows (each its own row: the
         # sampler reads rows at a stride of V). The extra rows' tokens also land in their slots' penalty counts,
         # which only penalty rows, never among them, read.

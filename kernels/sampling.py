@@ -171,6 +171,21 @@ def top_logprobs(logits: torch.Tensor, k: int):
     return ids, values - logits.float().logsumexp(-1, keepdim=True)
 
 
+def mask_words(vocab: int) -> int:
+    """int32 words of a token mask over the vocabulary (a bit a token)."""
+    return (vocab + 31) // 32
+
+
+def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
+    """Bars, in place, every token a row's mask does not allow: logits [N, V]; rows [R] (long, which rows of the
+    logits); mask [R, mask_words(V)] int32, bit j of word w allowing token 32 w + j (xgrammar's layout). A few
+    element-wise passes over the R rows, queued without a host wait."""
+    ids = torch.arange(logits.shape[1], device=logits.device)
+    allowed = (mask.index_select(1, ids >> 5) >> (ids & 31).int()) & 1
+    picked = logits.index_select(0, rows)
+    logits.index_copy_(0, rows, picked.masked_fill(allowed == 0, float("-inf")))
+
+
 def lm_like_logits(rows: int, vocab: int, device=None) -> torch.Tensor:
     """Test and benchmark logits shaped like a trained model's: a broad normal body and, per row, ten plausible
     tokens 10-20 nats above it (random-weight models give flat logits no real request sees)."""

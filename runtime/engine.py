@@ -32,6 +32,7 @@ from deltaserve.model.weights import check_checkpoint
 from deltaserve.progress import progress as show_progress
 
 from deltaserve.args import EngineArgs
+from .grammar import Grammars
 from .metrics import EngineMetrics
 from .params import SamplingParams, all_ints
 from .prefix_cache import PrefixCache
@@ -40,7 +41,8 @@ from .speculation import SpeculationOverride, SpeculationPolicy
 from .step_budget import StepBudget
 from .step_loop import StepLoop
 from .outputs import Request, RequestOutput
-from .text import IncrementalDetokenizer, PromptTooLong, StopMatcher, TextTokenizer, read_chat_template
+from .text import (IncrementalDetokenizer, PromptTooLong, StopMatcher, TextTokenizer, prompt_opens_reasoning,
+                   read_chat_template)
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class AsyncEngine:
         self.replica: Replica | None = None
         self.scheduler: Scheduler | None = None
         self.steps: StepLoop | None = None
+        self.grammars: Grammars | None = None
         self._closing = False
         self._draining = False
         self._stats_task: asyncio.Task | None = None
@@ -115,6 +118,7 @@ class AsyncEngine:
         self.tokenizer = TextTokenizer(args.model)
         if args.chat_template is not None:
             self.tokenizer.use_chat_template(read_chat_template(args.chat_template))
+        self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.cfg.generation.eos_token_ids)
         if args.load_format == "safetensors":
             check_checkpoint(args.model)  # a bad file named here, not from inside a rank
         if self.tokenizer.vocab_size > self.cfg.vocab_size:
@@ -245,6 +249,8 @@ class AsyncEngine:
             await self.replica.close()
             self.replica = None
         self._text_pool.shutdown(wait=False, cancel_futures=True)
+        if self.grammars is not None:
+            self.grammars.close()
         if self._frozen:
             self._frozen = False
             _StartupObjects.thaw()
@@ -356,6 +362,12 @@ class AsyncEngine:
         # CapacityError if it can never fit: checked once, as every choice needs the same.
         self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
         keys = self.scheduler.prefix_keys(prompt_ids)
+        spec, compiling = params.structured_outputs, None
+        if spec is not None:
+            after_reasoning = prompt_opens_reasoning(prompt) if isinstance(prompt, str) \
+                else self.tokenizer.ids_open_reasoning(prompt_ids)
+            if not self.grammars.compiled(spec, after_reasoning):  # the choices queue once it is compiled
+                compiling = asyncio.ensure_future(self.grammars.compile(spec, after_reasoning))
         streams = []
         for j in range(n):
             choice_params, choice_sampling = params, sampling
@@ -363,9 +375,16 @@ class AsyncEngine:
                 seed = (params.seed + j) % 2**63
                 choice_params, choice_sampling = copy.copy(params), replace(sampling, seed=seed)
                 choice_params.seed = seed  # a copy, not `replace`: its fields were validated once above
+            if spec is not None and compiling is None:  # each choice its own matcher
+                choice_sampling = replace(choice_sampling, grammar=self.grammars.matcher(spec, after_reasoning))
             rid = request_id if n == 1 and request_id else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-            streams.append(RequestStream(self, self._add(rid, prompt_ids, keys, choice_params, choice_sampling,
-                                                          stop_ids)))
+            req = self._request(rid, prompt_ids, choice_params, choice_sampling, stop_ids)
+            if compiling is None:
+                self.steps.add(req, keys)
+            else:
+                self.steps.add_when_compiled(req, keys, compiling,
+                                             lambda a=after_reasoning: self.grammars.matcher(spec, a))
+            streams.append(RequestStream(self, req))
         self.metrics.waiting.set(len(self.scheduler.waiting))
         self.steps.wake()
         return streams
@@ -396,13 +415,21 @@ class AsyncEngine:
             raise ValueError(f"chat_template_kwargs.add_generation_prompt must be a boolean, got {add!r}")
         return self.tokenizer.render_chat(messages, add_generation_prompt=add, tools=tools, **kwargs)
 
-    def _add(self, request_id: str, prompt_ids: list[int], keys: list | None, params: SamplingParams,
-             sampling: RowSampling, stop_ids: frozenset[int]) -> Request:
-        req = Request.new(request_id, prompt_ids, params, sampling, stop_ids,
-                          IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-                          StopMatcher(params.stop, params.include_stop_str_in_output))
-        self.steps.add(req, keys)
-        return req
+    def _request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sampling: RowSampling,
+                 stop_ids: frozenset[int]) -> Request:
+        return Request.new(request_id, prompt_ids, params, sampling, stop_ids,
+                           IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                           StopMatcher(params.stop, params.include_stop_str_in_output))
+
+    async def compile_constraint(self, prompt: str | list[int], params: SamplingParams) -> None:
+        """Compile the request's constraint (`params.structured_outputs`) ahead of `generate`, off the event loop,
+        so that one that cannot compile raises its ValueError here (the server's 400) rather than ending the
+        stream; `generate` then finds it compiled."""
+        spec = params.structured_outputs
+        if spec is not None:
+            after = prompt_opens_reasoning(prompt) if isinstance(prompt, str) \
+                else self.tokenizer.ids_open_reasoning(prompt)
+            await self.grammars.compile(spec, after)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields, replace
 
@@ -12,6 +13,77 @@ MAX_LOGIT_BIAS = 1024  # biased ids a request: each is uploaded and added before
 MAX_STOP_TOKEN_IDS = 4096  # each request's stop ids travel to rank 0 and bar their draw before min_tokens
 MAX_STOP_CHARS = 1024  # the stream holds back this much text while a stop string may still complete
 INT32_MAX = 2**31 - 1  # counts and token ids travel to the ranks as int32/int64 tensors: bounded before they go
+
+
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar's text: compiled once per distinct text, off the loop
+MAX_CHOICES = 1024  # `choice` alternatives
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the output must match (vLLM's `structured_outputs`; OpenAI's `response_format` and forced tool calls
+    are written as one of these): exactly one of a JSON schema (`json`: an object or its text), any JSON object
+    (`json_object`), a regular expression, one of the `choice` strings, an EBNF `grammar` (xgrammar's dialect,
+    GBNF's), or an xgrammar `structural_tag` (its JSON). Held as text, so equal constraints compile once.
+    Where the prompt opens a reasoning block, the constraint starts after it closes (`runtime.grammar`)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+
+    def __init__(self, json: str | dict | None = None, json_object: bool = False, regex: str | None = None,
+                 choice: list[str] | tuple[str, ...] | None = None, grammar: str | None = None,
+                 structural_tag: str | dict | None = None) -> None:
+        set_ = object.__setattr__
+        set_(self, "json", _json_text("json", json))
+        set_(self, "json_object", json_object)
+        set_(self, "regex", regex)
+        set_(self, "choice", tuple(choice) if isinstance(choice, (list, tuple)) else choice)
+        set_(self, "grammar", grammar)
+        set_(self, "structural_tag", _json_text("structural_tag", structural_tag))
+        self.validate()
+
+    def validate(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, name)
+                 is not None] + (["json_object"] if self.json_object is True else [])
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a boolean")
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, json_object, regex, choice, grammar and "
+                             f"structural_tag, got {', '.join(given) or 'none'}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, tuple) or not self.choice or len(self.choice) > MAX_CHOICES
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} strings")
+        size = sum(len(t) for t in (self.json, self.regex, self.grammar, self.structural_tag) if t) \
+            + sum(map(len, self.choice or ()))
+        if size > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_outputs: the constraint is {size} characters; at most "
+                             f"{MAX_GRAMMAR_CHARS} are taken")
+
+
+def _json_text(name: str, value) -> str | None:
+    """A JSON value given as an object or as its text, as canonical text (so equal schemas share one compile)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"structured_outputs.{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, (dict, bool)):
+        raise ValueError(f"structured_outputs.{name} must be a JSON object")
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"structured_outputs.{name} is not JSON: {exc}") from None
 
 
 def all_ints(values: list) -> bool:
@@ -45,6 +117,7 @@ class SamplingParams:
     # OpenAI's: token id -> a number in [-100, 100] added to its logit before every draw (the log-probs reported are
     # of the biased distribution)
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputs | None = None  # the output constrained to a grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +175,8 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
                     raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError("structured_outputs must be a StructuredOutputs")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")

@@ -11,7 +11,7 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from deltaserve.devices.commands import (KEPT_ON_DEVICE, UNKNOWN_TOKEN, PrefillCommand, PromoteSlot, RetireSlot,
@@ -71,6 +71,29 @@ class StepLoop:
         if req.prompt_logprobs is not None:  # every prompt token is computed: no cached prefix stands in for one
             req.cacheable = False
         self.requests[req.request_id] = req
+
+    def add_when_compiled(self, req: Request, keys: list | None, compiling: asyncio.Future,
+                          matcher: Callable[[], object]) -> None:
+        """`add` once the request's constraint is compiled (off the loop), with its own `matcher()`: live meanwhile,
+        so an abort ends it; a constraint that does not compile ends it with the error."""
+        self.requests[req.request_id] = req
+
+        def compiled(f: asyncio.Future) -> None:
+            if req.finished:
+                return
+            error = None if f.cancelled() else f.exception()
+            if f.cancelled() or error is not None:
+                self.finish(req, "error", error=str(error) if error else "the constraint's compile was cancelled")
+                return
+            req.sampling = replace(req.sampling, grammar=matcher())
+            try:
+                self.add(req, keys)
+            except ValueError as exc:  # what `generate` checks but could not yet (a request id taken meanwhile)
+                self.finish(req, "error", error=str(exc))
+                return
+            self.wake()
+
+        compiling.add_done_callback(compiled)
 
     def wake(self) -> None:
         """New work: the loop plans a step if it was idle."""

@@ -114,6 +114,14 @@ class TextTokenizer:
             self._bytes[token_id] = found
         return found
 
+    def ids_open_reasoning(self, ids: list[int]) -> bool:
+        """`prompt_opens_reasoning` for a prompt of token ids: its last think marker is an opening one."""
+        opening, closing = self.tok.token_to_id(THINK_OPEN), self.tok.token_to_id(THINK_CLOSE)
+        if opening is None or opening not in ids:
+            return False
+        backwards = ids[::-1]  # list.index runs in C: a 100k-token prompt costs no Python loop
+        return closing not in ids or backwards.index(opening) < backwards.index(closing)
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
                     documents: list | None = None, **kwargs) -> str:
         """The chat as transformers' `apply_chat_template` renders it: `tools` and `documents` passed through, a
