@@ -165,6 +165,7 @@ class AsyncEngine:
             lookahead=positions_past_end(args.speculative_tokens), prefill_graph_sizes=self.replica.prefill_buckets,
             mixed_graph_sizes=self.replica.mixed_token_buckets,
         )
+        await self.grammars.ready()
         self.steps = StepLoop(self.replica, self.scheduler, self.metrics, speculation, self.override,
                               overlap=args.async_scheduling, seed=args.seed)
         self.steps.start()

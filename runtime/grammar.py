@@ -24,6 +24,7 @@ from .text import THINK_CLOSE, TextTokenizer
 
 log = logging.getLogger(__name__)
 
+TOOL_CALL_END = "}\n</tool_call>"
 # Distinct compiled constraints kept (a matcher each); the least recently used goes first.
 CACHED_GRAMMARS = 256
 
@@ -38,57 +39,36 @@ def _llguidance():
     return llguidance
 
 
-def tool_call_grammar(parser: str, tools: list[dict], choice, parallel: bool) -> StructuredOutputs:
-    """The constraint that makes the model call a tool in `parser`'s format (runtime/tool_calls.py's): `choice`
-    "required" (any of `tools`; several calls where `parallel`) or a named function ({"type": "function",
-    "function": {"name": ...}}). Each call's arguments follow its tool's JSON schema."""
+def tool_call_grammar(tools: list[dict], choice, parallel: bool) -> StructuredOutputs:
+    """The constraint that makes the model call a tool: `choice` "required" (any of `tools`; several calls where
+    `parallel`) or a named function ({"type": "function", "function": {"name": ...}}). The calls are written in
+    Qwen3's layout (the `hermes` parser's: `<tool_call>` {"name": ..., "arguments": JSON} `</tool_call>`), whatever
+    the model's own: JSON arguments end at their closing quote or brace, where Qwen3.5's XML layout leaves a string
+    argument open until the model writes its closing tag, which a weak model may never do."""
     if isinstance(choice, dict):
-        name = choice["function"]["name"]
-        tools = [t for t in tools if t["function"]["name"] == name]
-    rules, names = [], []
+        tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
+    rules = []
     for i, tool in enumerate(tools):
         fn = tool["function"]
-        schema = strict_schema(fn.get("parameters") or {"type": "object", "properties": {}})
-        names.append(f"call_{i}")
-        if parser == "hermes":
-            head = json.dumps('<tool_call>\n{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": ')
-            rules.append(f'call_{i}: {head} %json {json.dumps(schema)} "}}\\n</tool_call>"')
-        else:
-            rules += _qwen_xml_call(f"call_{i}", fn["name"], schema)
-    many = "+" if parallel and not isinstance(choice, dict) else ""
-    lark = f'start: ({" | ".join(names)}){many}\n' + "\n".join(rules)
-    return StructuredOutputs(grammar=lark)
-
-
-def _qwen_xml_call(rule: str, name: str, schema: dict) -> list[str]:
-    """Qwen3.5's call format: a `<parameter=P>` block for each argument, the required ones first; a string's value
-    is its raw text up to the block's end, any other value its JSON."""
-    props = schema.get("properties") or {}
-    required = [p for p in schema.get("required", []) if p in props]
-    optional = [p for p in props if p not in required]
-    rules, parts = [], []
-    for j, p in enumerate(required + optional):
-        block = f"{rule}_p{j}"
-        begin = json.dumps(f"<parameter={p}>\n", ensure_ascii=False)
-        value = props[p] if isinstance(props[p], dict) else {}
-        if value.get("type") == "string" and not ({"enum", "const", "pattern", "format"} & value.keys()):
-            rules.append(f'{block}[lazy]: {begin} /(.|\\n)*/ "\\n</parameter>\\n"')
-        else:
-            rules.append(f'{block}: {begin} %json {json.dumps(value)} "\\n</parameter>\\n"')
-        parts.append(block if p in required else f"{block}?")
-    head = json.dumps(f"<tool_call>\n<function={name}>\n", ensure_ascii=False)
-    return [f'{rule}: {head} {" ".join(parts)} "</function>\\n</tool_call>"'] + rules
+        schema = _compact(strict_schema(fn.get("parameters") or {"type": "object", "properties": {}}))
+        head = json.dumps('<tool_call>\n{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": ',
+                          ensure_ascii=False)
+        rules.append(f"call_{i}: {head} %json {json.dumps(schema)} {json.dumps(TOOL_CALL_END)}")
+    call = "(" + " | ".join(f"call_{i}" for i in range(len(tools))) + ")"
+    if parallel and not isinstance(choice, dict):
+        call += f' ("\\n" {call})*'
+    return StructuredOutputs(grammar=f"start: {call}\n" + "\n".join(rules))
 
 
 def strict_schema(schema):
     """The schema with `additionalProperties: false` on every object that does not say (its outputs validate
-    against the schema as given)."""
+    against the schema as given), and without `uniqueItems: false` (a no-op llguidance refuses as unknown)."""
     if isinstance(schema, list):
         return [strict_schema(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {k: strict_schema(v) if k not in ("enum", "const", "default", "examples") else v
-           for k, v in schema.items()}
+           for k, v in schema.items() if not (k == "uniqueItems" and v is False)}
     if ("properties" in out or out.get("type") == "object") and "additionalProperties" not in out \
             and "patternProperties" not in out:
         out["additionalProperties"] = False
@@ -146,8 +126,8 @@ def top_level(spec: StructuredOutputs, after_reasoning: bool) -> str:
     inner = _grammar(spec)
     if not after_reasoning:
         return json.dumps({"grammars": [inner]})
-    wrapper = f'start: thinking "\\n\\n" @1\nthinking[lazy]: /(.|\\n)*/ {json.dumps(THINK_CLOSE)}'
-    return json.dumps({"grammars": [{"lark_grammar": wrapper}, inner]})
+    wrapper = f'start: thinking "\\n\\n" @answer\nthinking[lazy]: /(.|\\n)*/ {json.dumps(THINK_CLOSE)}'
+    return json.dumps({"grammars": [{"lark_grammar": wrapper}, {**inner, "name": "answer"}]})
 
 
 class Grammars:
@@ -160,9 +140,12 @@ class Grammars:
         self._compiled: OrderedDict[tuple, object] = OrderedDict()
         self._compiling: dict[tuple, asyncio.Future] = {}
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        # The vocabulary's bytes, read by llguidance once (seconds at a 248k vocabulary): started now, on the
-        # grammar thread, so that the first constrained request finds it ready.
+        # The vocabulary's bytes, read by llguidance once: 0.75 s at a 151k vocabulary, 0.44 s of it holding the
+        # GIL, so the engine waits for it (`ready`) while it starts, not while it serves.
         self._tokenizer = self._thread.submit(_vocabulary, tokenizer, vocab_size, list(stop_token_ids))
+
+    async def ready(self) -> None:
+        await asyncio.wrap_future(self._tokenizer)
 
     def compiled(self, spec: StructuredOutputs, after_reasoning: bool) -> bool:
         return (spec, after_reasoning) in self._compiled
@@ -228,6 +211,10 @@ def _vocabulary(tokenizer: TextTokenizer, vocab_size: int, stop_token_ids: list[
     # llguidance marks a special token by a leading 0xff byte (never in UTF-8 text)
     tokens = [b"\xff" + tokenizer.token_text(i).encode() if i in special else tokenizer.token_bytes(i)
               for i in range(n)] + [b"\xff<unused%d>" % i for i in range(n, vocab_size)]
+
+    # A complete constraint allows only these; a checkpoint naming none ends a complete output on its first special
+    # token (a request then stops there only if its stop ids hold it).
+    stop_token_ids = stop_token_ids or sorted(special)[:1] or [0]
 
     class Vocabulary:  # the shape llguidance's TokenizerWrapper reads
         eos_token_id, bos_token_id = stop_token_ids[0], None

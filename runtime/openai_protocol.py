@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .params import MAX_LOGPROBS, SamplingParams, all_ints
+from .params import MAX_LOGPROBS, SamplingParams, StructuredOutputs, all_ints
 
 
 class ApiError(Exception):
@@ -50,9 +50,11 @@ _SHARED_FIELDS = {  # request field -> (SamplingParams field, expected python ty
 MAX_CHOICES = 128  # choices a request may ask for in all (n times its prompts), OpenAI's limit on n
 
 _UNSUPPORTED = {"suffix", "functions", "function_call", "audio", "modalities", "prediction"}
-# Fields that constrain the output to a grammar (vLLM's names too): refused until a grammar engine constrains it,
-# as serving them unconstrained would return text that breaks the client's parser.
-_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# vLLM's older names of the `structured_outputs` fields
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# vLLM's `structured_outputs` options that pick among its backends' behaviours: ours has one (runtime/grammar.py)
+_BACKEND_OPTIONS = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                    "backend"}
 
 
 @dataclass
@@ -72,6 +74,8 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt before each choice's text (and log-probs)
     echo_only: bool = False  # completions: max_tokens 0 with echo, the drawn token dropped
     prompt_logprobs: bool = False  # completions: each choice carries vLLM's `prompt_logprobs`
+    tool_choice: str | dict = "none"  # chat: "none", "auto", "required" or a named function
+    constraint_field: str | None = None  # the request field the output's constraint came from (its 400s name it)
 
 
 
@@ -95,13 +99,6 @@ def _common(body: dict, max_tokens_field: str) -> tuple[dict, bool, tuple[bool, 
     for name in _UNSUPPORTED & body.keys():
         if body[name] not in (None, {}, [], ""):
             raise _bad(f"'{name}' is not supported by this server", name)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise _bad("'response_format' other than {\"type\": \"text\"} needs structured outputs, which this server "
-                   "does not do yet", "response_format")
-    for name in _CONSTRAINTS:
-        if body.get(name) is not None:
-            raise _bad(f"'{name}' needs structured outputs, which this server does not do yet", name)
     n = _typed(body, "n", (int,), "an integer")
     n = 1 if n is None else n
     if not 1 <= n <= MAX_CHOICES:
@@ -149,6 +146,46 @@ def _common(body: dict, max_tokens_field: str) -> tuple[dict, bool, tuple[bool, 
     # when a token's text is held back as an incomplete UTF-8 sequence.
     usage_options = (options.get("include_usage", False), options.get("continuous_usage_stats", False))
     return kwargs, stream, usage_options, model, n
+
+
+def constraint(body: dict) -> tuple[StructuredOutputs | None, str | None]:
+    """The output's constraint and the field it came from: OpenAI's `response_format`, vLLM's
+    `structured_outputs` or its older `guided_*` fields; more than one is a 400."""
+    found = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema", "structural_tag"):
+            raise _bad("'response_format.type' must be 'text', 'json_object' or 'json_schema'", "response_format")
+        if fmt["type"] == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif fmt["type"] == "json_schema":
+            inner = fmt.get("json_schema")
+            schema = inner.get("schema", inner.get("json_schema")) if isinstance(inner, dict) else None
+            if schema is None:
+                raise _bad("'response_format.json_schema.schema' must be a JSON schema", "response_format")
+            found.append(("response_format", {"json": schema}))
+        elif fmt["type"] == "structural_tag":  # vLLM's: {"structures": [...], "triggers": [...]}
+            found.append(("response_format", {"structural_tag": {k: fmt.get(k) for k in ("structures", "triggers")}}))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise _bad("'structured_outputs' must be an object", "structured_outputs")
+        fields = {k: v for k, v in outputs.items() if k not in _BACKEND_OPTIONS and v is not None and v is not False}
+        found.append(("structured_outputs", fields))
+    for name, field_ in _GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, {field_: body[name]}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise _bad(f"one output constraint a request; got {', '.join(name for name, _ in found)}", found[1][0])
+    name, fields = found[0]
+    try:
+        return StructuredOutputs(**fields), name
+    except TypeError:
+        raise _bad(f"'{name}' takes json, regex, choice, grammar, json_object or structural_tag", name) from None
+    except ValueError as exc:
+        raise _bad(str(exc).replace("structured_outputs", name, 1), name) from None
 
 
 def _params(kwargs: dict) -> SamplingParams:
@@ -204,8 +241,10 @@ def parse_completion(body: dict) -> ParsedRequest:
     if len(prompts) * n > MAX_CHOICES:
         raise _bad(f"{len(prompts)} prompts x n = {n} asks for more than {MAX_CHOICES} choices", "n")
     return_ids = _typed(body, "return_token_ids", (bool,), "a boolean") or False
+    kwargs["structured_outputs"], field_ = constraint(body)
     return ParsedRequest(prompts, _params(kwargs), stream, usage_options, model, return_token_ids=return_ids, n=n,
-                         echo=echo, echo_only=echo_only, prompt_logprobs=prompt_logprobs is not None)
+                         echo=echo, echo_only=echo_only, prompt_logprobs=prompt_logprobs is not None,
+                         constraint_field=field_)
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -257,13 +296,18 @@ def parse_chat(body: dict) -> ParsedRequest:
     add = _typed(body, "add_generation_prompt", (bool,), "a boolean")  # vLLM's field
     if add is not None:
         template_kwargs["add_generation_prompt"] = add
+    kwargs["structured_outputs"], field_ = constraint(body)
+    if field_ is not None and choice not in ("none", "auto"):
+        raise _bad(f"a forced tool call and '{field_}' cannot both constrain the output", "tool_choice")
     return ParsedRequest([], _params(kwargs), stream, usage_options, model, template_kwargs, clean, n=n, tools=tools,
-                         parse_tool_calls=bool(tools) and choice == "auto", parallel_tool_calls=parallel)
+                         parse_tool_calls=bool(tools) and choice != "none", parallel_tool_calls=parallel,
+                         tool_choice=choice, constraint_field=field_ or ("tool_choice" if choice not in ("none", "auto")
+                                                                         else None))
 
 
 def _tools(body: dict) -> tuple[list | None, str, bool]:
     """(the function tools, tool_choice, parallel_tool_calls), checked. A choice that forces a call ("required",
-    a named function) needs the output constrained to a call, which this server cannot yet do: refused."""
+    a named function) is made a constraint on the output by the server (`grammar.tool_call_grammar`)."""
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -280,10 +324,17 @@ def _tools(body: dict) -> tuple[list | None, str, bool]:
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto" if tools else "none"
-    if isinstance(choice, dict) or choice == "required":
-        raise _bad("tool_choice 'required' and a named function need the output constrained to a call, which this "
-                   "server does not do yet; use 'auto'", "tool_choice")
-    if choice not in ("none", "auto"):
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise _bad("a named 'tool_choice' must be {'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        if not any(t["function"]["name"] == name for t in tools or ()):
+            raise _bad(f"'tool_choice' names {name!r}, which is not among 'tools'", "tool_choice")
+        choice = {"type": "function", "function": {"name": name}}
+    elif choice == "required" and not tools:
+        raise _bad("'tool_choice' 'required' needs 'tools'", "tool_choice")
+    elif choice not in ("none", "auto", "required"):
         raise _bad(f"'tool_choice' must be 'none', 'auto', 'required' or a function, got {choice!r}", "tool_choice")
     parallel = _typed(body, "parallel_tool_calls", (bool,), "a boolean")
     return tools or None, choice, True if parallel is None else parallel

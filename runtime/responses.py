@@ -24,9 +24,8 @@ def chat_body(body: dict) -> dict:
         raise _bad("previous_response_id needs stored responses, which this server does not keep: send the whole "
                    "conversation as input", "previous_response_id")
     fmt = ((body.get("text") or {}).get("format") or {}) if isinstance(body.get("text"), dict) else {}
-    if fmt.get("type", "text") != "text":
-        raise _bad("text.format other than 'text' needs structured outputs, which this server does not do yet",
-                   "text.format")
+    if not isinstance(fmt, dict) or fmt.get("type", "text") not in ("text", "json_object", "json_schema"):
+        raise _bad("text.format.type must be 'text', 'json_object' or 'json_schema'", "text.format")
     messages = []
     instructions = body.get("instructions")
     if instructions is not None:
@@ -41,6 +40,11 @@ def chat_body(body: dict) -> dict:
     for i, item in enumerate(items):
         messages += _as_messages(item, i, messages)
     chat = {"messages": messages, "stream": bool(body.get("stream"))}
+    if fmt.get("type") == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    elif fmt.get("type") == "json_schema":  # the Responses form holds the schema at the format's top level
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            k: fmt.get(k) for k in ("name", "schema", "strict") if fmt.get(k) is not None}}
     if body.get("model") is not None:
         chat["model"] = body["model"]
     for ours, theirs in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),

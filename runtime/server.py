@@ -40,6 +40,7 @@ from .openai_protocol import (
 from .text import PromptTooLong, ReasoningSplitter, prompt_opens_reasoning
 from .responses import ResponseWriter, chat_body, responses_usage
 from .tool_calls import CallArguments, CallStart, Content, detect_parser, merged, new_parser
+from .grammar import tool_call_grammar
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +229,12 @@ async def _start_all(engine: AsyncEngine, prompts: list, parsed: ParsedRequest) 
                        f"{engine.args.max_waiting} requests", "n")
     checked = [await _check_prompt(engine, p, parsed) for p in prompts]
     params = parsed.params
+    if params.structured_outputs is not None:  # compiled off the loop, once; one that does not compile is a 400
+        try:
+            for ids in checked:
+                await engine.compile_constraint(ids, params)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), parsed.constraint_field) from None
     if params.logprobs is not None and not parsed.stream:  # the whole body is made at once: bound it
         tokens = sum(params.max_tokens or engine.max_model_len - len(ids) for ids in checked) * parsed.n
         if tokens * (1 + params.logprobs) > MAX_RESPONSE_LOGPROBS:
@@ -430,9 +437,14 @@ async def _render_chat(engine: AsyncEngine, parsed: ParsedRequest, large: bool, 
 
 
 def _tool_call_format(request: web.Request, engine: AsyncEngine, parsed: ParsedRequest) -> str | None:
-    """The format of the tool calls to parse out of this request's content; None where it sends no tools."""
+    """The format of the tool calls to parse out of this request's content (None where it sends no tools); a
+    forced choice ("required", a named function) constrains the output to calls in it."""
     if not parsed.parse_tool_calls:
         return None
+    if parsed.tool_choice not in ("none", "auto"):
+        parsed.params.structured_outputs = tool_call_grammar(parsed.tools, parsed.tool_choice,
+                                                             parsed.parallel_tool_calls)
+        return "hermes"  # the layout the constraint writes the calls in
     found = request.app[OPTIONS_KEY].tool_call_parser or detect_parser(engine.tokenizer.chat_template)
     if found is None:
         raise ApiError(400, "this model's chat template shows no tool-call format; start the server with "

@@ -283,6 +283,10 @@ def sampling_fields(args: argparse.Namespace) -> dict:
     fields.update({name: getattr(args, name) for name in ("top_p", "top_k", "min_p") if getattr(args, name) is not None})
     if args.ignore_eos:
         fields["ignore_eos"] = True
+    if args.json_schema:
+        with open(args.json_schema) as f:
+            schema = json.load(f)
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
     return fields
 
 
@@ -386,6 +390,8 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, help="top-p sent with each request (none: not sent)")
     p.add_argument("--top-k", type=int, default=None, help="top-k sent with each request (none: not sent)")
     p.add_argument("--min-p", type=float, default=None, help="min-p sent with each request (none: not sent)")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="every request's output constrained to this JSON schema (response_format)")
     p.add_argument("--num-warmups", type=int, default=0, help="requests sent one by one before timing")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a stream may stay silent")

@@ -44,6 +44,7 @@
 #         35B-A3B decode step (20 of its 40 layers, random routing) at 1, 8 and 64 rows, bf16 and FP8
 # eager   an eager decode step's launch time, GPU time and kernels (tools/lab/eager_host.py), on the BASELINE tree
 #         and this one (EAGER="ARGS" for others)
+# grammar the 4B's c1 TPOT and c64 output tok/s with every request's output under a JSON schema (and not)
 # compare bench_decode on the tree in BASELINE (a `git archive` tarball; default .baseline/base.tar, carried) and
 #         on this one, in the one call, base then new: the 4B at 1, 8 and 64 rows, plain and with 4 drafts
 #         (COMPARE="ARGS;ARGS" for others, e.g. "--size 27b --batches 1,64 --fp8")
@@ -175,6 +176,23 @@ for stage in ${STAGES//,/ }; do
       done
       ROWS="c1 c64" MODES=on timeout 200 bash tools/lab/prefix_cache_rows.sh /tmp/table
       cp /tmp/table/*.json /tmp/table/server-on.log "$DIR/" 2>/dev/null ;;
+    grammar)  # TPOT at c1 and output tok/s at c64, every request's output under a JSON schema, and not
+      python3 -m deltaserve.tools.make_checkpoint /tmp/ck4b --size 4b --config-only > /dev/null
+      deltaserve serve /tmp/ck4b --load-format random --device cuda --port 8000 --disable-access-log \
+          --stats-interval 0 --max-num-seqs 64 > "$DIR/server-grammar.log" 2>&1 &
+      server=$!
+      for _ in $(seq 1 300); do curl -sf http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+      for c in 1 64; do
+        for schema in "" tests/data/json_schema_bench.json; do
+          name=grammar-c$c$([ -n "$schema" ] && echo -json)
+          timeout 120 deltaserve bench serve --disable-tqdm --ignore-eos --num-prompts $((c == 1 ? 8 : 256)) \
+              --max-concurrency $c --random-input-len 1024 --random-output-len 256 --seed 5 \
+              ${schema:+--json-schema $schema} --result-file "$DIR/$name.json" > "$DIR/$name.txt" 2>&1
+          grep -E "Median (TTFT|TPOT)|Output token throughput" "$DIR/$name.txt" | sed "s/^/$name /"
+        done
+      done
+      grep -E "loop stalled|grammar|Traceback" "$DIR/server-grammar.log" | head -5
+      kill -INT $server; wait $server ;;
     serve27)
       for fmt in ${FORMATS:-fp8 bf16}; do
         ck=/tmp/ck27-$fmt
