@@ -12,7 +12,6 @@ import aiohttp
 import jsonschema
 import openai
 import pydantic
-import pytest
 import torch
 from test_agents import TOOLS, _serve
 
