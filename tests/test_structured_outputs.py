@@ -97,16 +97,22 @@ def test_valid_with_speculation_and_with_thinking(tiny_ckpt):
 
 def test_json_object_and_choice_and_grammar_outputs(tiny_ckpt):
     """Any JSON object (its keys and values free: a random model may run out of tokens, and what it ended is an
-    object), a choice, a regex and an EBNF grammar."""
+    object), a choice, a regex, an EBNF grammar, and a schema's n choices."""
     async def body(engine):
         specs = [StructuredOutputs(json_object=True)] * 8 + [
             StructuredOutputs(choice=["up", "down", "left right"]), StructuredOutputs(regex=r"\(?[0-9]{3}\) [0-9]{4}"),
             StructuredOutputs(grammar='root ::= "(" item ("," item)* ")"\nitem ::= [a-c]+')]
         streams = [engine.generate("Say:", SamplingParams(max_tokens=600, temperature=1.0, seed=i,
                                                           structured_outputs=spec)) for i, spec in enumerate(specs)]
-        return await _finals(streams)
+        choices = engine.generate_choices("Say:", SamplingParams(max_tokens=600, temperature=1.0, seed=9,
+                                                                 structured_outputs=StructuredOutputs(
+                                                                     json=SCHEMAS[1])), 3)
+        return await _finals(streams), await _finals(choices)
 
-    outs = _run(tiny_ckpt, body)
+    outs, choices = _run(tiny_ckpt, body)
+    assert len({o.text for o in choices}) == 3  # n = 3: each choice its own matcher, each output valid
+    for o in choices:
+        jsonschema.validate(json.loads(o.text), SCHEMAS[1])
     ended = [o for o in outs[:8] if o.finish_reason == "stop"]
     assert ended and all(isinstance(json.loads(o.text), dict) for o in ended)
     assert all(o.text.startswith("{") for o in outs[:8])
