@@ -52,19 +52,41 @@ class SlotGrammars:
                       "from here", slot, token, m.get_error()[:200])
             self.matchers[slot] = None
 
-    def masks(self, slots: list[int]) -> torch.Tensor:
-        """The slots' masks for their next token, on the host (pinned on CUDA): [len(slots), mask_words(vocab)]
-        int32, bit j of word w set where token 32 w + j is allowed."""
+    def masks(self, slots: list[int], drafts: dict[int, list[int]] | None = None) -> torch.Tensor:
+        """The slots' masks for their next token, on the host (pinned on CUDA): [rows, mask_words(vocab)] int32,
+        bit j of word w set where token 32 w + j is allowed. A slot in `drafts` (a speculative step's k drafts for
+        it) takes k + 1 rows: its next token's mask, then each position's after the drafts before it, the matcher
+        advanced through them (on a copy); past a draft the grammar refuses every token is allowed, as no draft
+        there can be kept."""
         import llguidance
         import llguidance.torch
 
-        mask = torch.empty(len(slots), mask_words(self.vocab), dtype=torch.int32,
-                           pin_memory=self.device.type == "cuda")
-        if len(slots) == 1:
-            llguidance.torch.fill_next_token_bitmask(self.matchers[slots[0]], mask, 0)
-        else:
+        drafts = drafts or {}
+        mask = torch.empty(sum(1 + len(drafts.get(s, ())) for s in slots), mask_words(self.vocab),
+                           dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        fill = llguidance.torch.fill_next_token_bitmask
+        plain, row = [], 0
+        for s in slots:
+            m = self.matchers[s]
+            if s not in drafts:
+                plain.append((m, row))
+                row += 1
+                continue
+            fill(m, mask, row)
+            walk, cut = m.deep_copy(), False  # a copy walks the drafts: nothing to roll back
+            for d in drafts[s]:
+                row += 1
+                if not cut and not walk.is_stopped():  # a complete grammar allows its stop ids on and on
+                    cut = walk.validate_tokens([d]) != 1 or not walk.consume_token(d)
+                if cut:
+                    mask[row] = -1
+                else:
+                    fill(walk, mask, row)
+            row += 1
+        if len(plain) == 1:
+            fill(plain[0][0], mask, plain[0][1])
+        elif plain:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
-            llguidance.torch.fill_next_token_bitmask_par(self._executor,
-                                                         [(self.matchers[s], i) for i, s in enumerate(slots)], mask)
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, plain, mask)
         return mask

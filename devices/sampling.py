@@ -45,7 +45,10 @@ class Draw:
     # Called once `settle` drew flagged rows again (their tokens corrected on the device too): what was computed on
     # the device from the draw's tokens is computed again (a speculative step's kept drafts).
     on_redrawn: Callable[["Draw"], None] | None = None
-    grammar_rows: list[int] | None = None  # rows whose slot's grammar takes the drawn token
+    # A constrained request's first row, and the rows of its later positions (a speculative step's): what its
+    # grammar takes once the tokens are back (the first token, then as many as `kept` counts)
+    grammar_rows: dict[int, list[int]] | None = None
+    kept: object = None  # a speculative step's `KeptDrafts` (its per-row kept counts)
 
 
     def ready(self) -> bool:
@@ -156,13 +159,22 @@ class SlotSampling:
             params.prompt_mask = self.prompt_mask[ints[3]]
         return rows, params, token_index, ints[3], list(slots)
 
-    def draw(self, logits: torch.Tensor, prepared) -> Draw:
+    def draw(self, logits: torch.Tensor, prepared, drafts: dict[int, list[int]] | None = None) -> Draw:
         """Queue the draw for `prepare`'s rows on the device; nothing here waits for it, but a constrained row's
-        earlier draws (its grammar's mask needs their tokens)."""
+        earlier draws (its grammar's mask needs their tokens). drafts: a speculative step's drafts of its
+        constrained slots, whose later positions (the slot's rows after its first) draw under the masks the drafts
+        lead to."""
         rows, params, token_index, slot_index, slots = prepared
-        grammar_rows = [i for i, s in enumerate(slots) if self.grammars.matchers[s] is not None]
+        grammar_rows: dict[int, list[int]] = {}  # a constrained slot's first row: its later rows
+        first: dict[int, int] = {}
+        for i, s in enumerate(slots):
+            if self.grammars.matchers[s] is not None:
+                if s in first:
+                    grammar_rows[first[s]].append(i)
+                else:
+                    first[s], grammar_rows[i] = i, []
         if grammar_rows:
-            self._match_earlier_draws({slots[i] for i in grammar_rows})
+            self._match_earlier_draws(set(first))
         biased = [(i, t, b) for i, r in enumerate(rows) for t, b in r.logit_bias]
         if biased:
             at = upload({"rows": [i for i, _, _ in biased], "ids": [t for _, t, _ in biased]}, torch.long,
@@ -175,10 +187,14 @@ class SlotSampling:
         if barred:
             at = upload({"rows": [i for i, _ in barred], "ids": [t for _, t in barred]}, torch.long, logits.device)
             logits.index_put_((at["rows"], at["ids"]), logits.new_full((), float("-inf")))
-        masked = [i for i in grammar_rows if self.grammars.matchers[slots[i]] is not None]  # errors drop one
-        if masked:
-            mask = self.grammars.masks([slots[i] for i in masked])
-            at = upload({"rows": masked}, torch.long, logits.device)["rows"]
+        live = [s for s in first if self.grammars.matchers[s] is not None]  # a matcher that erred is dropped
+        if live:
+            walked = {s: drafts[s] for s in live if drafts and s in drafts}
+            if any(len(walked.get(s, ())) != len(grammar_rows[first[s]]) for s in live):
+                raise SlotProtocolError("a constrained row's later positions and its drafts differ in number")
+            mask = self.grammars.masks(live, walked)
+            at = upload({"rows": [r for s in live for r in [first[s]] + grammar_rows[first[s]]]}, torch.long,
+                        logits.device)["rows"]
             apply_token_mask(logits, at, mask.to(logits.device, non_blocking=True))
         k = max(r.logprobs for r in rows)
         top_ks = [r.top_k for r in rows if r.temperature > 0]
@@ -214,9 +230,11 @@ class SlotSampling:
                 self.settle(until=d)
             d.wait()
             tokens = d.host[0]
-            for i in d.grammar_rows:
-                if d.slots[i] >= 0:
-                    self.grammars.accept(d.slots[i], int(tokens[i]))
+            counts = d.kept.counts() if d.kept is not None else None
+            for i, more in d.grammar_rows.items():
+                if d.slots[i] >= 0:  # the first token, then the later positions the step kept
+                    for r in [i] + more[: counts[i] - 1 if counts is not None else 0]:
+                        self.grammars.accept(d.slots[i], int(tokens[r]))
         self._unmatched = later
 
     def settle(self, until: Draw | None = None) -> None:

@@ -228,18 +228,28 @@ class Speculator:
             return None, None
         first_logits, extra_logits, drafted = out.row_logits, out.draft_logits, out.drafts
         k, slots = self.state.speculative_tokens, list(range(n))
-        # A constrained row keeps no draft (its mask for a position after the first would need the drafts on the
-        # host): it decodes one token in the step, like a row with penalties.
-        free = [i for i in slots if not sampling.settings[i].needs_counts and sampling.grammars.matchers[i] is None]
+        # A constrained row's later positions draw under the masks its drafts lead to: the drafts come to the host
+        # first (the forward's end; only in a step with such a row). Under an emulated acceptance (kept by a coin,
+        # not by equality) it keeps none.
+        matchers = sampling.grammars.matchers
+        free = [i for i in slots if not sampling.settings[i].needs_counts
+                and (matchers[i] is None or self._keep_ratio is None)]
+        checked = [i for i in free if matchers[i] is not None]
+        drafts = None
+        if checked:
+            (host,), event = to_host([drafted[:n]])
+            if event is not None:
+                event.synchronize()
+            drafts = {i: host[i].tolist() for i in checked}
         # One draw: every row's first position, then the k after it of the free rows (each its own row: the
         # sampler reads rows at a stride of V). The extra rows' tokens also land in their slots' penalty counts,
         # which only penalty rows, never among them, read.
         logits = torch.cat([first_logits[:n], select_rows(extra_logits, free).flatten(0, 1)])
         rows = slots + [i for i in free for _ in range(k)]
         token_index = cmd.decode_token_index + [cmd.decode_token_index[i] + j for i in free for j in range(1, k + 1)]
-        drawn = sampling.draw(logits, sampling.prepare(rows, token_index, cmd.step_seed, index_offsets))
+        drawn = sampling.draw(logits, sampling.prepare(rows, token_index, cmd.step_seed, index_offsets), drafts)
         ends = [(sampling.settings[i].max_tokens, sampling.settings[i].stop_token_ids) for i in slots]
-        kept = KeptDrafts(free, drafted[:n].clone(), ends)
+        kept = drawn.kept = KeptDrafts(free, drafted[:n].clone(), ends)
         drawn.on_redrawn = lambda d: self._keep_drafts(kept, d, list(d.slots[:n]))
         self._keep_drafts(kept, drawn, slots)
         return drawn, kept

@@ -163,6 +163,53 @@ def test_constrained_outputs_equal_across_overlap_and_speculation(tiny_ckpt):
         jsonschema.validate(json.loads(text), schema)
 
 
+def test_constrained_rows_keep_drafts_the_grammar_allows(tiny_ckpt):
+    """Speculation with drafts checked against the grammar: drafts of the plain run's own continuation (a trained
+    head's best case) are kept, each later position drawn under the mask its drafts lead to, and the outputs
+    are the plain run's; drafts that break the grammar (every one a '}') are never kept, and change nothing."""
+    from deltaserve.runtime.speculation import SpeculationOverride
+
+    params = [SamplingParams(max_tokens=120, temperature=1.0, seed=i, structured_outputs=StructuredOutputs(
+        json=schema)) for i, schema in enumerate(SCHEMAS[:8])]
+    prompts = [f"JSON {i}:" for i in range(len(params))]
+
+    def run(propose=None, k=0):
+        async def main():
+            args = EngineArgs(model=tiny_ckpt, max_model_len=1024, max_batch=8, cpu_memory_bytes=128 << 20,
+                              speculative_tokens=k, speculative_adaptive=False)
+            async with AsyncEngine(args, speculation_override=SpeculationOverride(propose)) as engine:
+                outs = await _finals([engine.generate(p, q) for p, q in zip(prompts, params)])
+                return [(o.text, list(o.token_ids), o.finish_reason) for o in outs], \
+                    engine.metrics.spec_accepted._value.get()
+        return asyncio.run(main())
+
+    plain, _ = run()
+    by_prompt = {}
+
+    def own(prompt_ids, output, k):  # the plain run's continuation (any drafts for the warm-up's prompts)
+        full = by_prompt.get(tuple(prompt_ids), []) + [0] * (len(output) + k)
+        return full[len(output): len(output) + k]
+
+    async def ids():
+        async with AsyncEngine(EngineArgs(model=tiny_ckpt, max_model_len=1024, cpu_memory_bytes=16 << 20)) as e:
+            return [e.tokenizer.encode(p) for p in prompts]
+    for prompt_ids, out in zip(asyncio.run(ids()), plain):
+        by_prompt[tuple(prompt_ids)] = out[1]
+    spec, accepted = run(own, k=3)
+    assert spec == plain and accepted >= sum(len(o[1]) for o in plain) // 3
+    brace = [None]
+
+    def braces(prompt_ids, output, k):
+        return [brace[0]] * k
+
+    async def brace_id():
+        async with AsyncEngine(EngineArgs(model=tiny_ckpt, max_model_len=1024, cpu_memory_bytes=16 << 20)) as e:
+            return e.tokenizer.encode("}")[0]
+    brace[0] = asyncio.run(brace_id())
+    wrong, _ = run(braces, k=3)
+    assert wrong == plain
+
+
 def test_a_large_schema_compiles_off_the_event_loop_once(tiny_ckpt):
     """A 1500-property schema takes a while to compile: the event loop keeps ticking meanwhile, and the same
     schema asked for again (by another request, while and after) compiles once."""
