@@ -97,17 +97,26 @@ def test_valid_with_thinking_on_and_off(tiny_ckpt):
 
 def test_json_object_and_choice_and_grammar_outputs(tiny_ckpt):
     """Any JSON object (its keys and values free: a random model may run out of tokens, and what it ended is an
-    object), a choice, a regex, an EBNF grammar, and a schema's n choices."""
+    object), a choice, a regex, an EBNF grammar, vLLM's structural tag, and a schema's n choices."""
     async def body(engine):
         specs = [StructuredOutputs(json_object=True)] * 4 + [
             StructuredOutputs(choice=["up", "down", "left right"]), StructuredOutputs(regex=r"\(?[0-9]{3}\) [0-9]{4}"),
-            StructuredOutputs(grammar='root ::= "(" item ("," item)* ")"\nitem ::= [a-c]+')]
+            StructuredOutputs(grammar='root ::= "(" item ("," item)* ")"\nitem ::= [a-c]+'),
+            StructuredOutputs(structural_tag={"triggers": ["<f="], "structures": [{
+                "begin": "<f=go>", "schema": {"type": "object", "properties": {"n": {"enum": [1, 2]}},
+                                              "required": ["n"]}, "end": "</f>"}]})]
         streams = [engine.generate("Say:", SamplingParams(max_tokens=300, temperature=1.0, seed=i,
                                                           structured_outputs=spec)) for i, spec in enumerate(specs)]
         choices = engine.generate_choices("Say:", SamplingParams(max_tokens=600, temperature=1.0, seed=9,
                                                                  structured_outputs=StructuredOutputs(
                                                                      json=SCHEMAS[1])), 3)
-        return await _finals(streams), await _finals(choices)
+        outs = await _finals(streams), await _finals(choices)
+        # the structural tag's matcher (compiled for the request above): a triggered call must follow its schema
+        encode = engine.tokenizer.encode
+        good, bad = engine.grammars.matcher(specs[-1], False), engine.grammars.matcher(specs[-1], False)
+        assert good.consume_tokens(encode('so <f=go>{"n": 2}</f> and on'))
+        assert not bad.consume_tokens(encode('so <f=go>{"n": 3}'))
+        return outs
 
     outs, choices = _run(tiny_ckpt, body)
     assert len({o.text for o in choices}) == 3  # n = 3: each choice its own matcher, each output valid
@@ -116,7 +125,10 @@ def test_json_object_and_choice_and_grammar_outputs(tiny_ckpt):
     ended = [o for o in outs[:4] if o.finish_reason == "stop"]
     assert ended and all(isinstance(json.loads(o.text), dict) for o in ended)
     assert all(o.text.startswith("{") for o in outs[:4])
-    choice, regex, grammar = outs[4:]
+    choice, regex, grammar, tagged = outs[4:]
+    for call in re.findall("<f=(.*?)</f>", tagged.text, re.S):  # free text around calls whose JSON is the schema's
+        assert call.startswith("go>") and json.loads(call[3:])["n"] in (1, 2)
+    assert "<f=" not in re.sub("<f=.*?</f>", "", tagged.text, flags=re.S) or tagged.finish_reason == "length"
     assert choice.text in ("up", "down", "left right") and choice.finish_reason == "stop"
     assert re.fullmatch(r"\(?[0-9]{3}\) [0-9]{4}", regex.text) and regex.finish_reason == "stop"
     assert re.fullmatch(r"\([a-c]+(,[a-c]+)*\)", grammar.text) and grammar.finish_reason == "stop"
