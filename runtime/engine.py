@@ -130,6 +130,7 @@ class AsyncEngine:
                              f"({self.cfg.max_position_embeddings})")
         self.max_model_len = args.max_model_len or min(self.cfg.max_position_embeddings, 32768)
         self.model_name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+        self.metrics.model_name = self.model_name
         buckets = sorted(args.buckets) if args.buckets else default_buckets(args.max_batch)
         self.override.check(args.speculative_tokens)
         speculation = SpeculationPolicy(args.speculative_tokens, args.speculative_max_batch, args.speculative_adaptive)

@@ -1,15 +1,62 @@
-"""Prometheus metrics of one engine (its own registry, so several engines in a process do not collide)."""
+"""Prometheus metrics of one engine (its own registry, so several engines in a process do not collide), exported
+under our names and again under vLLM's (`vllm:...`, labelled `model_name` and `engine`), so vLLM's dashboards and
+the routers and schedulers that read vLLM's load signals (llm-d's, vllm-router's) see this server as a vLLM one.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
                     40.96, 81.92)
 
 
+# Our metric (an EngineMetrics attribute) -> vLLM's name for what it measures, and the label vLLM gives ours
+VLLM_NAMES = {
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+    "kv_usage": "vllm:kv_cache_usage_perc",
+    "prefix_queries": "vllm:prefix_cache_queries",
+    "prefix_hits": "vllm:prefix_cache_hits",
+    "ttft": "vllm:time_to_first_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+    "e2e": "vllm:e2e_request_latency_seconds",
+    "queue_time": "vllm:request_queue_time_seconds",
+    "prefill_time": "vllm:request_prefill_time_seconds",
+    "prompt_tokens": "vllm:prompt_tokens",
+    "generation_tokens": "vllm:generation_tokens",
+    "finished": "vllm:request_success",
+    "spec_drafts": "vllm:spec_decode_num_draft_tokens",
+    "spec_accepted": "vllm:spec_decode_num_accepted_tokens",
+    "spec_accepted_at": "vllm:spec_decode_num_accepted_tokens_per_pos",
+}
+VLLM_LABELS = {"finish_reason": "finished_reason"}
+
+
+class _VllmNames(Collector):
+    """Our metrics' samples again, renamed and labelled as vLLM's, read at each scrape (nothing is counted twice)."""
+
+    def __init__(self, metrics: "EngineMetrics") -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        labels = {"model_name": self.metrics.model_name, "engine": "0"}
+        for ours, theirs in VLLM_NAMES.items():
+            for family in getattr(self.metrics, ours).collect():
+                renamed = Metric(theirs, family.documentation, family.type)
+                for sample in family.samples:
+                    renamed.add_sample(theirs + sample.name[len(family.name):],
+                                       {**{VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()}, **labels},
+                                       sample.value, sample.timestamp)
+                yield renamed
+
+
 class EngineMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        """model_name: the served name, vLLM's `model_name` label (`name_model` sets it once it is known)."""
+        self.model_name = model_name
         r = self.registry = CollectorRegistry()
         self.running = Gauge("deltaserve_requests_running", "Requests holding a slot", registry=r)
         self.waiting = Gauge("deltaserve_requests_waiting", "Requests queued for admission", registry=r)
@@ -49,12 +96,13 @@ class EngineMetrics:
                                       buckets=_LATENCY_BUCKETS)
         self.healthy = Gauge("deltaserve_healthy", "1 while the engine serves, 0 once poisoned", registry=r)
         self.healthy.set(1)
+        r.register(_VllmNames(self))
         self.prompt_token_count = 0  # the two counters' values, for the engine's periodic stats line
         self.generation_token_count = 0
 
     def reset(self) -> None:
         """Every metric back to zero, in this object (the step loop and the server hold it): a fresh registry."""
-        self.__init__()
+        self.__init__(self.model_name)
 
     def count_tokens(self, prompt: int, generated: int) -> None:
         self.prompt_tokens.inc(prompt)
