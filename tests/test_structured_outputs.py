@@ -361,3 +361,18 @@ def test_constraints_that_cannot_be_served_are_a_400_naming_the_field(tiny_ckpt)
         (200, None), (400, "response_format"), (400, "response_format"), (400, "guided_json"),
         (400, "guided_regex"), (400, "structured_outputs"), (400, "structured_outputs"), (400, "guided_choice"),
         (400, "tool_choice"), (400, "tool_choice"), (400, "tool_choice")]
+
+
+def test_constrained_outputs_at_tp_2_are_tp_1_s(tiny_tp_ckpt):
+    """Rank 0 alone holds the matchers and draws; the other rank runs the same steps: tp 2 gives tp 1's outputs."""
+    async def body(engine):
+        streams = [engine.generate(f"JSON {i}:", SamplingParams(max_tokens=200, temperature=1.0, seed=i,
+                                                                structured_outputs=StructuredOutputs(json=schema)))
+                   for i, schema in enumerate(SCHEMAS[:4])]
+        return [(o.text, list(o.token_ids), o.finish_reason) for o in await _finals(streams)]
+
+    one = _run(tiny_tp_ckpt, body)
+    assert _run(tiny_tp_ckpt, body, tp=2) == one
+    for (text, _, reason), schema in zip(one, SCHEMAS):
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), schema)
