@@ -114,6 +114,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     _option("prefix_cache_state_gib", "cache", float, "memory per GPU for the prefix cache's recurrent-state "
             "snapshots (default: a tenth of what the weights leave)", "--prefix-cache-state-gib", optional=True,
             low=0.0, metavar="GIB"),
+    _option("kv_events_config", "cache", str, "publish the prefix cache's resumable prefixes as vLLM's KV events "
+            "(its JSON: enable_kv_cache_events, publisher 'zmq', endpoint, replay_endpoint, topic, buffer_steps), "
+            "for cache-aware routers", "--kv-events-config", optional=True, metavar="JSON"),
     _option("max_batch", "scheduler", int, "requests decoding at once (lowered if memory is short)",
             "--max-num-seqs", "--max-batch", low=1, high=4096, metavar="N"),
     _option("prefill_token_budget", "scheduler", int, "prompt tokens prefilled per step at most; default 8192, "
@@ -231,6 +234,7 @@ class EngineArgs:
     kernel_config: KernelConfig | None = None  # cuda: the Triton ops' launch choices (None: the defaults)
     enable_prefix_caching: bool = True  # share cached prompt prefixes (KV pages and recurrent-state snapshots)
     prefix_cache_state_gib: float | None = None  # per rank, for the snapshots; None: a tenth of what the weights leave
+    kv_events_config: str | None = None  # vLLM's KV-events JSON (runtime.kv_events.KvEventsConfig); None: none
     async_scheduling: bool = True  # launch each step before the last one's tokens are back (overlap)
     # Speculative decoding with the checkpoint's MTP head: k tokens drafted and verified a step (0: off).
     speculative_tokens: int = 0

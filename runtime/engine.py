@@ -33,6 +33,7 @@ from deltaserve.progress import progress as show_progress
 
 from deltaserve.args import EngineArgs
 from .grammar import Grammars
+from .kv_events import KvEventPublisher, KvEventsConfig
 from .metrics import EngineMetrics
 from .params import SamplingParams, all_ints
 from .prefix_cache import PrefixCache
@@ -91,6 +92,7 @@ class AsyncEngine:
         self.scheduler: Scheduler | None = None
         self.steps: StepLoop | None = None
         self.grammars: Grammars | None = None
+        self.kv_events: KvEventPublisher | None = None
         self._closing = False
         self._draining = False
         self._stats_task: asyncio.Task | None = None
@@ -157,18 +159,25 @@ class AsyncEngine:
             await self.replica.close()
             raise
         plan = self.replica.plan
+        kv_events = KvEventsConfig.parse(args.kv_events_config) if args.kv_events_config else KvEventsConfig()
+        if kv_events.publishes and not args.enable_prefix_caching:
+            raise ValueError("kv_events_config publishes the prefix cache's contents: it needs prefix caching on")
         self.scheduler = Scheduler(
             num_pages=plan.num_pages, page_size=plan.page_size, max_batch=plan.max_batch,
             max_prefill_slots=plan.prefill_slots, prefill_token_budget=self.replica.prefill_token_budget,
             max_model_len=self.max_model_len, buckets=self.replica.buckets,
             step_budget=self._step_budget(),
-            prefix_cache=PrefixCache(plan.num_pages, plan.page_size, plan.snapshots, args.enable_prefix_caching),
+            prefix_cache=PrefixCache(plan.num_pages, plan.page_size, plan.snapshots, args.enable_prefix_caching,
+                                     announce=kv_events.publishes),
             lookahead=positions_past_end(args.speculative_tokens), prefill_graph_sizes=self.replica.prefill_buckets,
             mixed_graph_sizes=self.replica.mixed_token_buckets,
         )
         await self.grammars.ready()
         self.steps = StepLoop(self.replica, self.scheduler, self.metrics, speculation, self.override,
                               overlap=args.async_scheduling, seed=args.seed)
+        if kv_events.publishes:
+            self.kv_events = KvEventPublisher(kv_events)
+            self.steps.publish_events = self.kv_events.publish
         self.steps.start()
         if args.warmup if args.warmup is not None else args.device == "cuda":
             await self._warm_up()
@@ -253,6 +262,9 @@ class AsyncEngine:
         self._text_pool.shutdown(wait=False, cancel_futures=True)
         if self.grammars is not None:
             self.grammars.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         if self._frozen:
             self._frozen = False
             _StartupObjects.thaw()

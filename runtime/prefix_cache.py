@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 ROOT_KEY = b""  # the key of the empty prefix
@@ -56,6 +56,7 @@ class PagePool:
         self.key_of: dict[int, bytes] = {}
         self.page_of: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.on_evict: Callable[[bytes], None] | None = None  # a cached prefix's page taken for another
 
     @property
     def available(self) -> int:
@@ -76,7 +77,10 @@ class PagePool:
                 page = self.free.pop()
             else:
                 page, _ = self.evictable.popitem(last=False)
-                del self.page_of[self.key_of.pop(page)]
+                key = self.key_of.pop(page)
+                del self.page_of[key]
+                if self.on_evict is not None:
+                    self.on_evict(key)
             self.refs[page] = 1
             pages.append(page)
         return pages
@@ -142,6 +146,7 @@ class SnapshotPool:
         self.free: list[int] = list(range(capacity - 1, -1, -1))
         self.by_anchor: dict[bytes, dict[tuple[int, ...], Snapshot]] = {}
         self.lru: OrderedDict[int, Snapshot] = OrderedDict()  # oldest first
+        self.on_forget: Callable[[Snapshot], None] | None = None  # a snapshot evicted
 
     def __len__(self) -> int:
         return len(self.lru)
@@ -193,6 +198,8 @@ class SnapshotPool:
         self.lru.clear()
 
     def _forget(self, snap: Snapshot) -> None:
+        if self.on_forget is not None:
+            self.on_forget(snap)
         entries = self.by_anchor[snap.anchor]
         del entries[snap.tail]
         if not entries:
@@ -219,11 +226,102 @@ class PrefixMatch:
     branch: int  # a page boundary past `position` up to which cached pages match: snapshot there (0: none)
 
 
+@dataclass(frozen=True)
+class BlockStored:
+    """Pages a request could now resume after (vLLM's KV event of the name): consecutive full pages of a prefix,
+    each named by its key, the first's parent key (None: the prompt's start), and their tokens."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: list[bytes]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+class ResumablePrefixes:
+    """Which full pages a request can resume after, told as events a router reads (`runtime.kv_events`). A page
+    counts only on the way to a snapshot (the recurrent state must be resumed exactly there): each snapshot
+    announces the pages from the prompt's start to its anchor, and a page is announced while some snapshot whose
+    pages are all still cached needs it. A page evicted retracts every snapshot needing it (it is not announced
+    again until a snapshot is taken anew on it): the events may tell of fewer prefixes than the cache could resume,
+    never more."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.needed: dict[bytes, set[int]] = {}  # announced page key -> the snapshots (by index) that need it
+        self.chains: dict[int, list[bytes]] = {}  # snapshot index -> the page keys it announced
+        self.events: list = []  # not yet published (`take`)
+
+    def snapshot_taken(self, snap: Snapshot, keys: list[bytes], tokens: Sequence[int]) -> None:
+        """`keys`: the page keys from the start to the snapshot's anchor; `tokens`: the tokens they hold."""
+        ps, fresh = self.page_size, []
+        for i, key in enumerate(keys):
+            holders = self.needed.setdefault(key, set())
+            if not holders:
+                fresh.append(i)
+            holders.add(snap.index)
+        self.chains[snap.index] = list(keys)
+        runs = []  # consecutive fresh pages, one event each
+        for i in fresh:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.events.append(BlockStored([keys[i] for i in run], keys[first - 1] if first else None,
+                                           list(tokens[first * ps : (last + 1) * ps]), ps))
+
+    def snapshot_gone(self, snap: Snapshot) -> None:
+        self._retract(snap.index)
+
+    def page_evicted(self, key: bytes) -> None:
+        for index in list(self.needed.get(key, ())):
+            self._retract(index)
+
+    def _retract(self, index: int) -> None:
+        """A snapshot's pages are no longer announced on its behalf: those no other snapshot needs are removed."""
+        removed = []
+        for key in self.chains.pop(index, ()):
+            holders = self.needed.get(key)
+            if holders is not None:
+                holders.discard(index)
+                if not holders:
+                    del self.needed[key]
+                    removed.append(key)
+        if removed:
+            self.events.append(BlockRemoved(removed))
+
+    def cleared(self) -> None:
+        self.needed.clear()
+        self.chains.clear()
+        self.events.append(AllBlocksCleared())
+
+    def take(self) -> list:
+        events, self.events = self.events, []
+        return events
+
+
 class PrefixCache:
-    def __init__(self, num_pages: int, page_size: int, snapshots: int, enabled: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, snapshots: int, enabled: bool = True,
+                 announce: bool = False) -> None:
+        """announce: keep `resumable` (KV events for routers)."""
         self.page_size, self.enabled = page_size, enabled
         self.pages = PagePool(num_pages)
         self.snapshots = SnapshotPool(snapshots if enabled else 0, self.pages)
+        self.resumable = ResumablePrefixes(page_size) if announce and enabled else None
+        if self.resumable is not None:
+            self.pages.on_evict = self.resumable.page_evicted
+            self.snapshots.on_forget = self.resumable.snapshot_gone
 
     def keys(self, token_ids: Sequence[int]) -> list[bytes]:
         return page_keys(token_ids, self.page_size) if self.enabled else []
@@ -256,6 +354,8 @@ class PrefixCache:
         """Forget every cached prefix (pages still held stay with their holders, unkeyed)."""
         self.snapshots.evict_all()
         self.pages.forget_keys()
+        if self.resumable is not None:
+            self.resumable.cleared()
 
     def check(self) -> None:
         self.pages.check()

@@ -475,6 +475,8 @@ class Scheduler:
         anchor = req.keys[full - 1] if full else ROOT_KEY
         tail = tuple((tokens or req.prompt_ids)[full * self.page_size : position])
         snap = self.cache.snapshots.add(anchor, tail, position, req.pages[full] if tail else None, logits)
+        if snap is not None and self.cache.resumable is not None:
+            self.cache.resumable.snapshot_taken(snap, req.keys[:full], tokens or req.prompt_ids)
         return None if snap is None else snap.index
 
     def schedule(self) -> StepPlan:

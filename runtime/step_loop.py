@@ -63,6 +63,8 @@ class StepLoop:
         self._closing = False
         self._seq = itertools.count(1)
         self._rng = random.Random(seed)
+        # Each plan's KV events (the prefix cache's resumable prefixes) go here: a router's feed; None: not kept
+        self.publish_events: Callable[[list], None] | None = None
 
     # Requests -------------------------------------------------------------------------------------------------------
     def add(self, req: Request, keys: list | None) -> None:
@@ -202,6 +204,8 @@ class StepLoop:
                 plan = sched.schedule() if sched.has_work else None
                 if plan is not None:
                     self._decide(plan)
+                    if self.publish_events is not None:
+                        self.publish_events(sched.cache.resumable.take())
                 self.metrics.show(self.scheduler)
                 handing_over = plan is not None and not plan.empty
                 if not handing_over and not in_flight:

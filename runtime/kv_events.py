@@ -1,0 +1,157 @@
+"""KV-cache events as vLLM publishes them, so its routers (llm-d's endpoint picker, vllm-router's cache-aware
+policy) can tell which replica holds a prompt's prefix: `--kv-events-config` as vLLM spells it.
+
+A step's events (`prefix_cache.ResumablePrefixes`: only prefixes a request could resume, up to a state snapshot)
+go out as one batch on a ZMQ PUB socket, a multipart message (topic, sequence number as 8 big-endian bytes, the
+batch in msgpack: [timestamp, [event, ...]], each event an array led by its type's name, as vLLM's msgspec tagged
+structs encode). The last `buffer_steps` batches are kept for a replay socket (ROUTER): a client sends the first
+sequence number it lacks and gets every kept batch from there, then an end marker (sequence -1, no payload).
+A thread of its own does the sockets: the event loop only hands it each step's events.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from .prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored
+
+log = logging.getLogger(__name__)
+
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass(frozen=True)
+class KvEventsConfig:
+    """vLLM's KVEventsConfig fields (the ones a ZMQ publisher reads)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> "KvEventsConfig":
+        """From `--kv-events-config`'s JSON; a ValueError naming what is wrong."""
+        try:
+            fields = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"kv_events_config is not JSON: {exc}") from None
+        if not isinstance(fields, dict):
+            raise ValueError("kv_events_config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        config = cls(**fields)
+        if config.publisher not in ("null", "zmq"):
+            raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {config.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"kv_events_config.{name} must be a positive integer, got {value!r}")
+        return config
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+def encode(events: list, ts: float) -> bytes:
+    """A batch as vLLM's KVEventBatch encodes it (msgspec, array-like, tagged by type name)."""
+    import msgpack
+
+    def one(e):
+        if isinstance(e, BlockStored):
+            return ["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, None, None]
+        if isinstance(e, BlockRemoved):
+            return ["BlockRemoved", e.block_hashes, None]
+        if isinstance(e, AllBlocksCleared):
+            return ["AllBlocksCleared"]
+        raise TypeError(f"not a KV event: {e!r}")
+
+    return msgpack.packb([ts, [one(e) for e in events]], use_bin_type=True)
+
+
+class KvEventPublisher:
+    def __init__(self, config: KvEventsConfig) -> None:
+        import zmq  # only a server that publishes needs it
+
+        self.config = config
+        self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
+        self._context = zmq.Context()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.set_hwm(config.hwm)
+        self._pub.bind(config.endpoint)
+        self._replay = None
+        if config.replay_endpoint:
+            self._replay = self._context.socket(zmq.ROUTER)
+            self._replay.bind(config.replay_endpoint)
+        self._kept: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._seq = 0
+        self._dropped = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+        log.info("KV events on %s (replay: %s, topic %r)", config.endpoint, config.replay_endpoint or "none",
+                 config.topic)
+
+    def publish(self, events: list) -> None:
+        """One step's events (the event loop's call: never waits)."""
+        if not events:
+            return
+        try:
+            self._queue.put_nowait((events, time.time()))
+        except queue.Full:
+            self._dropped += 1
+            if self._dropped == 1 or self._dropped % 1000 == 0:
+                log.warning("KV event queue full: %d batches dropped", self._dropped)
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        topic = self.config.topic.encode()
+        while not self._stop.is_set():
+            try:
+                events, ts = self._queue.get(timeout=0.01)
+            except queue.Empty:
+                events = None
+            if events is not None:
+                payload, seq = encode(events, ts), self._seq
+                self._seq += 1
+                self._pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
+                self._kept.append((seq, payload))
+            if self._replay is not None and poller.poll(0):
+                self._answer_replay()
+
+    def _answer_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        identity, start = frames[0], int.from_bytes(frames[-1], "big") if len(frames[-1]) == 8 else 0
+        for seq, payload in list(self._kept):
+            if seq >= start:
+                self._replay.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
+        self._replay.send_multipart([identity, b"", END_OF_REPLAY, b""])
+
+    def close(self) -> None:
+        """The events handed over so far go out, then the sockets close."""
+        deadline = time.monotonic() + 2.0
+        while not self._queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for socket in (self._pub, self._replay):
+            if socket is not None:
+                socket.close(linger=0)
+        self._context.term()

@@ -1,0 +1,192 @@
+"""KV-cache events in vLLM's format over ZMQ: a subscriber's view of the stream, under churn (shared prefixes hit,
+prompts evicting others, requests cancelled), is the prefix cache's own: exactly the pages some snapshot's prefix
+needs, each block's hash its tokens' chain key, every announced snapshot prefix resumable; the replay socket gives
+the same batches again."""
+
+import asyncio
+import json
+import random
+import socket
+
+import msgpack
+import pytest
+import zmq
+
+from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
+from deltaserve.runtime.kv_events import KvEventsConfig
+from deltaserve.runtime.prefix_cache import ROOT_KEY, chain_key
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_event_stream_is_the_prefix_cache_s_resumable_prefixes(tiny_ckpt):
+    pub, replay = f"tcp://127.0.0.1:{_port()}", f"tcp://127.0.0.1:{_port()}"
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub,
+                         "replay_endpoint": replay, "topic": "kv", "buffer_steps": 100_000})
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    received = []
+
+    def drain():
+        while sub.poll(50):
+            received.append(sub.recv_multipart())
+
+    async def main():
+        args = EngineArgs(model=tiny_ckpt, max_model_len=512, max_batch=8, cpu_memory_bytes=6 << 20,
+                          kv_events_config=config)
+        async with AsyncEngine(args) as engine:
+            sub.connect(pub)
+            await asyncio.sleep(0.3)  # a SUB socket misses what is sent before it is connected
+            rng = random.Random(0)
+            systems = [[rng.randrange(3, 500) for _ in range(48 + 16 * i)] for i in range(4)]
+            for wave in range(6):
+                streams = []
+                for j in range(8):
+                    prompt = systems[rng.randrange(4)] + [rng.randrange(3, 500) for _ in range(rng.randrange(5, 90))]
+                    streams.append(engine.generate(prompt, SamplingParams(max_tokens=rng.randrange(1, 24),
+                                                                          temperature=0.0)))
+                outs = []
+                for k, s in enumerate(streams):
+                    if k % 5 == 4:  # cancelled after its first output
+                        async for _ in s:
+                            break
+                        await s.aclose()
+                    else:
+                        async for out in s:
+                            pass
+                        outs.append(out)
+                await asyncio.sleep(0.05)
+                drain()
+            await asyncio.sleep(0.3)
+            drain()
+            cache = engine.scheduler.cache
+            live = {snap.index: snap for snap in cache.snapshots.lru.values()}
+            resumable = {i: list(keys) for i, keys in cache.resumable.chains.items()}
+            page_of = dict(cache.pages.page_of)
+            page_size = cache.page_size
+            matches = {}
+            for index, keys in resumable.items():
+                snap = live[index]
+                tokens = _tokens(keys, stored_tokens(received))
+                full = tokens + list(snap.tail) + [7]
+                matches[index] = cache.match(full, cache.keys(full)).position
+            return live, resumable, page_of, page_size, matches, await asyncio.to_thread(ask_replay)
+
+    def ask_replay():  # every kept batch, from the first
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(replay)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        got = []
+        while dealer.poll(5000):
+            frames = dealer.recv_multipart()
+            if frames[-2] == (-1).to_bytes(8, "big", signed=True):
+                break
+            got.append(frames[-2:])
+        dealer.close(linger=0)
+        return got
+
+    try:
+        live, resumable, page_of, page_size, matches, replayed = asyncio.run(main())
+    finally:
+        sub.close(linger=0)
+        context.term()
+
+    seqs = [int.from_bytes(m[1], "big") for m in received]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # numbered in order, none lost
+    stored, kinds = {}, []
+    for topic, _, payload in received:
+        ts, events = msgpack.unpackb(payload)
+        assert topic == b"kv" and ts > 0
+        for e in events:
+            kinds.append(e[0])
+            if e[0] == "BlockStored":
+                hashes, parent, tokens, block_size = e[1:5]
+                assert block_size == page_size and len(tokens) == len(hashes) * page_size
+                for i, h in enumerate(hashes):  # each hash is its page's tokens chained on its parent's
+                    assert chain_key(parent or ROOT_KEY, tokens[i * page_size:(i + 1) * page_size]) == h
+                    stored[h] = (parent, tokens[i * page_size:(i + 1) * page_size])
+                    parent = h
+            elif e[0] == "BlockRemoved":
+                for h in e[1]:
+                    stored.pop(h)  # KeyError: a block removed that was never stored
+            else:
+                stored.clear()
+    assert kinds.count("BlockStored") >= 8 and "BlockRemoved" in kinds  # churn: stored, evicted, stored again
+    # the stream's view is the cache's: the pages some live snapshot's prefix needs, every one still cached
+    needed = {k for keys in resumable.values() for k in keys}
+    assert set(stored) == needed and needed <= set(page_of)
+    # every announced snapshot prefix is resumed (a request with its tokens starts at least at its anchor)
+    for index, keys in resumable.items():
+        assert matches[index] >= len(keys) * page_size
+    assert [m[-2:] for m in received] == replayed[-len(received):]  # the replay socket's copy
+
+
+def stored_tokens(received) -> dict:
+    out = {}
+    for _, _, payload in received:
+        for e in msgpack.unpackb(payload)[1]:
+            if e[0] == "BlockStored":
+                ps = e[4]
+                for i, h in enumerate(e[1]):
+                    out[h] = e[3][i * ps:(i + 1) * ps]
+    return out
+
+
+def _tokens(keys, tokens_of) -> list[int]:
+    return [t for k in keys for t in tokens_of[k]]
+
+
+def test_bad_kv_events_configs_are_refused_by_name():
+    for bad, word in (("{", "JSON"), ("[]", "object"), ('{"endpont": "x"}', "endpont"),
+                      ('{"publisher": "kafka"}', "publisher"), ('{"buffer_steps": 0}', "buffer_steps")):
+        with pytest.raises(ValueError, match=word):
+            KvEventsConfig.parse(bad)
+
+
+def test_vllm_s_own_decoder_reads_a_batch():
+    """vLLM's subscribers decode with msgspec structs (array-like, tagged by type name): the same shapes here."""
+    from typing import Any
+
+    import msgspec
+
+    from deltaserve.runtime import prefix_cache as pc
+    from deltaserve.runtime.kv_events import encode
+
+    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list[Any]
+
+    class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[bytes | int]
+        parent_block_hash: bytes | int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[bytes | int]
+        medium: str | None
+
+    class AllBlocksCleared(KVCacheEvent):
+        pass
+
+    class KVEventBatch(EventBatch):
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+    a, b = bytes(range(16)), bytes(range(16, 32))
+    batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(encode(
+        [pc.BlockStored([a, b], None, list(range(32)), 16), pc.BlockRemoved([a]), pc.AllBlocksCleared()], 1.5))
+    assert batch.ts == 1.5 and [type(e).__name__ for e in batch.events] == ["BlockStored", "BlockRemoved",
+                                                                             "AllBlocksCleared"]
+    stored = batch.events[0]
+    assert stored.block_hashes == [a, b] and stored.parent_block_hash is None and stored.token_ids == list(range(32))
+    assert stored.block_size == 16 and batch.events[1].block_hashes == [a]
