@@ -82,6 +82,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             kwargs["choices"] = option.choices
         elif option.kind in (int, float):
             kwargs.update(type=_option_type(option), metavar=option.metavar)
+        elif option.metavar:
+            kwargs["metavar"] = option.metavar
         groups[option.group].add_argument(*option.flags, **kwargs)
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="checkpoint folder (the same as --model)")
@@ -124,6 +126,13 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="log every engine step: decode rows, prompt tokens, time, device idle (logger "
                              "deltaserve.steps, at debug)")
     parser.add_argument("--version", action="version", version=f"deltaserve {__version__}")
+    replicas = parser.add_argument_group("data parallelism on one host")
+    replicas.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                          help="N replicas of this server, each a process on its own GPUs (tp of them) and on port "
+                               "--port + 1 + i, behind --router on --port")
+    replicas.add_argument("--router", choices=("vllm", "none"), default="vllm",
+                          help="with --data-parallel-size: vllm-router's cache-aware policy on --port, or none "
+                               "(the replicas alone)")
     agents = parser.add_argument_group("tool calls and reasoning")
     agents.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the format of the model's tool calls (default: the one its chat template shows)")
@@ -278,6 +287,23 @@ async def run_server(ns: argparse.Namespace, speculation_override=None) -> int:
             await engine.close()
 
 
+async def run_replicas(ns: argparse.Namespace, serve_argv: list[str]) -> int:
+    """`--data-parallel-size N`: the replicas and their router until a signal (`runtime.replicas`)."""
+    from .replicas import Replicas
+
+    if ns.data_parallel_size < 1:
+        raise StartupError(f"--data-parallel-size must be at least 1, got {ns.data_parallel_size}")
+    try:
+        replicas = Replicas(serve_argv, ns.data_parallel_size, ns.host, ns.port, ns.router, ns.tp, ns.device)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return await replicas.run(stop)
+
+
 def check_aiohttp_or_refuse() -> None:
     from .connection import check_aiohttp
 
@@ -305,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.log_steps:
         logging.getLogger("deltaserve.steps").setLevel(logging.DEBUG)
     try:
+        if ns.data_parallel_size != 1:
+            return run(run_replicas(ns, (sys.argv[1:] if argv is None else argv)[1:]))
         return run(run_server(ns))
     except StartupError as exc:
         log.debug("start-up failed", exc_info=exc.__cause__ or exc)
