@@ -50,7 +50,6 @@ class Draw:
     grammar_rows: dict[int, list[int]] | None = None
     kept: object = None  # a speculative step's `KeptDrafts` (its per-row kept counts)
 
-
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 

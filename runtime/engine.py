@@ -121,6 +121,9 @@ class AsyncEngine:
         if args.chat_template is not None:
             self.tokenizer.use_chat_template(read_chat_template(args.chat_template))
         self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.cfg.generation.eos_token_ids)
+        kv_events = KvEventsConfig.parse(args.kv_events_config) if args.kv_events_config else KvEventsConfig()
+        if kv_events.publishes and not args.enable_prefix_caching:
+            raise ValueError("kv_events_config publishes the prefix cache's contents: it needs prefix caching on")
         if args.load_format == "safetensors":
             check_checkpoint(args.model)  # a bad file named here, not from inside a rank
         if self.tokenizer.vocab_size > self.cfg.vocab_size:
@@ -159,9 +162,6 @@ class AsyncEngine:
             await self.replica.close()
             raise
         plan = self.replica.plan
-        kv_events = KvEventsConfig.parse(args.kv_events_config) if args.kv_events_config else KvEventsConfig()
-        if kv_events.publishes and not args.enable_prefix_caching:
-            raise ValueError("kv_events_config publishes the prefix cache's contents: it needs prefix caching on")
         self.scheduler = Scheduler(
             num_pages=plan.num_pages, page_size=plan.page_size, max_batch=plan.max_batch,
             max_prefill_slots=plan.prefill_slots, prefill_token_budget=self.replica.prefill_token_budget,

@@ -155,7 +155,8 @@ def constraint(body: dict) -> tuple[StructuredOutputs | None, str | None]:
     fmt = body.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema", "structural_tag"):
-            raise _bad("'response_format.type' must be 'text', 'json_object' or 'json_schema'", "response_format")
+            raise _bad("'response_format.type' must be 'text', 'json_object', 'json_schema' or 'structural_tag'",
+                       "response_format")
         if fmt["type"] == "json_object":
             found.append(("response_format", {"json_object": True}))
         elif fmt["type"] == "json_schema":

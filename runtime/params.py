@@ -16,15 +16,16 @@ INT32_MAX = 2**31 - 1  # counts and token ids travel to the ranks as int32/int64
 
 
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar's text: compiled once per distinct text, off the loop
-MAX_CHOICES = 1024  # `choice` alternatives
+MAX_CHOICE_STRINGS = 1024  # `choice` alternatives
 
 
 @dataclass(frozen=True)
 class StructuredOutputs:
     """What the output must match (vLLM's `structured_outputs`; OpenAI's `response_format` and forced tool calls
     are written as one of these): exactly one of a JSON schema (`json`: an object or its text), any JSON object
-    (`json_object`), a regular expression, one of the `choice` strings, an EBNF `grammar` (xgrammar's dialect,
-    GBNF's), or an xgrammar `structural_tag` (its JSON). Held as text, so equal constraints compile once.
+    (`json_object`), a regular expression, one of the `choice` strings, a `grammar` (Lark, or GBNF / EBNF), or
+    vLLM's `structural_tag` ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}, an object or its
+    text). Held as text, so equal constraints compile once.
     Where the prompt opens a reasoning block, the constraint starts after it closes (`runtime.grammar`)."""
 
     json: str | None = None
@@ -59,9 +60,9 @@ class StructuredOutputs:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
         if self.choice is not None:
-            if (not isinstance(self.choice, tuple) or not self.choice or len(self.choice) > MAX_CHOICES
+            if (not isinstance(self.choice, tuple) or not self.choice or len(self.choice) > MAX_CHOICE_STRINGS
                     or not all(isinstance(c, str) for c in self.choice)):
-                raise ValueError(f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} strings")
+                raise ValueError(f"structured_outputs.choice must be a list of 1 to {MAX_CHOICE_STRINGS} strings")
         size = sum(len(t) for t in (self.json, self.regex, self.grammar, self.structural_tag) if t) \
             + sum(map(len, self.choice or ()))
         if size > MAX_GRAMMAR_CHARS:

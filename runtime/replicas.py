@@ -46,10 +46,9 @@ def gpu_groups(replicas: int, tp: int, device: str) -> list[str | None]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         ids = [g for g in visible.split(",") if g.strip()]
-    else:
-        import torch
-
-        ids = [str(i) for i in range(torch.cuda.device_count())]
+    else:  # the driver lists each GPU of the host (the runtime imports no torch to count them)
+        gpus = "/proc/driver/nvidia/gpus"
+        ids = [str(i) for i in range(len(os.listdir(gpus)))] if os.path.isdir(gpus) else []
     if device == "auto" and not ids:
         return [None] * replicas
     if replicas * tp > len(ids):
