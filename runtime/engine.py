@@ -102,7 +102,11 @@ class AsyncEngine:
 
     # Lifecycle ------------------------------------------------------------------------------------------------------
     async def __aenter__(self) -> "AsyncEngine":
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:  # what it had started (the ranks, their memory) goes back: `__aexit__` will not run
+            await self.close()
+            raise
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -145,7 +145,11 @@ class Grammars:
         self._tokenizer = self._thread.submit(_vocabulary, tokenizer, vocab_size, list(stop_token_ids))
 
     async def ready(self) -> None:
-        await asyncio.wrap_future(self._tokenizer)
+        """Once the vocabulary is read; without llguidance the engine serves all else (`compile` refuses)."""
+        try:
+            await asyncio.wrap_future(self._tokenizer)
+        except ImportError as exc:
+            log.warning("structured outputs are off: %s (pip install llguidance)", exc)
 
     def compiled(self, spec: StructuredOutputs, after_reasoning: bool) -> bool:
         return (spec, after_reasoning) in self._compiled
@@ -179,9 +183,13 @@ class Grammars:
                 self._compiled.popitem(last=False)
 
     def _compile(self, spec: StructuredOutputs, after_reasoning: bool):
-        llg = _llguidance()
+        try:
+            llg = _llguidance()
+            tokenizer = self._tokenizer.result()
+        except ImportError:
+            raise GrammarError("structured outputs need llguidance, which this server lacks (pip install "
+                               "llguidance)") from None
         began = time.perf_counter()
-        tokenizer = self._tokenizer.result()
         try:
             grammar = top_level(spec, after_reasoning)
             error = llg.LLMatcher.validate_grammar(grammar, tokenizer)

@@ -376,3 +376,22 @@ def test_constrained_outputs_at_tp_2_are_tp_1_s(tiny_tp_ckpt):
     for (text, _, reason), schema in zip(one, SCHEMAS):
         if reason == "stop":
             jsonschema.validate(json.loads(text), schema)
+
+
+def test_without_llguidance_the_engine_serves_and_refuses_constraints_by_name(tiny_ckpt, monkeypatch):
+    def missing():
+        raise ImportError("No module named 'llguidance'")
+
+    monkeypatch.setattr("deltaserve.runtime.grammar._llguidance", missing)
+
+    async def body(engine):
+        plain = await _finals([engine.generate("Hi:", SamplingParams(max_tokens=3, temperature=0.0))])
+        try:
+            await engine.compile_constraint("Hi:", SamplingParams(structured_outputs=StructuredOutputs(
+                json_object=True)))
+        except ValueError as exc:
+            return plain, str(exc)
+        return plain, None
+
+    (plain,), refused = _run(tiny_ckpt, body)
+    assert plain.finish_reason == "length" and "pip install llguidance" in refused

@@ -3,7 +3,9 @@
 # cuda-pathfinder, the aiohttp pyproject.toml pins, a setuptools new enough for the license metadata), come as
 # wheels in the carried, git-ignored .whl/ (`pip download --no-deps --only-binary=:all: --python-version 3.12
 # --platform manylinux_2_28_x86_64 NAME` here), installed into /tmp/site ahead of the image's; then the project.
-python3 -m pip install -q --no-deps --target /tmp/site .whl/*.whl
+for wheel in .whl/*.whl; do  # one at a time: a wheel the device's platform refuses leaves the others installed
+  python3 -m pip install -q --no-deps --target /tmp/site "$wheel" || echo "not installed: $wheel"
+done
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install -q --no-deps --no-build-isolation -e .
 python3 -c "import torch, triton, aiohttp, deltaserve; print('device:', torch.cuda.get_device_name(), 'torch',
