@@ -382,8 +382,7 @@ class AsyncEngine:
         keys = self.scheduler.prefix_keys(prompt_ids)
         spec, compiling = params.structured_outputs, None
         if spec is not None:
-            after_reasoning = prompt_opens_reasoning(prompt) if isinstance(prompt, str) \
-                else self.tokenizer.ids_open_reasoning(prompt_ids)
+            after_reasoning = self._opens_reasoning(prompt)
             if not self.grammars.compiled(spec, after_reasoning):  # the choices queue once it is compiled
                 compiling = asyncio.ensure_future(self.grammars.compile(spec, after_reasoning))
         streams = []
@@ -445,9 +444,14 @@ class AsyncEngine:
         stream; `generate` then finds it compiled."""
         spec = params.structured_outputs
         if spec is not None:
-            after = prompt_opens_reasoning(prompt) if isinstance(prompt, str) \
-                else self.tokenizer.ids_open_reasoning(prompt)
-            await self.grammars.compile(spec, after)
+            await self.grammars.compile(spec, self._opens_reasoning(prompt))
+
+    def _opens_reasoning(self, prompt: str | list[int]) -> bool:
+        """Whether the prompt (its text or its ids) ends inside an open reasoning block: a constraint starts after
+        it closes."""
+        if isinstance(prompt, str):
+            return prompt_opens_reasoning(prompt)
+        return self.tokenizer.ids_open_reasoning(prompt)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)

@@ -34,7 +34,7 @@ class GrammarError(ValueError):
 
 
 def _llguidance():
-    import llguidance  # imported on the grammar thread: the engine's start does not wait for it
+    import llguidance  # imported on first use, on the grammar thread (`_vocabulary`, while the engine starts)
 
     return llguidance
 

@@ -352,10 +352,10 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Forget every cached prefix (pages still held stay with their holders, unkeyed)."""
+        if self.resumable is not None:  # first: one AllBlocksCleared, not a BlockRemoved for each snapshot before it
+            self.resumable.cleared()
         self.snapshots.evict_all()
         self.pages.forget_keys()
-        if self.resumable is not None:
-            self.resumable.cleared()
 
     def check(self) -> None:
         self.pages.check()

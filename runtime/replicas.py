@@ -99,7 +99,7 @@ class Replicas:
         env = dict(os.environ)
         if self.gpus[i] is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[i]
-        # A session of its own: a terminal's Ctrl-C reaches the supervisor alone, which drains each replica once
+        # Out of the terminal's process group: its Ctrl-C reaches the supervisor alone, which drains each replica once
         self.processes[i] = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "deltaserve.runtime.serve", *self.argv, "--host", "127.0.0.1",
             "--port", str(self.ports[i]), env=env, start_new_session=True)
