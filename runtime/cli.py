@@ -130,9 +130,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     replicas.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                           help="N replicas of this server, each a process on its own GPUs (tp of them) and on port "
                                "--port + 1 + i, behind --router on --port")
-    replicas.add_argument("--router", choices=("vllm", "none"), default="vllm",
-                          help="with --data-parallel-size: vllm-router's cache-aware policy on --port, or none "
-                               "(the replicas alone)")
+    replicas.add_argument("--router", choices=("vllm", "sglang", "none"), default="vllm",
+                          help="with --data-parallel-size: vllm-router or sglang-router (cache-aware) on --port, or "
+                               "none (the replicas alone)")
     agents = parser.add_argument_group("tool calls and reasoning")
     agents.add_argument("--tool-call-parser", choices=PARSERS, default=None,
                         help="the format of the model's tool calls (default: the one its chat template shows)")
@@ -147,6 +147,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="no checkpoint code is ever run: Qwen3.5 is built in")
     compat.add_argument("--disable-log-requests", "--enable-log-requests", action="store_true", dest="log_requests",
                         help="request contents are never logged")
+    compat.add_argument("--prefix-caching-hash-algo", choices=("sha256_cbor",), default="sha256_cbor",
+                        help="KV events name blocks by vLLM's sha256_cbor hashes (the scheme routers recompute; seed "
+                             "PYTHONHASHSEED)")
     compat.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                         help="chunked prefill is always on (--max-num-batched-tokens sizes the chunks)")
     return parser

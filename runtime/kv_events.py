@@ -6,13 +6,20 @@ go out as one batch on a ZMQ PUB socket, a multipart message (topic, sequence nu
 batch in msgpack: [timestamp, [event, ...]], each event an array led by its type's name, as vLLM's msgspec tagged
 structs encode). The last `buffer_steps` batches are kept for a replay socket (ROUTER): a client sends the first
 sequence number it lacks and gets every kept batch from there, then an end marker (sequence -1, no payload).
-A thread of its own does the sockets: the event loop only hands it each step's events.
+A thread of its own does the sockets and the block hashes: the event loop only hands it each step's events.
+
+Blocks are named as vLLM names them with `--prefix-caching-hash-algo sha256_cbor` (`VllmBlockHashes`), the one
+scheme a router in another language recomputes from a prompt's tokens (llm-d's precise prefix scorer does): the
+same seed (PYTHONHASHSEED, else vLLM's default) and block size (16) on both sides, and a router's predicted hit is
+a hit here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -24,6 +31,41 @@ from .prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored
 log = logging.getLogger(__name__)
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed for a cryptographic hash where PYTHONHASHSEED is unset
+
+
+class VllmBlockHashes:
+    """vLLM's sha256_cbor block hashes: a block's digest is SHA-256 over canonical CBOR of [parent digest, its
+    token ids, None] (the first block's parent: SHA-256 of the seed string's CBOR), published as the digest's low
+    64 bits (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, vLLM's default). The cache names pages by its own keys;
+    this keeps each announced page's digest (the next page's parent) until the page is removed."""
+
+    def __init__(self, seed: str | None = None) -> None:
+        import cbor2  # the CBOR vLLM hashes; imported by a server that publishes only
+
+        self._cbor = cbor2.dumps
+        seed = os.environ.get("PYTHONHASHSEED", DEFAULT_SEED) if seed is None else seed
+        self.root = hashlib.sha256(self._cbor(seed, canonical=True)).digest()
+        self.digests: dict[bytes, bytes] = {}  # announced page key -> its digest
+
+    def digest(self, parent: bytes, tokens: list[int]) -> bytes:
+        return hashlib.sha256(self._cbor([parent, tokens, None], canonical=True)).digest()
+
+    @staticmethod
+    def wire(digest: bytes) -> int:
+        return int.from_bytes(digest[-8:], "big")
+
+    def stored(self, e: BlockStored) -> list:
+        parent = self.root if e.parent_block_hash is None else self.digests[e.parent_block_hash]
+        wire_parent = None if e.parent_block_hash is None else self.wire(parent)
+        names, ps = [], e.block_size
+        for i, key in enumerate(e.block_hashes):
+            parent = self.digests[key] = self.digest(parent, e.token_ids[i * ps : (i + 1) * ps])
+            names.append(self.wire(parent))
+        return ["BlockStored", names, wire_parent, e.token_ids, e.block_size, None, "GPU"]
+
+    def removed(self, e: BlockRemoved) -> list:
+        return ["BlockRemoved", [self.wire(self.digests.pop(key)) for key in e.block_hashes], "GPU"]
 
 
 @dataclass(frozen=True)
@@ -66,16 +108,18 @@ class KvEventsConfig:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
-def encode(events: list, ts: float) -> bytes:
-    """A batch as vLLM's KVEventBatch encodes it (msgspec, array-like, tagged by type name)."""
+def encode(events: list, ts: float, hashes: VllmBlockHashes) -> bytes:
+    """A batch as vLLM's KVEventBatch encodes it (msgspec, array-like, tagged by type name), blocks named by
+    `hashes` (which follows the stream: events must come to it in order)."""
     import msgpack
 
     def one(e):
         if isinstance(e, BlockStored):
-            return ["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, None, None]
+            return hashes.stored(e)
         if isinstance(e, BlockRemoved):
-            return ["BlockRemoved", e.block_hashes, None]
+            return hashes.removed(e)
         if isinstance(e, AllBlocksCleared):
+            hashes.digests.clear()
             return ["AllBlocksCleared"]
         raise TypeError(f"not a KV event: {e!r}")
 
@@ -87,6 +131,7 @@ class KvEventPublisher:
         import zmq  # only a server that publishes needs it
 
         self.config = config
+        self._hashes = VllmBlockHashes()
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
@@ -129,7 +174,7 @@ class KvEventPublisher:
             except queue.Empty:
                 events = None
             if events is not None:
-                payload, seq = encode(events, ts), self._seq
+                payload, seq = encode(events, ts, self._hashes), self._seq
                 self._seq += 1
                 self._pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
                 self._kept.append((seq, payload))

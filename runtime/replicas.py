@@ -1,6 +1,7 @@
 """`deltaserve serve ... --data-parallel-size N`: N servers of the same flags, each a process on its own GPUs and
-port (the public port + 1 + i), behind a router on the public port (`--router vllm`: vllm-router, cache-aware;
-`none`: the replicas alone, for a router of the user's). Replicas listen on 127.0.0.1 only: the router is the
+port (the public port + 1 + i), behind a router on the public port (`--router vllm` or `sglang`: vllm-router or
+the SGLang model gateway, from PyPI, each with its cache-aware policy; `none`: the replicas alone, for a router of
+the user's). Replicas listen on 127.0.0.1 only: the router is the
 way in. A replica that dies is started again (the router stops sending to it meanwhile: its health check fails);
 a signal stops the router, then drains the replicas.
 """
@@ -22,6 +23,19 @@ log = logging.getLogger("deltaserve.replicas")
 # Flags that are the supervisor's own: a replica gets the rest of the command line as it is.
 OWN_FLAGS = {"--data-parallel-size": 1, "-dp": 1, "--router": 1, "--port": 1, "--host": 1}
 RESTART_DELAY_S = 2.0  # a replica that keeps failing at start-up is not restarted in a tight loop
+ROUTERS = {"vllm": ["vllm-router"], "sglang": ["sglang-router", "launch"]}  # the two speak the same flags
+
+
+def router_command(kind: str, host: str, port: int, urls: list[str], metrics_port: int,
+                   policy: str = "cache_aware") -> list[str]:
+    """The command line of router `kind` on host:port over `urls`. A replica's first failed request opens its
+    circuit, so the router's retry goes to another: a replica that dies loses only the requests it had started
+    (cache-aware routing would retry the same one)."""
+    if shutil.which(ROUTERS[kind][0]) is None:
+        raise ValueError(f"--router {kind} needs {ROUTERS[kind][0]} (pip install {kind}-router), or --router none")
+    return [*ROUTERS[kind], "--host", host, "--port", str(port), "--policy", policy, "--worker-urls", *urls,
+            "--health-check-interval-secs", "2", "--cb-failure-threshold", "1", "--prometheus-port",
+            str(metrics_port)]
 
 
 def replica_argv(argv: list[str]) -> list[str]:
@@ -78,13 +92,13 @@ class Replicas:
                  device: str, startup_timeout_s: float = 3600.0) -> None:
         self.argv, self.host, self.port, self.router_kind = replica_argv(serve_argv), host, port, router
         self.ports = [port + 1 + i for i in range(count)]
-        self.router_metrics_port = port + 1 + count  # vllm-router's own Prometheus exporter
+        self.router_metrics_port = port + 1 + count  # the router's own Prometheus exporter
         taken = [p for p in self.ports + [self.router_metrics_port] if not _port_free("127.0.0.1", p)]
         if taken:
             raise ValueError(f"ports {taken} are taken (replica i listens on --port + 1 + i, the router's metrics "
                              f"on --port + 1 + N)")
-        if router == "vllm" and shutil.which("vllm-router") is None:
-            raise ValueError("--router vllm needs vllm-router (pip install vllm-router), or --router none")
+        if router != "none":
+            router_command(router, host, port, [], self.router_metrics_port)  # refused now if not installed
         self.gpus = gpu_groups(count, tp, device)
         self.startup_timeout_s = startup_timeout_s
         self.processes: list[asyncio.subprocess.Process | None] = [None] * count
@@ -125,14 +139,12 @@ class Replicas:
             await self._stop_all()
             return 2
         watchers = [asyncio.ensure_future(self._watch(i)) for i in range(len(self.ports))]
-        if self.router_kind == "vllm":
-            # A replica's first failed request opens its circuit, so the router's retry goes to another: a replica
-            # that dies loses only the requests it had started (cache-aware routing would retry the same one).
+        if self.router_kind != "none":
             self.router = await asyncio.create_subprocess_exec(
-                "vllm-router", "--host", self.host, "--port", str(self.port), "--policy", "cache_aware",
-                "--worker-urls", *self.urls, "--health-check-interval-secs", "2", "--cb-failure-threshold", "1",
-                "--prometheus-port", str(self.router_metrics_port), start_new_session=True)
-            log.info("vllm-router (cache-aware) on %s:%d over %d replicas", self.host, self.port, len(self.ports))
+                *router_command(self.router_kind, self.host, self.port, self.urls, self.router_metrics_port),
+                start_new_session=True)
+            log.info("%s-router (cache-aware) on %s:%d over %d replicas", self.router_kind, self.host, self.port,
+                     len(self.ports))
             watchers.append(asyncio.ensure_future(self.router.wait()))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([stopped, *watchers[len(self.ports):]], return_when=asyncio.FIRST_COMPLETED)

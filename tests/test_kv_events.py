@@ -1,9 +1,10 @@
 """KV-cache events in vLLM's format over ZMQ: a subscriber's view of the stream, under churn (shared prefixes hit,
 prompts evicting others, requests cancelled), is the prefix cache's own: exactly the pages some snapshot's prefix
-needs, each block's hash its tokens' chain key, every announced snapshot prefix resumable; the replay socket gives
-the same batches again."""
+needs, each block named by vLLM's sha256_cbor hash of its tokens, every announced snapshot prefix resumable; the
+replay socket gives the same batches again."""
 
 import asyncio
+import hashlib
 import json
 import random
 import socket
@@ -13,8 +14,7 @@ import pytest
 import zmq
 
 from deltaserve.runtime import AsyncEngine, EngineArgs, SamplingParams
-from deltaserve.runtime.kv_events import KvEventsConfig
-from deltaserve.runtime.prefix_cache import ROOT_KEY, chain_key
+from deltaserve.runtime.kv_events import KvEventsConfig, VllmBlockHashes
 
 
 def _port() -> int:
@@ -66,8 +66,9 @@ def test_the_event_stream_is_the_prefix_cache_s_resumable_prefixes(tiny_ckpt):
             drain()
             cache = engine.scheduler.cache
             live = {snap.index: snap for snap in cache.snapshots.lru.values()}
-            resumable = {i: list(keys) for i, keys in cache.resumable.chains.items()}
-            page_of = dict(cache.pages.page_of)
+            wire = {key: VllmBlockHashes.wire(d) for key, d in engine.kv_events._hashes.digests.items()}
+            resumable = {i: [wire[k] for k in keys] for i, keys in cache.resumable.chains.items()}
+            page_of = {wire[k] for k in cache.pages.page_of if k in wire}
             page_size = cache.page_size
             matches = {}
             for index, keys in resumable.items():
@@ -98,7 +99,7 @@ def test_the_event_stream_is_the_prefix_cache_s_resumable_prefixes(tiny_ckpt):
 
     seqs = [int.from_bytes(m[1], "big") for m in received]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # numbered in order, none lost
-    stored, kinds = {}, []
+    reference, stored, kinds = VllmBlockHashes(), {}, []
     for topic, _, payload in received:
         ts, events = msgpack.unpackb(payload)
         assert topic == b"kv" and ts > 0
@@ -107,10 +108,11 @@ def test_the_event_stream_is_the_prefix_cache_s_resumable_prefixes(tiny_ckpt):
             if e[0] == "BlockStored":
                 hashes, parent, tokens, block_size = e[1:5]
                 assert block_size == page_size and len(tokens) == len(hashes) * page_size
-                for i, h in enumerate(hashes):  # each hash is its page's tokens chained on its parent's
-                    assert chain_key(parent or ROOT_KEY, tokens[i * page_size:(i + 1) * page_size]) == h
-                    stored[h] = (parent, tokens[i * page_size:(i + 1) * page_size])
-                    parent = h
+                digest = reference.root if parent is None else stored[parent]
+                for i, h in enumerate(hashes):  # each hash is vLLM's: its page's tokens chained on its parent's
+                    digest = reference.digest(digest, tokens[i * page_size:(i + 1) * page_size])
+                    assert VllmBlockHashes.wire(digest) == h
+                    stored[h] = digest
             elif e[0] == "BlockRemoved":
                 for h in e[1]:
                     stored.pop(h)  # KeyError: a block removed that was never stored
@@ -119,7 +121,7 @@ def test_the_event_stream_is_the_prefix_cache_s_resumable_prefixes(tiny_ckpt):
     assert kinds.count("BlockStored") >= 8 and "BlockRemoved" in kinds  # churn: stored, evicted, stored again
     # the stream's view is the cache's: the pages some live snapshot's prefix needs, every one still cached
     needed = {k for keys in resumable.values() for k in keys}
-    assert set(stored) == needed and needed <= set(page_of)
+    assert set(stored) == needed and needed <= page_of
     # every announced snapshot prefix is resumed (a request with its tokens starts at least at its anchor)
     for index, keys in resumable.items():
         assert matches[index] >= len(keys) * page_size
@@ -146,6 +148,18 @@ def test_bad_kv_events_configs_are_refused_by_name():
                       ('{"publisher": "kafka"}', "publisher"), ('{"buffer_steps": 0}', "buffer_steps")):
         with pytest.raises(ValueError, match=word):
             KvEventsConfig.parse(bad)
+
+
+def test_block_hashes_are_vllm_s_sha256_cbor_ones():
+    """Published vectors of vLLM's scheme (PYTHONHASHSEED=0, block size 16): the seed's digest, then two chained
+    blocks' digests and the 64-bit names the events carry."""
+    hashes = VllmBlockHashes(seed="0")
+    assert hashes.root.hex() == "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e"
+    first = hashes.digest(hashes.root, list(range(101, 1617, 101)))
+    assert first.hex() == "d450abdaf2c9ebdd0e0cbfbc4e24a5c07ff71dcab37be7426d4fa0e5fdb93342"
+    assert hashes.wire(first) == 7876691182959014722
+    assert hashes.wire(hashes.digest(first, list(range(1717, 3233, 101)))) == 8769878286166771163
+    assert VllmBlockHashes().root == hashlib.sha256(bytes.fromhex("6e") + b"vllm-none-hash").digest()
 
 
 def test_vllm_s_own_decoder_reads_a_batch():
@@ -182,11 +196,16 @@ def test_vllm_s_own_decoder_reads_a_batch():
     class KVEventBatch(EventBatch):
         events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
-    a, b = bytes(range(16)), bytes(range(16, 32))
+    a, b = bytes(range(16)), bytes(range(16, 32))  # the cache's page keys; the wire carries vLLM's names
+    hashes = VllmBlockHashes(seed="0")
     batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(encode(
-        [pc.BlockStored([a, b], None, list(range(32)), 16), pc.BlockRemoved([a]), pc.AllBlocksCleared()], 1.5))
+        [pc.BlockStored([a, b], None, list(range(32)), 16), pc.BlockRemoved([b]), pc.AllBlocksCleared()], 1.5,
+         hashes))
+    first = hashes.digest(hashes.root, list(range(16)))
+    names = [hashes.wire(first), hashes.wire(hashes.digest(first, list(range(16, 32))))]
     assert batch.ts == 1.5 and [type(e).__name__ for e in batch.events] == ["BlockStored", "BlockRemoved",
                                                                              "AllBlocksCleared"]
     stored = batch.events[0]
-    assert stored.block_hashes == [a, b] and stored.parent_block_hash is None and stored.token_ids == list(range(32))
-    assert stored.block_size == 16 and batch.events[1].block_hashes == [a]
+    assert stored.block_hashes == names and stored.parent_block_hash is None and stored.token_ids == list(range(32))
+    assert stored.block_size == 16 and stored.medium == "GPU" and batch.events[1].block_hashes == names[1:]
+    assert hashes.digests == {}  # cleared with the cache

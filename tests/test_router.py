@@ -1,6 +1,6 @@
-"""Two CPU replicas behind a real router (vllm-router, from PyPI): a shared-prefix workload keeps more of its prefix
-hits with cache-aware routing than round-robin (the hits each replica counts under vLLM's metric name), and a
-replica that goes away mid-run loses no request that had not started on it."""
+"""Two CPU replicas behind a real router (vllm-router and the SGLang model gateway, from PyPI): a shared-prefix
+workload keeps more of its prefix hits with cache-aware routing than round-robin (the hits each replica counts
+under vLLM's metric name), and a replica that goes away mid-run loses no request that had not started on it."""
 
 import asyncio
 import random
@@ -14,9 +14,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_server import free_port
 
 from deltaserve.runtime import AsyncEngine, EngineArgs
+from deltaserve.runtime.replicas import ROUTERS, router_command
 from deltaserve.runtime.server import ServerOptions, serve
 
-pytestmark = pytest.mark.skipif(shutil.which("vllm-router") is None, reason="vllm-router is not installed")
+pytestmark = pytest.mark.parametrize("kind", [
+    pytest.param(kind, marks=pytest.mark.skipif(shutil.which(ROUTERS[kind][0]) is None,
+                                                reason=f"{ROUTERS[kind][0]} is not installed"))
+    for kind in ROUTERS])
 
 
 async def _replica(ckpt):
@@ -28,12 +32,11 @@ async def _replica(ckpt):
     return engine, runner, f"http://127.0.0.1:{port}"
 
 
-async def _router(urls: list[str], policy: str):
+async def _router(kind: str, urls: list[str], policy: str):
     port = free_port()
     process = await asyncio.create_subprocess_exec(
-        "vllm-router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--worker-urls", *urls,
-        "--health-check-interval-secs", "1", "--log-level", "warning", "--prometheus-port", str(free_port()),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        *router_command(kind, "127.0.0.1", port, urls, free_port(), policy), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as s:
         for _ in range(200):
@@ -65,10 +68,10 @@ def _workload(seed: int) -> list[str]:
     return prompts
 
 
-def test_cache_aware_routing_keeps_more_prefix_hits_than_round_robin(tiny_ckpt):
+def test_cache_aware_routing_keeps_more_prefix_hits_than_round_robin(tiny_ckpt, kind):
     async def run(policy: str) -> tuple[float, int]:
         replicas = [await _replica(tiny_ckpt) for _ in range(2)]
-        router, url = await _router([r[2] for r in replicas], policy)
+        router, url = await _router(kind, [r[2] for r in replicas], policy)
         try:
             async with aiohttp.ClientSession() as s:
                 done = 0
@@ -90,10 +93,10 @@ def test_cache_aware_routing_keeps_more_prefix_hits_than_round_robin(tiny_ckpt):
     assert aware >= 1.5 * spread, (aware, spread)
 
 
-def test_a_replica_going_away_loses_no_request_that_had_not_started_on_it(tiny_ckpt):
+def test_a_replica_going_away_loses_no_request_that_had_not_started_on_it(tiny_ckpt, kind):
     async def main():
         replicas = [await _replica(tiny_ckpt) for _ in range(2)]
-        router, url = await _router([r[2] for r in replicas], "round_robin")
+        router, url = await _router(kind, [r[2] for r in replicas], "round_robin")
         results = []
         try:
             async with aiohttp.ClientSession() as s:
