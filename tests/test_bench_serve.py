@@ -156,3 +156,28 @@ def test_shared_prefixes_and_multi_turn_conversations_hit_the_prefix_cache(tiny_
                      enable_prefix_caching=False)
     assert uncached["input_lens"] == [38] * 3 and uncached["cached_tokens"] == [0, 0, 0]
     assert uncached["prefix_cache_hit_rate"] == 0
+
+
+def test_multi_tenant_conversations_are_zipf_distributed_and_hit_their_tenant_s_prefix(tiny_ckpt):
+    """--dataset-name multi_tenant: each conversation a tenant's system prompt (the popular ones taking most of
+    the traffic) and its own question; with --multi-turn, its later turns resume the history."""
+    requests = bench_serve.multi_tenant_requests(2000, 8, 32, 1.1, 10, 4, 0.0, 500, seed=1)
+    prefixes = {tuple(p[:32]) for p, _ in requests}
+    assert len(prefixes) == 8 and all(len(p) == 42 and n == 4 for p, n in requests)
+    counts = sorted((sum(tuple(p[:32]) == prefix for p, _ in requests) for prefix in prefixes), reverse=True)
+    expected = [2000 * w for w in bench_serve.zipf_weights(8, 1.1)]  # 586, 273, ..., 60
+    assert all(abs(c - e) < 0.25 * e for c, e in zip(counts, expected)), counts
+    flat = bench_serve.multi_tenant_requests(2000, 8, 32, 0.0, 10, 4, 0.0, 500, seed=1)
+    assert max(sum(tuple(p[:32]) == prefix for p, _ in flat) for prefix in {tuple(p[:32]) for p, _ in flat}) < 320
+
+    argv = ["--dataset-name", "multi_tenant", "--multi-tenant-num-prefixes", "2", "--multi-tenant-prefix-len", "48",
+            "--multi-turn", "2", "--num-prompts", "6", "--max-concurrency", "1", "--random-input-len", "8",
+            "--random-output-len", "3", "--ignore-eos", "--vocab-size", "500"]
+    talks = bench(tiny_ckpt, argv)
+    assert talks["completed"] == 12 and talks["multi_tenant"]["num_prefixes"] == 2
+    assert talks["input_lens"] == [56, 67] * 6  # the tenant's 48 and 8 own tokens; then its 3-token answer and 8
+    # A tenant's second conversation branches off its first at 48 tokens (a snapshot is taken there), so from its
+    # third on each resumes the tenant's prompt; every second turn resumes its first turn and answer.
+    tenants = [tuple(p[:48]) for p, _ in bench_serve.dataset(bench_serve.parser().parse_args(argv), 500)]
+    expected = [48 if tenants[:i].count(t) >= 2 else 0 for i, t in enumerate(tenants)]
+    assert talks["cached_tokens"] == [c for e in expected for c in (e, 58)] and 48 in expected

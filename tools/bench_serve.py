@@ -10,12 +10,16 @@ Prompts are random token ids (so their lengths are exact on any server that take
 - `--dataset-name prefix_repetition` (vLLM's flags): `--prefix-repetition-num-prefixes` shared prefixes of
   `--prefix-repetition-prefix-len` tokens, each request one of them plus its own `--prefix-repetition-suffix-len`
   tokens (a system prompt and different questions).
+- `--dataset-name multi_tenant`: many tenants' system prompts (`--multi-tenant-num-prefixes` of
+  `--multi-tenant-prefix-len` tokens), each conversation one tenant's, drawn Zipf-distributed (exponent
+  `--multi-tenant-zipf`: a few tenants take most of the traffic, as on a shared deployment), then
+  `--random-input-len` tokens of its own; with `--multi-turn`, conversations of several turns.
 - `--multi-turn T`: `--num-prompts` conversations of T turns, turns of a conversation one after another; each turn
   resends the history (the last prompt, then the answer, then `--random-input-len` new tokens). The answer goes
   back as the ids the server drew where it returns them (vLLM's `return_token_ids`, which ours serves), so an
   engine that caches its answers hits them, else as random ids of its length. The result gives TTFT per turn.
-The cached prompt tokens a server reports (`usage.prompt_tokens_details.cached_tokens`) give the hit rate. Tokens are counted from `usage` on every chunk (`stream_options.
-continuous_usage_stats`, as vLLM serves it), so a chunk held back for an incomplete UTF-8 sequence, or one that
+The cached prompt tokens a server reports (`usage.prompt_tokens_details.cached_tokens`) give the hit rate.
+Tokens are counted from `usage` on every chunk (`stream_options.continuous_usage_stats`, as vLLM serves it), so a chunk held back for an incomplete UTF-8 sequence, or one that
 carries two tokens, still counts right; a server without it is counted by chunks, and the result says so.
 
 Metrics (vLLM's names): request, output and total token throughput; TTFT (arrival to first token), TPOT ((E2EL -
@@ -81,6 +85,25 @@ def prefix_requests(n: int, prefix_len: int, suffix_len: int, num_prefixes: int,
     prefixes = [[rng.randrange(vocab_size) for _ in range(prefix_len)] for _ in range(num_prefixes)]
     return [(prefixes[i % num_prefixes] + [rng.randrange(vocab_size) for _ in range(suffix_len)], output_len)
             for i in range(n)]
+
+
+def zipf_weights(n: int, exponent: float) -> list[float]:
+    """P(rank k) proportional to 1 / k^exponent, k = 1..n."""
+    weights = [1.0 / (k ** exponent) for k in range(1, n + 1)]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def multi_tenant_requests(n: int, num_prefixes: int, prefix_len: int, zipf: float, input_len: int,
+                          output_len: int, range_ratio: float, vocab_size: int,
+                          seed: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_tokens): a tenant's system prompt, the tenant drawn Zipf-distributed over `num_prefixes`,
+    then a question of its own (lengths as `random_requests`)."""
+    rng = random.Random(seed + 3)
+    prefixes = [[rng.randrange(vocab_size) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    tenants = rng.choices(range(num_prefixes), zipf_weights(num_prefixes, zipf), k=n)
+    questions = random_requests(n, input_len, output_len, range_ratio, vocab_size, seed)
+    return [(prefixes[t] + prompt, max_tokens) for t, (prompt, max_tokens) in zip(tenants, questions)]
 
 
 async def stream_one(session: aiohttp.ClientSession, url: str, model: str | None, prompt: list[int],
@@ -206,6 +229,10 @@ def dataset(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]
         return prefix_requests(args.num_prompts, args.prefix_repetition_prefix_len,
                                args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
                                args.prefix_repetition_output_len, vocab, args.seed)
+    if args.dataset_name == "multi_tenant":
+        return multi_tenant_requests(args.num_prompts, args.multi_tenant_num_prefixes, args.multi_tenant_prefix_len,
+                                     args.multi_tenant_zipf, args.random_input_len, args.random_output_len,
+                                     args.random_range_ratio, vocab, args.seed)
     requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, vocab, args.seed)
     if args.random_prefix_len:
@@ -266,6 +293,9 @@ async def run(args: argparse.Namespace) -> dict:
         "base_url": args.base_url, "model": args.model, "num_prompts": args.num_prompts,
         "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
         "dataset_name": args.dataset_name, "multi_turn": args.multi_turn,
+        **({"multi_tenant": {"num_prefixes": args.multi_tenant_num_prefixes,
+                             "prefix_len": args.multi_tenant_prefix_len, "zipf": args.multi_tenant_zipf}}
+           if args.dataset_name == "multi_tenant" else {}),
         "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
         "random_range_ratio": args.random_range_ratio, "random_prefix_len": args.random_prefix_len,
         "ignore_eos": args.ignore_eos, "sampling": sampling,
@@ -362,8 +392,9 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
     p.add_argument("--backend", default="openai", choices=["openai", "vllm", "sglang", "deltaserve"],
                    help="accepted for vllm bench serve's command lines: every backend is spoken to as OpenAI")
-    p.add_argument("--dataset-name", default="random", choices=["random", "prefix_repetition"],
-                   help="random token-id prompts; prefix_repetition: shared prefixes with suffixes of their own")
+    p.add_argument("--dataset-name", default="random", choices=["random", "prefix_repetition", "multi_tenant"],
+                   help="random token-id prompts; prefix_repetition: shared prefixes with suffixes of their own; "
+                        "multi_tenant: tenants' system prompts, Zipf-distributed, then random questions")
     p.add_argument("--endpoint", default="/v1/completions", help="the completions route")
     p.add_argument("--model", default=None, help="model name sent with each request (none: the server's)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key (env OPENAI_API_KEY)")
@@ -380,6 +411,10 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p.add_argument("--prefix-repetition-suffix-len", type=int, default=256, help="each request's own tokens after it")
     p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10, help="shared prefixes, taken in turn")
     p.add_argument("--prefix-repetition-output-len", type=int, default=128, help="max_tokens per request")
+    p.add_argument("--multi-tenant-num-prefixes", type=int, default=64, help="tenants (system prompts)")
+    p.add_argument("--multi-tenant-prefix-len", type=int, default=1024, help="tokens of each tenant's system prompt")
+    p.add_argument("--multi-tenant-zipf", type=float, default=1.1,
+                   help="Zipf exponent of the tenants' traffic (0: uniform)")
     p.add_argument("--multi-turn", type=int, default=0, metavar="T",
                    help="conversations of T turns, each turn resending the history plus --random-input-len tokens")
     p.add_argument("--vocab-size", type=int, default=None,
@@ -411,14 +446,17 @@ def parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     for name in ("num_prompts", "random_input_len", "random_output_len", "prefix_repetition_prefix_len",
-                 "prefix_repetition_suffix_len", "prefix_repetition_num_prefixes", "prefix_repetition_output_len"):
+                 "prefix_repetition_suffix_len", "prefix_repetition_num_prefixes", "prefix_repetition_output_len",
+                 "multi_tenant_num_prefixes", "multi_tenant_prefix_len"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("random_prefix_len", "multi_turn"):
         if getattr(args, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 0")
-    if args.multi_turn and args.dataset_name != "random":
-        raise SystemExit("--multi-turn takes random prompts (--dataset-name random)")
+    if args.multi_turn and args.dataset_name == "prefix_repetition":
+        raise SystemExit("--multi-turn takes --dataset-name random or multi_tenant")
+    if not args.multi_tenant_zipf >= 0:
+        raise SystemExit("--multi-tenant-zipf must be at least 0")
     if not 0 <= args.random_range_ratio < 1:
         raise SystemExit("--random-range-ratio must be in [0, 1)")
     if not args.request_rate > 0:
