@@ -30,12 +30,16 @@ def router_command(kind: str, host: str, port: int, urls: list[str], metrics_por
                    policy: str = "cache_aware") -> list[str]:
     """The command line of router `kind` on host:port over `urls`. A replica's first failed request opens its
     circuit, so the router's retry goes to another: a replica that dies loses only the requests it had started
-    (cache-aware routing would retry the same one)."""
+    (cache-aware routing would retry the same one). Cache-aware routing turns to the least loaded replica once
+    one has 2 requests and 1.1x more in flight than another (the routers' defaults: 64 and 1.5): a popular prefix
+    is then served, and cached, by several replicas. Modelled, 8 replicas under Zipf-distributed tenants keep
+    0.97x a lone replica's throughput each this way, 0.71x with the defaults (`tools/lab/replica_study.py`,
+    docs/benchmarks/log/replicas-2026-12-08.md)."""
     if shutil.which(ROUTERS[kind][0]) is None:
         raise ValueError(f"--router {kind} needs {ROUTERS[kind][0]} (pip install {kind}-router), or --router none")
     return [*ROUTERS[kind], "--host", host, "--port", str(port), "--policy", policy, "--worker-urls", *urls,
             "--health-check-interval-secs", "2", "--cb-failure-threshold", "1", "--prometheus-port",
-            str(metrics_port)]
+            str(metrics_port), "--balance-abs-threshold", "2", "--balance-rel-threshold", "1.1"]
 
 
 def replica_argv(argv: list[str]) -> list[str]:
