@@ -81,12 +81,13 @@ class Fleet:
              "--max-num-seqs", str(max_num_seqs), *device_flags],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
         self.url = self.urls[0]
+        _wait(self.urls)  # first: a router that finds its workers down checks again only half a minute later
         if router is not None:
             self.processes.append(subprocess.Popen(
                 router_command(router, "127.0.0.1", port, self.urls, metrics_port, policy) + router_flags,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             self.url = f"http://127.0.0.1:{port}"
-        _wait(self.urls + [self.url])
+            _wait([self.url])
 
     def hits(self) -> tuple[float, float]:
         """(prefix-cache hit tokens, queried tokens), summed over the replicas."""
@@ -120,10 +121,11 @@ def one_run(ns, n: int, router: str | None, policy: str, max_num_seqs: int) -> d
         started = time.monotonic()
         result = bench(fleet.url, ns, n)
         hits, queries = fleet.hits()
+        generated = [_counter(u, "vllm:generation_tokens_total") for u in fleet.urls]
         return {"n": n, "policy": policy, "tok_s": result["output_throughput"], "failed": result["failed"],
                 "hit_rate": hits / max(1.0, queries), "ttft_median": result["median_ttft_ms"],
-                "ttft_p99": result["p99_ttft_ms"], "seconds": time.monotonic() - started,
-                "load": os.getloadavg()[0]}
+                "ttft_p99": result["p99_ttft_ms"], "spread": max(generated) / max(1.0, sum(generated) / n),
+                "seconds": time.monotonic() - started, "load": os.getloadavg()[0]}
     finally:
         fleet.close()
 
@@ -143,19 +145,22 @@ def study(ns) -> tuple[dict, list[dict]]:
             row["hits_vs_one"] = row["hit_rate"] / best["hit_rate"] if best["hit_rate"] else float("nan")
             rows.append(row)
             log.info("%d replicas, %s: %.2fx a replica's tok/s, hit rate %.3f (one cache: %.3f), TTFT %.0f / "
-                     "%.0f ms, load %.1f", n, policy, row["per_replica"], row["hit_rate"], best["hit_rate"],
-                     row["ttft_median"], row["ttft_p99"], row["load"])
+                     "%.0f ms, busiest replica %.2fx the mean, load %.1f", n, policy, row["per_replica"],
+                     row["hit_rate"], best["hit_rate"], row["ttft_median"], row["ttft_p99"], row["spread"],
+                     row["load"])
     return single, rows
 
 
 def table(single: dict, rows: list[dict], router: str) -> str:
     lines = [f"| replicas | policy ({router}-router) | tok/s a replica / one replica's | hit rate (/ one cache's) | "
-             "TTFT median / p99 ms | failed | load |", "|---:|---|---:|---|---|---:|---:|",
+             "TTFT median / p99 ms | busiest replica's tokens / mean | failed | load |",
+             "|---:|---|---:|---|---|---:|---:|---:|",
              f"| 1 | - | {single['tok_s']:.0f} tok/s | {single['hit_rate']:.3f} | {single['ttft_median']:.0f} / "
-             f"{single['ttft_p99']:.0f} | {single['failed']} | {single['load']:.1f} |"]
+             f"{single['ttft_p99']:.0f} | 1 | {single['failed']} | {single['load']:.1f} |"]
     for r in rows:
         lines.append(f"| {r['n']} | {r['policy']} | {r['per_replica']:.3f} | {r['hit_rate']:.3f} "
-                     f"({r['hits_vs_one']:.3f}x) | {r['ttft_median']:.0f} / {r['ttft_p99']:.0f} | {r['failed']} | "
+                     f"({r['hits_vs_one']:.3f}x) | {r['ttft_median']:.0f} / {r['ttft_p99']:.0f} | {r['spread']:.2f} | "
+                     f"{r['failed']} | "
                      f"{r['load']:.1f} |")
     return "\n".join(lines)
 
