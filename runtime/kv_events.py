@@ -16,6 +16,7 @@ a hit here.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -24,6 +25,7 @@ import queue
 import threading
 import time
 from collections import deque
+import dataclasses
 from dataclasses import dataclass
 
 from .prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored
@@ -97,6 +99,13 @@ class KvEventsConfig:
         config = cls(**fields)
         if config.publisher not in ("null", "zmq"):
             raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {config.publisher!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(config, name)
+            tcp = isinstance(value, str) and value.startswith("tcp://") and value.rpartition(":")[2].isdigit()
+            if not (tcp or (isinstance(value, str) and value.startswith(("ipc://", "inproc://")))
+                    or (value is None and name == "replay_endpoint")):
+                raise ValueError(f"kv_events_config.{name} must be tcp://HOST:PORT, ipc://PATH or inproc://NAME, "
+                                 f"got {value!r}")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -106,6 +115,18 @@ class KvEventsConfig:
     @property
     def publishes(self) -> bool:
         return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    def for_replica(self, index: int) -> "KvEventsConfig":
+        """Replica `index`'s config when several share a host: its endpoints' ports offset by `index`, as vLLM's
+        data-parallel ranks offset theirs."""
+
+        def offset(endpoint: str | None) -> str | None:
+            if endpoint is None or not endpoint.startswith("tcp://"):
+                return endpoint
+            host, _, port = endpoint.rpartition(":")
+            return f"{host}:{int(port) + index}"
+
+        return dataclasses.replace(self, endpoint=offset(self.endpoint), replay_endpoint=offset(self.replay_endpoint))
 
 
 def encode(events: list, ts: float, hashes: VllmBlockHashes) -> bytes:
@@ -136,7 +157,16 @@ class KvEventPublisher:
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
-        self._pub.bind(config.endpoint)
+        bound = True
+        try:
+            self._pub.bind(config.endpoint)
+        except zmq.ZMQError as exc:
+            if exc.errno not in (errno.EADDRNOTAVAIL, errno.ENODEV):
+                raise
+            # Not an address of this host: a subscriber there binds it (llm-d's endpoint picker gathers every
+            # replica's events on one socket), so the replica connects, as vLLM's publisher does.
+            self._pub.connect(config.endpoint)
+            bound = False
         self._replay = None
         if config.replay_endpoint:
             self._replay = self._context.socket(zmq.ROUTER)
@@ -147,8 +177,8 @@ class KvEventPublisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
-        log.info("KV events on %s (replay: %s, topic %r)", config.endpoint, config.replay_endpoint or "none",
-                 config.topic)
+        log.info("KV events %s %s (replay: %s, topic %r)", "on" if bound else "sent to", config.endpoint,
+                 config.replay_endpoint or "none", config.topic)
 
     def publish(self, events: list) -> None:
         """One step's events (the event loop's call: never waits)."""

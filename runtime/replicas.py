@@ -9,6 +9,8 @@ a signal stops the router, then drains the replicas.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -54,6 +56,25 @@ def replica_argv(argv: list[str]) -> list[str]:
             skip = 0 if "=" in arg else OWN_FLAGS[name]
             continue
         out.append(arg)
+    return out
+
+
+def with_kv_events_of(argv: list[str], index: int) -> list[str]:
+    """Replica `index`'s command line: its `--kv-events-config` endpoints offset by `index` (one host's replicas
+    cannot share a port; a router subscribes to each). A ValueError names a config that is wrong."""
+    from .kv_events import KvEventsConfig
+
+    out, i = list(argv), 0
+    while i < len(out):
+        name, eq, value = out[i].partition("=")
+        if name == "--kv-events-config":
+            if not eq:
+                if i + 1 >= len(out):
+                    raise ValueError("--kv-events-config needs a value")
+                value = out.pop(i + 1)
+            config = KvEventsConfig.parse(value).for_replica(index)
+            out[i] = "--kv-events-config=" + json.dumps(dataclasses.asdict(config))
+        i += 1
     return out
 
 
@@ -104,6 +125,7 @@ class Replicas:
         if router != "none":
             router_command(router, host, port, [], self.router_metrics_port)  # refused now if not installed
         self.gpus = gpu_groups(count, tp, device)
+        self.argvs = [with_kv_events_of(self.argv, i) for i in range(count)]  # a bad config is refused here
         self.startup_timeout_s = startup_timeout_s
         self.processes: list[asyncio.subprocess.Process | None] = [None] * count
         self.router: asyncio.subprocess.Process | None = None
@@ -119,7 +141,7 @@ class Replicas:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[i]
         # Out of the terminal's process group: its Ctrl-C reaches the supervisor alone, which drains each replica once
         self.processes[i] = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "deltaserve.runtime.serve", *self.argv, "--host", "127.0.0.1",
+            sys.executable, "-m", "deltaserve.runtime.serve", *self.argvs[i], "--host", "127.0.0.1",
             "--port", str(self.ports[i]), env=env, start_new_session=True)
         log.info("replica %d: pid %d on port %d%s", i, self.processes[i].pid, self.ports[i],
                  f", GPUs {self.gpus[i]}" if self.gpus[i] else "")

@@ -4,6 +4,7 @@ needs, each block named by vLLM's sha256_cbor hash of its tokens, every announce
 replay socket gives the same batches again."""
 
 import asyncio
+import errno
 import hashlib
 import json
 import random
@@ -143,9 +144,46 @@ def _tokens(keys, tokens_of) -> list[int]:
     return [t for k in keys for t in tokens_of[k]]
 
 
+def test_an_endpoint_on_another_host_is_connected_to(monkeypatch):
+    """llm-d's endpoint picker binds one socket and every replica's publisher connects to it: an endpoint that is
+    not an address of this host (here: one whose bind is refused as such) is connected to, not bound."""
+    from deltaserve.runtime import prefix_cache as pc
+    from deltaserve.runtime.kv_events import KvEventPublisher
+
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    remote = f"tcp://127.0.0.1:{port}"
+    bind = zmq.Socket.bind
+
+    def refuse(self, addr):
+        if addr == remote:
+            raise zmq.ZMQError(errno.EADDRNOTAVAIL)
+        return bind(self, addr)
+
+    monkeypatch.setattr(zmq.Socket, "bind", refuse)
+    publisher = KvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=remote,
+                                                topic="kv@10.0.0.7@qwen"))
+    try:
+        got = None
+        for _ in range(50):  # a PUB socket drops what it sends before the connection is made
+            publisher.publish([pc.BlockStored([bytes(16)], None, list(range(16)), 16)])
+            if sub.poll(100):
+                got = sub.recv_multipart()
+                break
+        assert got is not None and got[0] == b"kv@10.0.0.7@qwen"
+        assert msgpack.unpackb(got[2])[1][0][0] == "BlockStored"
+    finally:
+        publisher.close()
+        sub.close(linger=0)
+        context.term()
+
+
 def test_bad_kv_events_configs_are_refused_by_name():
     for bad, word in (("{", "JSON"), ("[]", "object"), ('{"endpont": "x"}', "endpont"),
-                      ('{"publisher": "kafka"}', "publisher"), ('{"buffer_steps": 0}', "buffer_steps")):
+                      ('{"publisher": "kafka"}', "publisher"), ('{"buffer_steps": 0}', "buffer_steps"),
+                      ('{"endpoint": "localhost:5557"}', "endpoint"), ('{"replay_endpoint": "tcp://*"}', "replay")):
         with pytest.raises(ValueError, match=word):
             KvEventsConfig.parse(bad)
 

@@ -13,13 +13,29 @@ import urllib.request
 import pytest
 from test_server import free_port
 
-from deltaserve.runtime.replicas import gpu_groups, replica_argv
+from deltaserve.runtime.kv_events import KvEventsConfig
+from deltaserve.runtime.replicas import gpu_groups, replica_argv, with_kv_events_of
 
 
 def test_a_replica_gets_the_command_line_less_the_supervisor_s_flags():
     argv = ["CKPT", "--data-parallel-size", "2", "-tp", "2", "--port=9000", "--router", "none", "--host", "0.0.0.0",
             "--max-num-seqs", "8", "-dp=2"]
     assert replica_argv(argv) == ["CKPT", "-tp", "2", "--max-num-seqs", "8"]
+
+
+def test_each_replica_publishes_kv_events_on_its_own_ports():
+    config = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", ' \
+             '"replay_endpoint": "tcp://*:5600", "topic": "kv"}'
+    for argv in (["CKPT", "--kv-events-config", config, "-tp", "2"],
+                 ["CKPT", f"--kv-events-config={config}", "-tp", "2"]):
+        third = with_kv_events_of(argv, 2)
+        assert third[0] == "CKPT" and third[-2:] == ["-tp", "2"] and len(third) == 4
+        got = KvEventsConfig.parse(third[1].partition("=")[2])
+        assert (got.endpoint, got.replay_endpoint, got.topic, got.publishes) == ("tcp://*:5559", "tcp://*:5602", "kv",
+                                                                                 True)
+    assert with_kv_events_of(["CKPT"], 1) == ["CKPT"]
+    with pytest.raises(ValueError, match="endpoint"):
+        with_kv_events_of(["--kv-events-config", '{"endpoint": "tcp://*:port"}'], 1)
 
 
 def test_each_replica_gets_its_own_gpus(monkeypatch):
