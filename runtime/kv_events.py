@@ -16,6 +16,7 @@ a hit here.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -25,7 +26,6 @@ import queue
 import threading
 import time
 from collections import deque
-import dataclasses
 from dataclasses import dataclass
 
 from .prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored
@@ -117,13 +117,20 @@ class KvEventsConfig:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
     def for_replica(self, index: int) -> "KvEventsConfig":
-        """Replica `index`'s config when several share a host: its endpoints' ports offset by `index`, as vLLM's
-        data-parallel ranks offset theirs."""
+        """Replica `index`'s config when several share a host: endpoints bound here get their port offset by
+        `index` (as vLLM's data-parallel ranks offset theirs), an IPC path the suffix `.index`. An endpoint
+        elsewhere would merge the replicas' streams under one topic: refused for any replica but the first."""
 
         def offset(endpoint: str | None) -> str | None:
-            if endpoint is None or not endpoint.startswith("tcp://"):
+            if endpoint is None or index == 0 or endpoint.startswith("inproc://"):
                 return endpoint
+            if endpoint.startswith("ipc://"):
+                return f"{endpoint}.{index}"
             host, _, port = endpoint.rpartition(":")
+            if host.removeprefix("tcp://") not in ("*", "0.0.0.0", "[::]", "::", "localhost") \
+                    and not host.startswith("tcp://127."):
+                raise ValueError(f"kv_events_config.endpoint {endpoint!r} is not bound here: replicas sending to "
+                                 f"one subscriber elsewhere would share a topic; give each server its own")
             return f"{host}:{int(port) + index}"
 
         return dataclasses.replace(self, endpoint=offset(self.endpoint), replay_endpoint=offset(self.replay_endpoint))

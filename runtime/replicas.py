@@ -35,8 +35,8 @@ def router_command(kind: str, host: str, port: int, urls: list[str], metrics_por
     (cache-aware routing would retry the same one). Cache-aware routing turns to the least loaded replica once
     one has 2 requests and 1.1x more in flight than another (the routers' defaults: 64 and 1.5): a popular prefix
     is then served, and cached, by several replicas. Modelled, 8 replicas under Zipf-distributed tenants keep
-    0.97x a lone replica's throughput each this way, 0.71x with the defaults (`tools/lab/replica_study.py`,
-    docs/benchmarks/log/replicas-2026-12-08.md)."""
+    0.94-0.99x a lone replica's throughput each this way (median of 4 runs 0.976x), 0.71x with the defaults
+    (`tools/lab/replica_study.py`, docs/benchmarks/log/replicas-2026-12-08.md)."""
     if shutil.which(ROUTERS[kind][0]) is None:
         raise ValueError(f"--router {kind} needs {ROUTERS[kind][0]} (pip install {kind}-router), or --router none")
     return [*ROUTERS[kind], "--host", host, "--port", str(port), "--policy", policy, "--worker-urls", *urls,
@@ -60,8 +60,8 @@ def replica_argv(argv: list[str]) -> list[str]:
 
 
 def with_kv_events_of(argv: list[str], index: int) -> list[str]:
-    """Replica `index`'s command line: its `--kv-events-config` endpoints offset by `index` (one host's replicas
-    cannot share a port; a router subscribes to each). A ValueError names a config that is wrong."""
+    """Replica `index`'s command line: its `--kv-events-config` endpoints its own (`KvEventsConfig.for_replica`:
+    one host's replicas cannot share a port; a router subscribes to each). A ValueError names what is wrong."""
     from .kv_events import KvEventsConfig
 
     out, i = list(argv), 0

@@ -2,6 +2,8 @@
 behind vllm-router on the public port: served, a killed replica started again while the other serves, a signal
 stopping them all."""
 
+import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -34,6 +36,13 @@ def test_each_replica_publishes_kv_events_on_its_own_ports():
         assert (got.endpoint, got.replay_endpoint, got.topic, got.publishes) == ("tcp://*:5559", "tcp://*:5602", "kv",
                                                                                  True)
     assert with_kv_events_of(["CKPT"], 1) == ["CKPT"]
+    ipc = KvEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="ipc:///tmp/kv").for_replica(1)
+    assert ipc.endpoint == "ipc:///tmp/kv.1"
+    elsewhere = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://epp.ns.svc:5557"}'
+    assert with_kv_events_of(["--kv-events-config", elsewhere], 0) == ["--kv-events-config=" + json.dumps(
+        dataclasses.asdict(KvEventsConfig.parse(elsewhere)))]
+    with pytest.raises(ValueError, match="share a topic"):
+        with_kv_events_of(["--kv-events-config", elsewhere], 1)
     with pytest.raises(ValueError, match="endpoint"):
         with_kv_events_of(["--kv-events-config", '{"endpoint": "tcp://*:port"}'], 1)
 
