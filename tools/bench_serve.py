@@ -19,8 +19,9 @@ Prompts are random token ids (so their lengths are exact on any server that take
   back as the ids the server drew where it returns them (vLLM's `return_token_ids`, which ours serves), so an
   engine that caches its answers hits them, else as random ids of its length. The result gives TTFT per turn.
 The cached prompt tokens a server reports (`usage.prompt_tokens_details.cached_tokens`) give the hit rate.
-Tokens are counted from `usage` on every chunk (`stream_options.continuous_usage_stats`, as vLLM serves it), so a chunk held back for an incomplete UTF-8 sequence, or one that
-carries two tokens, still counts right; a server without it is counted by chunks, and the result says so.
+Tokens are counted from `usage` on every chunk (`stream_options.continuous_usage_stats`, as vLLM serves it), so a
+chunk held back for an incomplete UTF-8 sequence, or one that carries two tokens, still counts right; a server
+without it is counted by chunks, and the result says so.
 
 Metrics (vLLM's names): request, output and total token throughput; TTFT (arrival to first token), TPOT ((E2EL -
 TTFT) / (output tokens - 1) per request), ITL (between chunks that carry tokens) and E2EL, each as mean, median,
