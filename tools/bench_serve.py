@@ -311,7 +311,8 @@ async def run(args: argparse.Namespace) -> dict:
 def sampling_fields(args: argparse.Namespace) -> dict:
     """The request fields the sampling flags set: temperature always (greedy unless given), the others if given."""
     fields = {"temperature": args.temperature}
-    fields.update({name: getattr(args, name) for name in ("top_p", "top_k", "min_p") if getattr(args, name) is not None})
+    fields.update({name: getattr(args, name) for name in ("top_p", "top_k", "min_p")
+                   if getattr(args, name) is not None})
     if args.ignore_eos:
         fields["ignore_eos"] = True
     if args.json_schema:
