@@ -64,9 +64,11 @@ def _wait(urls: list[str], timeout_s: float = 180.0) -> None:
         time.sleep(0.3)
 
 
-def _counter(url: str, name: str) -> float:
+def _counters(url: str, names: tuple[str, ...]) -> list[float]:
+    """The replica's counters `names`, from one read of its /metrics."""
     text = _get(url + "/metrics", timeout=5.0) or ""
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    return [sum(s.value for s in samples if s.name == name) for name in names]
 
 
 class Fleet:
@@ -89,10 +91,10 @@ class Fleet:
             self.url = f"http://127.0.0.1:{port}"
             _wait([self.url])
 
-    def hits(self) -> tuple[float, float]:
-        """(prefix-cache hit tokens, queried tokens), summed over the replicas."""
-        return (sum(_counter(u, "vllm:prefix_cache_hits_total") for u in self.urls),
-                sum(_counter(u, "vllm:prefix_cache_queries_total") for u in self.urls))
+    def counters(self) -> list[list[float]]:
+        """Per replica: prefix-cache hit tokens, queried tokens, generated tokens."""
+        names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:generation_tokens_total")
+        return [_counters(u, names) for u in self.urls]
 
     def close(self) -> None:
         for p in self.processes:
@@ -118,14 +120,12 @@ def bench(url: str, ns, n: int) -> dict:
 def one_run(ns, n: int, router: str | None, policy: str, max_num_seqs: int) -> dict:
     fleet = Fleet(n, max_num_seqs, ns.device_flags, router, policy, ns.router_flags)
     try:
-        started = time.monotonic()
         result = bench(fleet.url, ns, n)
-        hits, queries = fleet.hits()
-        generated = [_counter(u, "vllm:generation_tokens_total") for u in fleet.urls]
+        hits, queries, generated = zip(*fleet.counters())
         return {"n": n, "policy": policy, "tok_s": result["output_throughput"], "failed": result["failed"],
-                "hit_rate": hits / max(1.0, queries), "ttft_median": result["median_ttft_ms"],
+                "hit_rate": sum(hits) / max(1.0, sum(queries)), "ttft_median": result["median_ttft_ms"],
                 "ttft_p99": result["p99_ttft_ms"], "spread": max(generated) / max(1.0, sum(generated) / n),
-                "seconds": time.monotonic() - started, "load": os.getloadavg()[0]}
+                "load": os.getloadavg()[0]}
     finally:
         fleet.close()
 
