@@ -55,7 +55,7 @@ class _VllmNames(Collector):
 
 class EngineMetrics:
     def __init__(self, model_name: str = "") -> None:
-        """model_name: the served name, vLLM's `model_name` label (`name_model` sets it once it is known)."""
+        """model_name: the served name, vLLM's `model_name` label (the engine sets it once the checkpoint is read)."""
         self.model_name = model_name
         r = self.registry = CollectorRegistry()
         self.running = Gauge("deltaserve_requests_running", "Requests holding a slot", registry=r)

@@ -28,6 +28,12 @@ RESTART_DELAY_S = 2.0  # a replica that keeps failing at start-up is not restart
 ROUTERS = {"vllm": ["vllm-router"], "sglang": ["sglang-router", "launch"]}  # the two speak the same flags
 
 
+def require_router(kind: str) -> None:
+    """A ValueError naming the package where router `kind` is not installed."""
+    if shutil.which(ROUTERS[kind][0]) is None:
+        raise ValueError(f"--router {kind} needs {ROUTERS[kind][0]} (pip install {kind}-router), or --router none")
+
+
 def router_command(kind: str, host: str, port: int, urls: list[str], metrics_port: int,
                    policy: str = "cache_aware") -> list[str]:
     """The command line of router `kind` on host:port over `urls`. A replica's first failed request opens its
@@ -37,8 +43,7 @@ def router_command(kind: str, host: str, port: int, urls: list[str], metrics_por
     is then served, and cached, by several replicas. Modelled, 8 replicas under Zipf-distributed tenants keep
     0.94-0.99x a lone replica's throughput each this way (median of 4 runs 0.976x), 0.71x with the defaults
     (`tools/lab/replica_study.py`, docs/benchmarks/log/replicas-2026-12-08.md)."""
-    if shutil.which(ROUTERS[kind][0]) is None:
-        raise ValueError(f"--router {kind} needs {ROUTERS[kind][0]} (pip install {kind}-router), or --router none")
+    require_router(kind)
     return [*ROUTERS[kind], "--host", host, "--port", str(port), "--policy", policy, "--worker-urls", *urls,
             "--health-check-interval-secs", "2", "--cb-failure-threshold", "1", "--prometheus-port",
             str(metrics_port), "--balance-abs-threshold", "2", "--balance-rel-threshold", "1.1"]
@@ -123,7 +128,7 @@ class Replicas:
             raise ValueError(f"ports {taken} are taken (replica i listens on --port + 1 + i, the router's metrics "
                              f"on --port + 1 + N)")
         if router != "none":
-            router_command(router, host, port, [], self.router_metrics_port)  # refused now if not installed
+            require_router(router)
         self.gpus = gpu_groups(count, tp, device)
         self.argvs = [with_kv_events_of(self.argv, i) for i in range(count)]  # a bad config is refused here
         self.startup_timeout_s = startup_timeout_s
